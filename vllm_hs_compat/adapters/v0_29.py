@@ -1,0 +1,24 @@
+"""vLLM 0.29.0 - 0.33.x: logical view ``[nb, P, N, C]``, strided into one shared backing buffer.
+
+0.29.0 (KV-cache layout refactor) deleted ``AttentionBackend.get_kv_cache_shape``, added
+``vllm.v1.kv_cache_layout`` (default LBNHC, token-major; LBHNC and block-outermost BL* layouts exist) and
+removed the cross-layer hooks.  0.30.0: ``get_transfer_results``.  0.33.0: ``get_kv_cache_groups`` moved
+to ``kv_cache_planning``.
+"""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+
+from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.core.layout import ViewOrder
+
+
+class Adapter(VllmAdapter):
+    name = "v0_29"
+    versions = SpecifierSet(">=0.29.0,<0.34.0")
+    capture_spec_types = frozenset({"HiddenStateCacheSpec"})
+    view_order = ViewOrder.BLOCK_PLANE_TOKEN
+    backend_get_kv_cache_shape = False
+    kv_cache_layout_module = True
+    cross_layer_hooks = False

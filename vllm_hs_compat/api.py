@@ -1,0 +1,147 @@
+"""Public API for connector authors.
+
+Call these from your own ``KVConnectorBase_V1`` subclass; every version question goes to the adapter
+chosen for the installed vLLM, so your connector carries no version branches::
+
+    from vllm_hs_compat import api
+
+    # worker role, in register_kv_caches(kv_caches):
+    group = api.resolve_capture_group(self._kv_cache_config, view="worker")
+    view = api.describe_capture_view(kv_caches[group.layer_name], group, num_planes=P)
+    # per request, with the capture group's block ids from the scheduler:
+    rows = api.read_request(kv_caches[group.layer_name], view, req_id, block_ids[group.index], num_tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from vllm_hs_compat.adapters import CAPTURE_LAYER_PREFIX, VllmAdapter, get_adapter
+from vllm_hs_compat.core.groups import CaptureGroup, check_views_agree
+from vllm_hs_compat.core.groups import resolve_capture_group as _resolve
+from vllm_hs_compat.core.labels import PlaneLabels
+from vllm_hs_compat.core.labels import plane_labels as _plane_labels
+from vllm_hs_compat.core.layout import CaptureView, gather_rows
+from vllm_hs_compat.core.layout import describe_capture_view as _describe
+from vllm_hs_compat.core.slots import slots_for_view
+from vllm_hs_compat.errors import CaptureGroupError
+
+__all__ = [
+    "capture_layer_name",
+    "check_views_agree",
+    "describe_capture_view",
+    "gather_rows",
+    "get_adapter",
+    "kv_cache_layout",
+    "plane_labels",
+    "read_request",
+    "request_slots",
+    "resolve_capture_group",
+]
+
+
+def _adapter(adapter: VllmAdapter | None) -> VllmAdapter:
+    return adapter if adapter is not None else get_adapter()
+
+
+def capture_layer_name(
+    kv_cache_config: Any, vllm_config: Any | None = None, *, adapter: VllmAdapter | None = None
+) -> str:
+    """The capture layer's name: the one ``cache_only_layers.<n>`` layer in the KV-cache groups.
+
+    With ``vllm_config`` the name is also derived from the verifier's ``num_hidden_layers`` and the two
+    must agree.
+    """
+    names = sorted(
+        {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names if n.startswith(CAPTURE_LAYER_PREFIX)}
+    )
+    expected = _adapter(adapter).capture_layer_name(vllm_config) if vllm_config is not None else None
+    if len(names) == 1 and expected in (None, names[0]):
+        return names[0]
+    if not names and expected is None:
+        raise CaptureGroupError(
+            f"no '{CAPTURE_LAYER_PREFIX}<n>' layer in the KV-cache groups; start vLLM with the "
+            "extract_hidden_states speculative method"
+        )
+    raise CaptureGroupError(
+        f"capture layers found in the KV-cache groups: {names}; expected exactly one"
+        + (f" named {expected!r} (from the verifier's num_hidden_layers)" if expected else "")
+    )
+
+
+def resolve_capture_group(
+    kv_cache_config: Any,
+    *,
+    view: Literal["worker", "scheduler"],
+    layer_name: str | None = None,
+    vllm_config: Any | None = None,
+    adapter: VllmAdapter | None = None,
+) -> CaptureGroup:
+    """The KV-cache group that holds the capture layer, from the worker's or the scheduler's config."""
+    ad = _adapter(adapter)
+    name = layer_name or capture_layer_name(kv_cache_config, vllm_config, adapter=ad)
+    infos = ad.group_infos(kv_cache_config)
+    group = _resolve(infos, name, capture_spec_types=ad.capture_spec_types, view=view)
+    ad.check_capture_group(group.index, group.merged, infos)
+    return group
+
+
+def describe_capture_view(
+    tensor: torch.Tensor,
+    group: CaptureGroup,
+    *,
+    num_planes: int,
+    hidden_size: int | None = None,
+    adapter: VllmAdapter | None = None,
+) -> CaptureView:
+    """Check the registered capture tensor against the adapter's declared axis order."""
+    return _describe(
+        tensor,
+        num_planes=num_planes,
+        group_block_size=group.block_size,
+        order=_adapter(adapter).view_order,
+        hidden_size=hidden_size,
+    )
+
+
+def request_slots(
+    req_id: str,
+    block_ids: Sequence[int],
+    view: CaptureView,
+    *,
+    num_tokens: int,
+    start: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Manager slots of a request's tokens ``[start, start + num_tokens)``, validated against the view."""
+    return slots_for_view(req_id, block_ids, view, num_tokens=num_tokens, start=start, device=device)
+
+
+def read_request(
+    tensor: torch.Tensor,
+    view: CaptureView,
+    req_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    *,
+    start: int = 0,
+) -> torch.Tensor:
+    """The request's rows ``[num_tokens, P, C]`` (a new tensor on ``tensor``'s device)."""
+    slots = request_slots(req_id, block_ids, view, num_tokens=num_tokens, start=start, device=tensor.device)
+    return gather_rows(tensor, view, slots)
+
+
+def plane_labels(vllm_config: Any, *, adapter: VllmAdapter | None = None) -> PlaneLabels:
+    """Which verifier layer id each plane holds (ascending), validated for the installed release."""
+    ad = _adapter(adapter)
+    n = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+    lo, hi = ad.layer_id_bounds(n)
+    return _plane_labels(ad.configured_layer_ids(vllm_config), num_hidden_layers=n, min_id=lo, max_id=hi)
+
+
+def kv_cache_layout(vllm_config: Any, kv_cache_config: Any, *, adapter: VllmAdapter | None = None) -> str | None:
+    """The resolved KV-cache layout name (0.29.0+), None where the view shape is the layout."""
+    return _adapter(adapter).kv_cache_layout(vllm_config, kv_cache_config)

@@ -1,0 +1,185 @@
+"""The capture view: which axis of the registered capture tensor holds planes, which holds tokens.
+
+vLLM hands the connector one 4-D tensor for the capture layer (``cache_only_layers.<n>``).  Its axes are
+declared by the release (the adapter knows the order); this module checks the declaration against the
+tensor and never infers an axis from position alone.
+
+* ``BLOCK_TOKEN_PLANE`` -- ``[num_blocks, N, P, C]`` (vLLM 0.17 - 0.28)
+* ``BLOCK_PLANE_TOKEN`` -- logical ``[num_blocks, P, N, C]``, possibly strided (vLLM 0.29+)
+
+``num_blocks`` counts *view* blocks: when the capture layer shares a group with attention backends that
+need smaller kernel blocks, every manager block of ``group_block_size`` tokens is cut into ``r`` kernel
+blocks of ``N`` tokens and ``num_blocks = manager_blocks * r``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from vllm_hs_compat.errors import AmbiguousViewError, CaptureViewError
+
+
+class ViewOrder(enum.Enum):
+    """Logical axis order of the capture view."""
+
+    BLOCK_TOKEN_PLANE = "[blocks, tokens, planes, hidden]"
+    BLOCK_PLANE_TOKEN = "[blocks, planes, tokens, hidden]"
+
+    @property
+    def plane_axis(self) -> int:
+        return 2 if self is ViewOrder.BLOCK_TOKEN_PLANE else 1
+
+    @property
+    def token_axis(self) -> int:
+        return 1 if self is ViewOrder.BLOCK_TOKEN_PLANE else 2
+
+
+@dataclass(frozen=True)
+class CaptureView:
+    """Checked description of a registered capture tensor."""
+
+    order: ViewOrder
+    num_blocks: int
+    block_tokens: int
+    num_planes: int
+    hidden_size: int
+    strides: tuple[int, int, int, int]
+    dtype: torch.dtype
+    group_block_size: int
+
+    @property
+    def kernel_split(self) -> int:
+        """Kernel blocks per manager block (1 when the view is not split)."""
+        return self.group_block_size // self.block_tokens
+
+    @property
+    def num_manager_blocks(self) -> int:
+        """Blocks as the scheduler counts them (in units of ``group_block_size``)."""
+        return self.num_blocks // self.kernel_split
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_tokens
+
+    def token_is_contiguous(self) -> bool:
+        """True when one token's ``P x C`` rows are one contiguous run (``[nb, N, P, C]`` packed)."""
+        if self.order is ViewOrder.BLOCK_TOKEN_PLANE:
+            return self.strides[3] == 1 and self.strides[2] == self.hidden_size
+        return self.strides[3] == 1 and self.strides[1] == self.hidden_size
+
+    def describe(self) -> str:
+        split = f", kernel split x{self.kernel_split}" if self.kernel_split > 1 else ""
+        return (
+            f"{self.order.value} blocks={self.num_blocks} N={self.block_tokens} P={self.num_planes} "
+            f"C={self.hidden_size} strides={self.strides} dtype={self.dtype} "
+            f"group_block_size={self.group_block_size}{split}"
+        )
+
+
+def _infer_order(shape: tuple[int, ...], num_planes: int, group_block_size: int) -> ViewOrder:
+    def fits(order: ViewOrder) -> bool:
+        n = shape[order.token_axis]
+        return shape[order.plane_axis] == num_planes and n > 0 and group_block_size % n == 0
+
+    candidates = [o for o in ViewOrder if fits(o)]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise CaptureViewError(
+            f"capture tensor of shape {list(shape)} fits neither {ViewOrder.BLOCK_TOKEN_PLANE.value} nor "
+            f"{ViewOrder.BLOCK_PLANE_TOKEN.value} with P={num_planes} planes and group block size "
+            f"{group_block_size}. Check that P equals len(eagle_aux_hidden_state_layer_ids) and that the "
+            "tensor is the one registered for the capture layer (cache_only_layers.<n>)."
+        )
+    raise AmbiguousViewError(
+        f"capture tensor of shape {list(shape)}: P={num_planes} equals the token-axis length, so the plane "
+        "and token axes cannot be told apart from the shape. Pass the order the adapter declares "
+        "(adapter.view_order) or choose a capture layer count different from the block size."
+    )
+
+
+def describe_capture_view(
+    tensor: torch.Tensor,
+    *,
+    num_planes: int,
+    group_block_size: int,
+    order: ViewOrder | None,
+    hidden_size: int | None = None,
+) -> CaptureView:
+    """Check ``tensor`` against the declared ``order`` and return its :class:`CaptureView`.
+
+    ``order=None`` infers the order from the shape and raises :class:`AmbiguousViewError` when ``P == N``
+    leaves both readings possible.
+    """
+    if tensor.dim() != 4:
+        raise CaptureViewError(
+            f"capture tensor has {tensor.dim()} dims (shape {list(tensor.shape)}); expected 4 "
+            f"({ViewOrder.BLOCK_TOKEN_PLANE.value} or {ViewOrder.BLOCK_PLANE_TOKEN.value}). Register the "
+            "capture layer's own tensor, not a backing buffer or another layer's KV tensor."
+        )
+    if num_planes <= 0 or group_block_size <= 0:
+        raise CaptureViewError(f"num_planes={num_planes} and group_block_size={group_block_size} must both be positive")
+    shape = tuple(int(s) for s in tensor.shape)
+    if order is None:
+        order = _infer_order(shape, num_planes, group_block_size)
+    planes = shape[order.plane_axis]
+    tokens = shape[order.token_axis]
+    if planes != num_planes:
+        other = ViewOrder.BLOCK_PLANE_TOKEN if order is ViewOrder.BLOCK_TOKEN_PLANE else ViewOrder.BLOCK_TOKEN_PLANE
+        hint = (
+            f" The shape matches {other.value} instead: the adapter's declared order does not fit this "
+            "vLLM build; set VLLM_HS_COMPAT_ADAPTER to the adapter of the right era."
+            if shape[other.plane_axis] == num_planes
+            else " Check that P equals len(eagle_aux_hidden_state_layer_ids)."
+        )
+        raise CaptureViewError(
+            f"capture tensor of shape {list(shape)} read as {order.value} has {planes} planes on axis "
+            f"{order.plane_axis}; expected P={num_planes}.{hint}"
+        )
+    if tokens <= 0 or group_block_size % tokens != 0:
+        raise CaptureViewError(
+            f"capture tensor of shape {list(shape)} read as {order.value} has N={tokens} tokens per block on "
+            f"axis {order.token_axis}; expected the group block size {group_block_size} or a kernel block "
+            "size dividing it. Take the block size from the capture group's kv_cache_spec, not from "
+            "cache_config.block_size (vLLM changes the latter for hybrid models)."
+        )
+    if hidden_size is not None and shape[3] != hidden_size:
+        raise CaptureViewError(
+            f"capture tensor of shape {list(shape)} has hidden size {shape[3]} on axis 3; expected "
+            f"{hidden_size} (the verifier's hidden_size)"
+        )
+    if shape[0] % (group_block_size // tokens) != 0:
+        raise CaptureViewError(
+            f"capture tensor of shape {list(shape)} has {shape[0]} kernel blocks, not a multiple of the "
+            f"kernel split {group_block_size // tokens} (group block size {group_block_size} / N={tokens})"
+        )
+    strides = tuple(int(s) for s in tensor.stride())
+    return CaptureView(
+        order=order,
+        num_blocks=shape[0],
+        block_tokens=tokens,
+        num_planes=planes,
+        hidden_size=shape[3],
+        strides=(strides[0], strides[1], strides[2], strides[3]),
+        dtype=tensor.dtype,
+        group_block_size=group_block_size,
+    )
+
+
+def gather_rows(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor) -> torch.Tensor:
+    """Read the rows at manager ``slots`` from the capture tensor: returns ``[len(slots), P, C]``.
+
+    ``slots`` must already be validated (see :func:`vllm_hs_compat.core.slots.request_slots`) and live on
+    ``tensor``'s device.  The index tensors are made on the caller's current stream; a caller reading on a
+    side stream must call this under that stream (and make the stream wait for the compute stream).
+    """
+    n = view.block_tokens
+    blk = torch.div(slots, n, rounding_mode="floor")
+    off = slots - blk * n
+    if view.order is ViewOrder.BLOCK_TOKEN_PLANE:
+        return tensor[blk, off]
+    # Advanced indices separated by a slice: the indexed dims come first -> [T, P, C].
+    return tensor[blk, :, off]
