@@ -55,8 +55,13 @@ def capture_layer_name(
     With ``vllm_config`` the name is also derived from the verifier's ``num_hidden_layers`` and the two
     must agree.
     """
-    names = sorted(
-        {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names if n.startswith(CAPTURE_LAYER_PREFIX)}
+    names: list[str] = sorted(
+        {
+            str(n)
+            for g in kv_cache_config.kv_cache_groups
+            for n in g.layer_names
+            if str(n).startswith(CAPTURE_LAYER_PREFIX)
+        }
     )
     expected = _adapter(adapter).capture_layer_name(vllm_config) if vllm_config is not None else None
     if len(names) == 1 and expected in (None, names[0]):

@@ -61,8 +61,10 @@ __all__ = [
     "VllmAdapter",
     "adapter_by_name",
     "adapter_for_version",
+    "choose_adapter",
     "get_adapter",
     "installed_vllm_version",
+    "select_adapter",
 ]
 
 
@@ -109,9 +111,14 @@ def adapter_for_version(raw: str) -> VllmAdapter:
     )
 
 
+def choose_adapter(raw: str, override: str | None) -> VllmAdapter:
+    """The adapter for version ``raw``, or the one ``override`` names (probes not run)."""
+    return adapter_by_name(override)(_base_version(raw)) if override else adapter_for_version(raw)
+
+
 def select_adapter(raw: str, override: str | None) -> VllmAdapter:
     """Choose by range (or by ``override``), then confirm with the feature probes."""
-    adapter = adapter_by_name(override)(_base_version(raw)) if override else adapter_for_version(raw)
+    adapter = choose_adapter(raw, override)
     bad = [r for r in adapter.run_probes() if not r.ok]
     if bad:
         facts = "; ".join(f"{r.name}: expected {r.expected!r}, observed {r.observed!r}" for r in bad)

@@ -44,6 +44,15 @@ class Probe:
     observe: Callable[[], object]
 
 
+def ensure_platform() -> None:
+    """Select vLLM's CPU platform when no platform resolves (no accelerator; vLLM < 0.28 ignores
+    ``VLLM_TARGET_DEVICE``).  Used by the doctor, which only reads vLLM's modules."""
+    platforms: Any = importlib.import_module("vllm.platforms")
+    if platforms.current_platform.is_unspecified():
+        cpu = importlib.import_module("vllm.platforms.cpu")
+        platforms._current_platform = cpu.CpuPlatform()
+
+
 def _module_exists(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
