@@ -1,0 +1,114 @@
+"""Test sessions.
+
+    nox                 lint + tests (no vLLM)
+    nox -s tests        pure core + export tests (no vLLM)
+    nox -s vllm         every supported vLLM release, one session each (the full matrix, 17 sessions)
+    nox -t boundary     the era boundaries only: 0.17.1 0.21.0 0.22.1 0.28.0 0.29.0 0.33.0
+    nox -s "vllm(release='0.29.0')"   one release
+    nox -s compat_report              write docs/compatibility.md from the reports of the last vllm runs
+
+vLLM is installed from its upstream wheel WITHOUT its CUDA stack, onto the CPU torch 2.13.0 wheel (see
+ci/vllm-overrides.txt and ci/vllm-excludes.txt); its grouping, scheduler flattening, view allocation and
+cache writer run on CPU.  Each vLLM session deletes its venv when it ends (2.5-3.5 GB each).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+ROOT = Path(__file__).parent
+REPORTS = ROOT / "reports"
+RELEASES = [
+    "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1",
+    "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+]  # fmt: skip
+BOUNDARIES = ["0.17.1", "0.21.0", "0.22.1", "0.28.0", "0.29.0", "0.33.0"]
+# The CPU torch wheel lies on disk on this kind of machine; uv does not read pip's config.
+WHEELS = os.environ.get("VLLM_HS_COMPAT_WHEELS", "/opt/wheels")
+CPU_TORCH = "torch==2.13.0+cpu" if Path(WHEELS).is_dir() else "torch==2.13.0"
+
+
+def _find_links() -> list[str]:
+    return ["--find-links", WHEELS] if Path(WHEELS).is_dir() else []
+
+
+def _install_cpu_torch(session: nox.Session) -> None:
+    session.install(*_find_links(), CPU_TORCH)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff and mypy --strict over the package."""
+    _install_cpu_torch(session)
+    session.install(*_find_links(), "-e", ".[test,dev]")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", "vllm_hs_compat", "tests", "noxfile.py")
+    session.run("mypy")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """Core property tests and the export suites (shared memory, and real NIXL over loopback)."""
+    _install_cpu_torch(session)
+    session.install(*_find_links(), "-e", ".[test]")
+    # Lean NIXL: the meta package would drag a CUDA torch and CUDA libraries (see README).
+    session.install("--no-deps", "nixl==1.5.1", "nixl-cu12==1.5.1")
+    session.run("pytest", "tests", "--ignore=tests/vllm", "-q", "-p", "no:cacheprovider", *session.posargs)
+
+
+def _vllm_session(session: nox.Session, release: str) -> None:
+    overrides = ROOT / "ci" / "vllm-overrides.txt"
+    if CPU_TORCH != "torch==2.13.0+cpu":
+        overrides = Path(session.create_tmp()) / "overrides.txt"
+        overrides.write_text(CPU_TORCH + "\n")
+    session.install(
+        *_find_links(),
+        "--overrides",
+        str(overrides),
+        "--excludes",
+        str(ROOT / "ci" / "vllm-excludes.txt"),
+        f"vllm=={release}",
+        "pytest",
+        "hypothesis",
+        "msgpack",
+    )
+    session.install("--no-deps", "-e", ".")
+    REPORTS.mkdir(exist_ok=True)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release}
+    try:
+        with open(REPORTS / f"doctor-{release}.json", "w") as out:
+            session.run("vllm-hs-compat", "doctor", "--json", stdout=out, env=env)
+        session.run(
+            "pytest",
+            "tests/vllm",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={REPORTS / f'junit-{release}.xml'}",
+            *session.posargs,
+            env=env,
+        )
+    finally:
+        if os.environ.get("VLLM_HS_COMPAT_KEEP_VENV") != "1":
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("release", [nox.param(r, tags=["boundary"] if r in BOUNDARIES else []) for r in RELEASES])
+def vllm(session: nox.Session, release: str) -> None:
+    """One supported vLLM release: adapters proven against vLLM's own code."""
+    _vllm_session(session, release)
+
+
+@nox.session(python=False)
+def compat_report(session: nox.Session) -> None:
+    """Write docs/compatibility.md from reports/ (run `nox -s vllm` first)."""
+    session.run("python3", "ci/compat_report.py", str(REPORTS), str(ROOT / "docs" / "compatibility.md"))
