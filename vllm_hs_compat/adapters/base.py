@@ -154,6 +154,10 @@ class VllmAdapter:
     kv_cache_layout_module: ClassVar[bool]
     cross_layer_hooks: ClassVar[bool]
     """``prefer_cross_layer_blocks`` / ``register_cross_layers_kv_cache`` exist (must stay False/unused)."""
+    hidden_state_cache_spec: ClassVar[bool]
+    """The capture layer's spec is ``HiddenStateCacheSpec`` (0.22.0+; before: ``MLAAttentionSpec``)."""
+    default_runner: ClassVar[str]
+    """Model runner that drives extract_hidden_states by default ("v1"; "v2" from 0.29.0)."""
 
     def __init__(self, version: Version) -> None:
         self.version = version
@@ -163,11 +167,6 @@ class VllmAdapter:
         return self.version >= Version(release)
 
     # --- facts that vary inside an era (each names the release that introduced it) --------------
-    @property
-    def hidden_state_cache_spec(self) -> bool:
-        """0.22.0: the capture layer's spec became ``HiddenStateCacheSpec`` (was ``MLAAttentionSpec``)."""
-        return self.since("0.22.0")
-
     @property
     def get_kv_cache_groups_module(self) -> str:
         """0.33.0: ``get_kv_cache_groups`` moved to ``vllm.v1.core.kv_cache_planning``."""
@@ -194,8 +193,9 @@ class VllmAdapter:
 
     @property
     def hma_with_connector(self) -> str:
-        """0.22.0: HMA stays on iff the connector is ``SupportsHMA`` (0.17-0.21: forced off)."""
-        return "on-if-SupportsHMA" if self.since("0.22.0") else "forced-off"
+        """0.22.0 (with HiddenStateCacheSpec): HMA stays on iff the connector is ``SupportsHMA``
+        (0.17-0.21: forced off whenever a connector is set)."""
+        return "on-if-SupportsHMA" if self.hidden_state_cache_spec else "forced-off"
 
     @property
     def get_transfer_results(self) -> bool:
@@ -214,15 +214,10 @@ class VllmAdapter:
         return "null-block-0" if self.since("0.25.0") else "last-slot-of-last-block"
 
     @property
-    def default_runner(self) -> str:
-        """0.29.0: the V2 model runner is the default for extract_hidden_states."""
-        return "v2" if self.since("0.29.0") else "v1"
-
-    @property
     def proposer_uses_group0_slots(self) -> bool:
         """Fixed in 0.22.0: the V1 proposer took the capture slots from group 0, wrong when the capture
         layer has a group of its own (hybrid verifier with HMA forced on)."""
-        return not self.since("0.22.0")
+        return not self.hidden_state_cache_spec
 
     @property
     def required_kvcache_layout(self) -> str:

@@ -17,6 +17,8 @@ class Adapter(VllmAdapter):
     # 0.17.0: CacheOnlyAttentionLayer.get_kv_cache_spec returns MLAAttentionSpec(num_kv_heads=P, head_size=C).
     capture_spec_types = frozenset({"MLAAttentionSpec"})
     # 0.17.0: CacheOnlyAttentionBackend.get_kv_cache_shape = (nb, block_size, P, C), identity stride order.
+    hidden_state_cache_spec = False
+    default_runner = "v1"
     view_order = ViewOrder.BLOCK_TOKEN_PLANE
     backend_get_kv_cache_shape = True
     kv_cache_layout_module = False

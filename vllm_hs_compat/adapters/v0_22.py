@@ -18,6 +18,9 @@ class Adapter(VllmAdapter):
     versions = SpecifierSet(">=0.22.0,<0.29.0")
     capture_spec_types = frozenset({"HiddenStateCacheSpec"})
     # Split path (own group): an as_strided view whose block stride is the padded page.
+    # 0.22.0: HiddenStateCacheSpec(MLAAttentionSpec) marks the capture layer.
+    hidden_state_cache_spec = True
+    default_runner = "v1"
     view_order = ViewOrder.BLOCK_TOKEN_PLANE
     backend_get_kv_cache_shape = True
     kv_cache_layout_module = False

@@ -18,6 +18,9 @@ class Adapter(VllmAdapter):
     name = "v0_29"
     versions = SpecifierSet(">=0.29.0,<0.34.0")
     capture_spec_types = frozenset({"HiddenStateCacheSpec"})
+    hidden_state_cache_spec = True
+    # 0.29.0: the V2 model runner is the default (extract_hidden_states supported there from 0.29.0).
+    default_runner = "v2"
     view_order = ViewOrder.BLOCK_PLANE_TOKEN
     backend_get_kv_cache_shape = False
     kv_cache_layout_module = True
