@@ -27,11 +27,13 @@ from vllm_hs_compat.core.labels import plane_labels as _plane_labels
 from vllm_hs_compat.core.layout import CaptureView, gather_rows
 from vllm_hs_compat.core.layout import describe_capture_view as _describe
 from vllm_hs_compat.core.slots import slots_for_view
+from vllm_hs_compat.core.transfer import PendingRows, copy_rows_async
 from vllm_hs_compat.errors import CaptureGroupError
 
 __all__ = [
     "capture_layer_name",
     "check_views_agree",
+    "copy_request_async",
     "describe_capture_view",
     "gather_rows",
     "get_adapter",
@@ -137,6 +139,23 @@ def read_request(
     """The request's rows ``[num_tokens, P, C]`` (a new tensor on ``tensor``'s device)."""
     slots = request_slots(req_id, block_ids, view, num_tokens=num_tokens, start=start, device=tensor.device)
     return gather_rows(tensor, view, slots)
+
+
+def copy_request_async(
+    tensor: torch.Tensor,
+    view: CaptureView,
+    req_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    *,
+    start: int = 0,
+    out: torch.Tensor | None = None,
+) -> PendingRows:
+    """Copy the request's rows to host (pinned where CUDA exists) on a side stream ordered after the
+    compute stream; call on the compute stream once the rows are written (``wait_for_save``) and keep the
+    request's blocks until ``PendingRows.done()``.  Synchronous on CPU."""
+    slots = request_slots(req_id, block_ids, view, num_tokens=num_tokens, start=start)
+    return copy_rows_async(tensor, view, slots, out=out)
 
 
 def plane_labels(vllm_config: Any, *, adapter: VllmAdapter | None = None) -> PlaneLabels:

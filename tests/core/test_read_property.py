@@ -122,3 +122,26 @@ def test_inferred_order_matches_declared_or_refuses(order: ViewOrder, p: int, n:
         assert describe_capture_view(cache, num_planes=p, group_block_size=n, order=None).order is order
     # The declared order always decides.
     assert describe_capture_view(cache, num_planes=p, group_block_size=n, order=order).order is order
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    order=st.sampled_from(list(ViewOrder)),
+    physical=st.sampled_from(["token_major", "plane_major"]),
+    c=st.sampled_from([1, 2, 4, 8, 24]),
+    pad=st.sampled_from([0, 1, 4]),
+    seed=st.integers(0, 2**31),
+)
+def test_gather_copies_bits_exactly(order: ViewOrder, physical: str, c: int, pad: int, seed: int) -> None:
+    """Random bit patterns (NaNs, infinities, denormals included) survive the wide-element gather."""
+    gen = torch.Generator().manual_seed(seed)
+    p, n, nb = 3, 4, 6
+    cache = make_view(order, physical, nb, n, p, c, pad)
+    bits = torch.randint(-(2**15), 2**15, tuple(cache.shape), generator=gen, dtype=torch.int16)
+    cache.copy_(bits.view(torch.bfloat16))
+    view = describe_capture_view(cache, num_planes=p, group_block_size=n, order=order)
+    slots = torch.randperm(nb * n, generator=gen)[:9]
+    got = gather_rows(cache, view, slots)
+    blk, off = slots // n, slots % n
+    want = cache[blk, off] if order is ViewOrder.BLOCK_TOKEN_PLANE else cache[blk, :, off]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
