@@ -57,6 +57,11 @@ def capture_layer_name(
     With ``vllm_config`` the name is also derived from the verifier's ``num_hidden_layers`` and the two
     must agree.
     """
+    if kv_cache_config is None:
+        raise CaptureGroupError(
+            "no kv_cache_config was given: vLLM passes it to the connector's constructor (required from 0.21.0, "
+            "optional before); declare __init__(self, vllm_config, role, kv_cache_config) and pass it on"
+        )
     names: list[str] = sorted(
         {
             str(n)
@@ -65,7 +70,8 @@ def capture_layer_name(
             if str(n).startswith(CAPTURE_LAYER_PREFIX)
         }
     )
-    expected = _adapter(adapter).capture_layer_name(vllm_config) if vllm_config is not None else None
+    has_model = vllm_config is not None and getattr(vllm_config, "model_config", None) is not None
+    expected = _adapter(adapter).capture_layer_name(vllm_config) if has_model else None
     if len(names) == 1 and expected in (None, names[0]):
         return names[0]
     if not names and expected is None:
