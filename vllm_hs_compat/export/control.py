@@ -245,6 +245,10 @@ class ControlServer:
             self._closed = True
             conns = list(self._conns)
         try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        except OSError:
+            pass
+        try:
             self._sock.close()
         except OSError:
             pass
