@@ -143,6 +143,7 @@ class ExportConsumer:
         timeout_s: float = 10.0,
         shm_dir: str = DEFAULT_SHM_DIR,
         ucx: UcxSettings | None = None,
+        verify_checksum: bool = True,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -157,6 +158,10 @@ class ExportConsumer:
         self.timeout_s = timeout_s
         self._shm_dir = shm_dir
         self._ucx = ucx
+        #: Checksum verification is on by default.  Turning it off saves one memory pass over every record
+        #: (about 3.5 ms per 64 MiB on the CI machine) and leaves only the shape/size checks: do it only where
+        #: the transport is trusted end to end.
+        self.verify_checksum = verify_checksum
         self._client: ControlClient | None = None
         self._client_broken = False
         self._transport: ConsumerTransport | None = None
@@ -363,12 +368,14 @@ class ExportConsumer:
                 results[i] = self._finish(c, off, copy)
         return [r if r is not None else E.ExportError("internal: no result") for r in results]
 
-    def _finish(self, c: Claim, off: int, copy: bool) -> CaptureRecord | HsCompatError:
+    def _finish(
+        self, c: Claim, off: int, copy: bool, checksum: int | None = None
+    ) -> CaptureRecord | HsCompatError:
         transport = self._transport
         if transport is None:
             return E.ExportClosedError("consumer closed")
         raw = transport.landing[off : off + c.nbytes]
-        got = compute_checksum(raw, c.meta.checksum_algorithm)
+        got = compute_checksum(raw, c.meta.checksum_algorithm) if self.verify_checksum else c.meta.checksum
         if got != c.meta.checksum:
             self._landing.free(off, c.nbytes)
             self.counters["checksum_failures"] += 1

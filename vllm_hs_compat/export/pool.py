@@ -103,7 +103,10 @@ class LeasePool:
         self._next_id = 1
         self._by_id: dict[int, Lease] = {}
         self._by_record: dict[str, Lease] = {}
+        # READY leases in publish order and CLAIMED leases in claim order: with fixed TTLs both are also in
+        # deadline order, so expiry only ever looks at the front of each.
         self._ready: collections.OrderedDict[int, Lease] = collections.OrderedDict()
+        self._claimed: collections.OrderedDict[int, Lease] = collections.OrderedDict()
         self._cond = threading.Condition()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
@@ -190,6 +193,7 @@ class LeasePool:
         if self._by_record.get(lease.record_id) is lease:
             del self._by_record[lease.record_id]
         self._ready.pop(lease.lease_id, None)
+        self._claimed.pop(lease.lease_id, None)
         self._cond.notify_all()
 
     def publish(self, lease: Lease, meta: RecordMeta) -> None:
@@ -217,6 +221,7 @@ class LeasePool:
         lease.state = LeaseState.CLAIMED
         lease.deadline = self._clock() + self.lease_ttl_s
         self._ready.pop(lease.lease_id, None)
+        self._claimed[lease.lease_id] = lease
         self._counters["claimed"] += 1
         return dataclasses.replace(lease)  # a snapshot the caller may read without the lock
 
@@ -246,14 +251,14 @@ class LeasePool:
                 if left <= 0:
                     return []
                 self._cond.wait(min(left, 0.05))
-            out: list[Lease] = []
             total = 0
-            for lease in list(self._ready.values()):
-                if len(out) >= max_records or total + lease.nbytes > max_bytes:
+            take: list[Lease] = []
+            for lease in self._ready.values():
+                if len(take) >= max_records or total + lease.nbytes > max_bytes:
                     break
                 total += lease.nbytes
-                out.append(self._claim_locked(lease))
-            return out
+                take.append(lease)
+            return [self._claim_locked(lease) for lease in take]
 
     def release(self, lease_id: int, nonce: str) -> bool:
         """Free a CLAIMED lease; a wrong nonce or an unknown/expired lease is counted and ignored."""
@@ -273,16 +278,16 @@ class LeasePool:
     # --- time -----------------------------------------------------------------------------------------------
     def _expire_locked(self) -> int:
         now = self._clock()
-        expired = [
-            lease
-            for lease in self._by_id.values()
-            if lease.state in (LeaseState.READY, LeaseState.CLAIMED) and lease.deadline <= now
-        ]
-        for lease in expired:
-            key = "expired_ready" if lease.state is LeaseState.READY else "expired_claimed"
-            self._counters[key] += 1
-            self._free_locked(lease)
-        return len(expired)
+        n = 0
+        for queue, key in ((self._ready, "expired_ready"), (self._claimed, "expired_claimed")):
+            while queue:
+                lease = next(iter(queue.values()))
+                if lease.deadline > now:
+                    break
+                self._counters[key] += 1
+                self._free_locked(lease)
+                n += 1
+        return n
 
     def expire(self) -> int:
         """Reclaim every lease past its deadline; returns how many."""
@@ -291,10 +296,11 @@ class LeasePool:
 
     def next_deadline(self) -> float:
         with self._cond:
-            return min(
-                (lease.deadline for lease in self._by_id.values() if lease.state is not LeaseState.WRITING),
-                default=float("inf"),
-            )
+            fronts = [next(iter(q.values())).deadline for q in (self._ready, self._claimed) if q]
+            return min(fronts, default=float("inf"))
+
+    def claimed_count(self) -> int:
+        return len(self._claimed)
 
     # --- introspection --------------------------------------------------------------------------------------
     def occupancy(self) -> int:
@@ -304,15 +310,14 @@ class LeasePool:
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            by_state = collections.Counter(lease.state.value for lease in self._by_id.values())
             return {
                 **self._counters,
                 "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes,
                 "used_slots": self._used,
-                "leases_writing": by_state.get("writing", 0),
-                "leases_ready": by_state.get("ready", 0),
-                "leases_claimed": by_state.get("claimed", 0),
+                "leases_writing": len(self._by_id) - len(self._ready) - len(self._claimed),
+                "leases_ready": len(self._ready),
+                "leases_claimed": len(self._claimed),
             }
 
     def close(self) -> None:

@@ -106,6 +106,7 @@ class ExportProducer:
         self.checksum = checksum
         self._poll_s = poll_interval_s
         self._idle_poll_s = idle_poll_interval_s
+        self._expiry_interval_s = 0.02
         self._counters = {"bad_records": 0, "bad_notifications": 0, "pump_errors": 0, "control_releases": 0}
         self._clock_lock = threading.Lock()
         self._last_activity = 0.0
@@ -174,6 +175,7 @@ class ExportProducer:
 
     # --- pump: notifications + expiry -----------------------------------------------------------------------
     def _pump_loop(self) -> None:
+        next_expiry = 0.0
         while not self._stop.is_set():
             busy = False
             try:
@@ -185,7 +187,9 @@ class ExportProducer:
                         continue
                     for lease_id, nonce in items:
                         self.pool.release(lease_id, nonce)
-                self.pool.expire()
+                if time.monotonic() >= next_expiry:
+                    self.pool.expire()
+                    next_expiry = time.monotonic() + self._expiry_interval_s
             except E.ExportError as e:
                 self._counters["pump_errors"] += 1
                 log.warning("export pump: %s", e)
@@ -195,10 +199,9 @@ class ExportProducer:
             now = time.monotonic()
             if busy:
                 self._last_activity = now
-            hot = now - self._last_activity < 0.5 or self.pool.stats()["leases_claimed"] > 0
+            hot = now - self._last_activity < 0.5 or self.pool.claimed_count() > 0
             if self.backend == "shm":  # nothing to poll, only expiry
-                wait = min(0.05, max(1e-3, self.pool.next_deadline() - now))
-                self._stop.wait(wait)
+                self._stop.wait(self._expiry_interval_s)
             elif hot:
                 time.sleep(self._poll_s)
             else:
