@@ -32,7 +32,10 @@ from vllm_hs_compat.export import (
     RecordFormatError,
     RecordTooLargeError,
     StaleMetadataError,
+    TransportUnavailableError,
+    UcxSettings,
     UnknownRecordError,
+    nixl_available,
 )
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlClient
@@ -363,8 +366,12 @@ def test_full_pool_drop_policy_counts_every_drop(backend: str, make_producer: Ma
     for i in range(4):
         publish(p, f"f-{i}", **spec)
     for i in range(3):
-        with pytest.raises(PoolFullError):
+        with pytest.raises(PoolFullError) as exc:
             publish(p, f"dropped-{i}", **spec)
+    # the connector hands the client the reason instead of a record that will never come
+    params = json.loads(json.dumps(ExportProducer.error_params("dropped-2", exc.value)))
+    with pytest.raises(UnknownRecordError, match="PoolFullError"):
+        ExportConsumer.from_params(params)
     st = p.stats()
     assert st["dropped_full"] == 3 and st["published"] == 4 and st["used_slots"] == 4
     connect(peer, p)
@@ -506,3 +513,30 @@ def test_frames_with_binary_or_extension_types_are_rejected() -> None:
     with pytest.raises(P.ProtocolError):
         P.decode(b"m", b"\x81\xc4\x01k\x01")  # a bytes map key
     assert struct.calcsize("!2sBcI") == P.HEADER.size
+
+
+def test_consumer_asking_for_the_other_transport_gets_a_named_error(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    other = "shm" if backend == "nixl" else "nixl"
+    with pytest.raises(TransportUnavailableError, match=other):
+        ExportConsumer(p.endpoint, p.token, backend=other)
+    with ExportConsumer(p.endpoint, p.token, backend=backend) as c:
+        assert c.hello["backend"] == backend == p.backend
+
+
+def test_ucx_settings_never_override_the_users_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_hs_compat.export.nixl_backend import _load
+
+    assert UcxSettings().env() == {"UCX_RCACHE_MAX_UNRELEASED": "1024"}
+    assert (
+        UcxSettings(net_devices="mlx5_0:1", mmap_hook_mode="none").env()["UCX_MEM_MMAP_HOOK_MODE"] == "none"
+    )
+    if not nixl_available():
+        pytest.skip("nixl is not importable here")
+    monkeypatch.setenv("UCX_RCACHE_MAX_UNRELEASED", "77")
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    _load(UcxSettings(tls="cma,tcp,self"))
+    assert os.environ["UCX_RCACHE_MAX_UNRELEASED"] == "77"
+    assert os.environ["UCX_TLS"] == "cma,tcp,self"

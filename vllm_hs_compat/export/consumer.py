@@ -59,6 +59,11 @@ class ExportParams:
                 "was the server started with the vllm-hs-compat connector and export enabled?"
             )
         d = dict(entry)
+        if "error" in d:
+            raise E.UnknownRecordError(
+                f"the producer could not export record {d.get('record_id')!r}: {d.get('error')}: "
+                f"{d.get('message')} (counted in the producer's stats)"
+            )
         return cls(
             record_id=P.get_str(d, "record_id", 512),
             endpoint=P.get_str(d, "endpoint", 300),

@@ -108,7 +108,7 @@ class ExportProducer:
         self._idle_poll_s = idle_poll_interval_s
         self._expiry_interval_s = 0.02
         self._counters = {"bad_records": 0, "bad_notifications": 0, "pump_errors": 0, "control_releases": 0}
-        self._clock_lock = threading.Lock()
+        self._counter_lock = threading.Lock()
         self._last_activity = 0.0
         if backend == "auto":
             backend = "nixl" if nixl_available() else "shm"
@@ -131,6 +131,23 @@ class ExportProducer:
             raise
         self.endpoint = self._server.endpoint
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counter_lock:
+            self._counters[key] += n
+
+    @staticmethod
+    def error_params(record_id: str, error: BaseException) -> dict[str, Any]:
+        """``kv_transfer_params`` for a record that could not be exported (e.g. :class:`PoolFullError`), so
+        the client learns why instead of waiting for a record that will never come."""
+        return {
+            PARAMS_KEY: {
+                "v": 1,
+                "record_id": record_id,
+                "error": type(error).__name__,
+                "message": str(error)[:1000],
+            }
+        }
+
     # --- serving side ---------------------------------------------------------------------------------------
     def publish(self, meta: RecordMeta, rows: torch.Tensor) -> ExportTicket:
         """Copy ``rows`` into a leased run of slots, checksum it, make it fetchable.  Raises (and counts)
@@ -139,13 +156,13 @@ class ExportProducer:
         if self._closed:
             raise E.ExportClosedError("publish() after close()")
         if not isinstance(meta, RecordMeta) or not isinstance(rows, torch.Tensor):
-            self._counters["bad_records"] += 1
+            self._count("bad_records", 1)
             raise E.RecordFormatError(
                 f"publish(meta, rows) takes a RecordMeta and a torch.Tensor, found "
                 f"{type(meta).__name__} and {type(rows).__name__}"
             )
         if tuple(rows.shape) != meta.shape or rows.dtype != meta.torch_dtype:
-            self._counters["bad_records"] += 1
+            self._count("bad_records", 1)
             raise E.RecordFormatError(
                 f"record {meta.request_id!r}: rows are {tuple(rows.shape)} {rows.dtype}, metadata says "
                 f"{meta.shape} {meta.dtype}; build the metadata with RecordMeta.for_tensor(rows, ...)"
@@ -183,7 +200,7 @@ class ExportProducer:
                     busy = True
                     items = decode_release(msg)
                     if items is None:
-                        self._counters["bad_notifications"] += 1
+                        self._count("bad_notifications", 1)
                         continue
                     for lease_id, nonce in items:
                         self.pool.release(lease_id, nonce)
@@ -191,10 +208,10 @@ class ExportProducer:
                     self.pool.expire()
                     next_expiry = time.monotonic() + self._expiry_interval_s
             except E.ExportError as e:
-                self._counters["pump_errors"] += 1
+                self._count("pump_errors", 1)
                 log.warning("export pump: %s", e)
             except Exception:
-                self._counters["pump_errors"] += 1
+                self._count("pump_errors", 1)
                 log.exception("export pump failed; continuing")
             now = time.monotonic()
             if busy:
@@ -253,7 +270,7 @@ class ExportProducer:
                 ):
                     raise E.ProtocolError(f"release entries must be [lease_id, nonce], found {item!r}")
                 ok += int(self.pool.release(item[0], item[1]))
-            self._counters["control_releases"] += ok
+            self._count("control_releases", ok)
             return {"released": ok}
         if op == "stats":
             return {"stats": {k: v for k, v in self.stats().items() if isinstance(v, int | str)}}
