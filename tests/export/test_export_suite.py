@@ -540,3 +540,13 @@ def test_ucx_settings_never_override_the_users_environment(monkeypatch: pytest.M
     _load(UcxSettings(tls="cma,tcp,self"))
     assert os.environ["UCX_RCACHE_MAX_UNRELEASED"] == "77"
     assert os.environ["UCX_TLS"] == "cma,tcp,self"
+
+
+def test_explicit_bind_address_and_advertised_endpoint(backend: str, make_producer: Make) -> None:
+    p = make_producer(
+        host="0.0.0.0", advertise_host="127.0.0.1"
+    )  # multi-node: all interfaces, named endpoint
+    assert p.endpoint.startswith("127.0.0.1:")
+    h = publish(p, "wide", 4, 1, 64)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert digest(c.fetch("wide").hidden_states) == h

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import socket
 import threading
 import time
 from typing import Any
@@ -89,6 +90,7 @@ class ExportProducer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
+        advertise_host: str | None = None,
         checksum: str = DEFAULT_CHECKSUM,
         shm_dir: str = DEFAULT_SHM_DIR,
         ucx: UcxSettings | None = None,
@@ -129,7 +131,11 @@ class ExportProducer:
             self._pump.join(2.0)
             self.transport.close()
             raise
-        self.endpoint = self._server.endpoint
+        # What clients are told to dial: the bind address, unless it is a wildcard (then the host name) or an
+        # explicit advertise_host is given (NAT, several NICs).
+        bound_host, bound_port = self._server.address
+        adv = advertise_host or (socket.gethostname() if bound_host in ("0.0.0.0", "::", "") else bound_host)
+        self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._counter_lock:
