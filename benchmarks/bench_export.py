@@ -55,6 +55,8 @@ def serve() -> None:
                 slot_bytes=cmd["slot_bytes"],
                 lease_ttl_s=60,
                 ready_ttl_s=None,
+                on_full="wait",  # a release by NIXL notification lands a moment after the fetch returns
+                wait_timeout_s=10.0,
             )
             producers[cmd["name"]] = p
             ans = {"endpoint": p.endpoint, "token": p.token}

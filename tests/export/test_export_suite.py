@@ -550,3 +550,11 @@ def test_explicit_bind_address_and_advertised_endpoint(backend: str, make_produc
     h = publish(p, "wide", 4, 1, 64)
     with ExportConsumer(p.endpoint, p.token) as c:
         assert digest(c.fetch("wide").hidden_states) == h
+
+
+def test_missing_nixl_is_a_named_error_with_the_lean_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # as if the package were absent
+    with pytest.raises(TransportUnavailableError, match="--no-deps nixl"):
+        ExportProducer(backend="nixl")

@@ -64,7 +64,12 @@ def nixl_available() -> bool:
     """True if the ``nixl`` package can be imported (without importing it)."""
     import importlib.util
 
-    return importlib.util.find_spec("nixl") is not None
+    if "nixl" in sys.modules:
+        return sys.modules["nixl"] is not None  # None: import deliberately blocked
+    try:
+        return importlib.util.find_spec("nixl") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _load(ucx: UcxSettings) -> Any:
