@@ -191,7 +191,9 @@ def test_consumer_killed_mid_read_slots_are_reclaimed_within_ttl(backend: str, m
     st = p.stats()
     assert st["claimed"] == 6
     assert st["released"] + st["expired_claimed"] == 6  # every lease accounted for
-    assert st["released"] >= 1 and st["expired_claimed"] >= 1
+    # records 2..6 were never read: only the TTL can have freed them (record 1 was released by its reader,
+    # unless the kill beat the release notification out of the process, then it expired too)
+    assert st["expired_claimed"] >= 5
     # serving is not wedged: a new record goes to a new consumer
     h = publish(p, "after-kill", 10, 2, 64)
     with ExportConsumer(p.endpoint, p.token) as c:

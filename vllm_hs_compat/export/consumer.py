@@ -183,7 +183,11 @@ class ExportConsumer:
             "read_failures": 0,
             "abandoned": 0,
         }
-        self._connect()
+        try:
+            self._connect()
+        except BaseException:
+            self.close()  # do not leave a NIXL agent or a landing buffer behind
+            raise
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], **kw: Any) -> ExportConsumer:
