@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 from _data import digest, make_meta, make_rows
 from conftest import Peer, free_port, wait_until
 
@@ -560,3 +561,21 @@ def test_missing_nixl_is_a_named_error_with_the_lean_install_command(monkeypatch
     monkeypatch.setitem(sys.modules, "nixl._api", None)  # as if the package were absent
     with pytest.raises(TransportUnavailableError, match="--no-deps nixl"):
         ExportProducer(backend="nixl")
+
+
+def test_strided_rows_and_skip_on_error_streams(backend: str, make_producer: Make) -> None:
+    p = make_producer()
+    base = make_rows(5, 3, 8, 64)  # [planes, tokens, hidden] in memory, exported as [tokens, planes, hidden]
+    rows = base.permute(1, 0, 2)
+    assert not rows.is_contiguous()
+    p.publish(make_meta("strided", rows), rows)
+    publish(p, "bent", 16, 2, 64)
+    publish(p, "after", 16, 2, 64, seed=4)
+    lease = p.pool._by_record["bent"]
+    p.transport.buffer[lease.offset + 3] ^= 0x01
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = list(c.iter_records(batch=8, wait_s=0.2, idle_timeout_s=0.5, on_error="skip"))
+        assert [r.meta.request_id for r in got] == ["strided", "after"]
+        assert torch.equal(got[0].hidden_states.view(torch.uint8), rows.contiguous().view(torch.uint8))
+        assert digest(got[1].hidden_states) == digest(make_rows(4, 16, 2, 64))
+        assert c.stats()["checksum_failures"] == 1
