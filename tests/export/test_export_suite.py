@@ -558,9 +558,26 @@ def test_explicit_bind_address_and_advertised_endpoint(backend: str, make_produc
 def test_missing_nixl_is_a_named_error_with_the_lean_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    monkeypatch.setitem(sys.modules, "nixl._api", None)  # as if the package were absent
+    for name in ("nixl", "nixl_cu12", "nixl_cu13"):  # as if no NIXL package were installed
+        monkeypatch.setitem(sys.modules, name, None)
+    assert not nixl_available()
     with pytest.raises(TransportUnavailableError, match="--no-deps nixl"):
         ExportProducer(backend="nixl")
+    with ExportProducer(backend="auto") as p:  # auto falls back to the shared-memory ring
+        assert p.backend == "shm"
+
+
+def test_a_backend_wheel_without_the_meta_package_is_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from vllm_hs_compat.export.nixl_backend import _findable, _load
+
+    if not (_findable("nixl_cu12") or _findable("nixl_cu13")):
+        pytest.skip("no NIXL backend wheel installed")
+    monkeypatch.setitem(sys.modules, "nixl", None)  # only nixl-cu12 / nixl-cu13 installed
+    assert nixl_available()
+    api = _load(UcxSettings())
+    assert api.__name__ in ("nixl_cu12._api", "nixl_cu13._api")
 
 
 def test_strided_rows_and_skip_on_error_streams(backend: str, make_producer: Make) -> None:

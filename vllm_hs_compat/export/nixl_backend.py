@@ -60,21 +60,31 @@ class UcxSettings:
         return {k: v for k, v in pairs.items() if v is not None}
 
 
-def nixl_available() -> bool:
-    """True if the ``nixl`` package can be imported (without importing it)."""
+#: Import names tried in order: the ``nixl`` meta package (it picks the CUDA major itself), then the backend
+#: wheels directly, so ``pip install nixl-cu12`` alone (no meta package, no CUDA 13 libraries) is enough.
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+LEAN_INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+
+
+def _findable(name: str) -> bool:
     import importlib.util
 
-    if "nixl" in sys.modules:
-        return sys.modules["nixl"] is not None  # None: import deliberately blocked
+    if name in sys.modules:
+        return sys.modules[name] is not None  # None: import deliberately blocked
     try:
-        return importlib.util.find_spec("nixl") is not None
+        return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
 
 
+def nixl_available() -> bool:
+    """True if a NIXL package can be imported (checked without importing it)."""
+    return any(_findable(m) for m in NIXL_MODULES)
+
+
 def _load(ucx: UcxSettings) -> Any:
-    """Apply UCX settings and import ``nixl._api``; named error when absent."""
-    already = "nixl" in sys.modules or any(m.startswith("nixl_cu") for m in sys.modules)
+    """Apply UCX settings, then import NIXL's ``_api`` module; a named error when no NIXL is installed."""
+    already = any(m == "nixl" or m.startswith("nixl_cu") for m in sys.modules)
     for key, value in ucx.env().items():
         if key in os.environ:
             continue
@@ -85,15 +95,20 @@ def _load(ucx: UcxSettings) -> Any:
                 value,
             )
         os.environ[key] = value
-    try:
-        return importlib.import_module("nixl._api")
-    except ImportError as e:
-        raise E.TransportUnavailableError(
-            f"the NIXL transport needs the 'nixl' package ({e}); install the lean way: "
-            "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 (never a bare 'pip install nixl', it "
-            "pulls CUDA), "
-            "or use backend='shm' on a single host"
-        ) from None
+    failures: list[str] = []
+    for name in NIXL_MODULES:
+        if not _findable(name):
+            failures.append(f"{name}: not installed")
+            continue
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError as e:
+            failures.append(f"{name}: {e}")
+    raise E.TransportUnavailableError(
+        f"the NIXL transport needs a NIXL package ({'; '.join(failures)}); install the lean way: "
+        f"{LEAN_INSTALL} (never a bare 'pip install nixl', it pulls CUDA torch and libraries), "
+        "or use backend='shm' on a single host"
+    )
 
 
 def _nixl_errors() -> dict[str, type[E.ExportError]]:
