@@ -81,9 +81,25 @@ class ShmProducerTransport:
             log.info("removed %d pool file(s) left by dead producers in %s", swept, shm_dir)
         self.path = os.path.join(shm_dir, f"hsx-{os.getpid()}-{instance}.pool")
         self.pool_bytes = pool_bytes
+        st = os.statvfs(shm_dir)
+        free = st.f_bavail * st.f_frsize
+        if pool_bytes > free:
+            raise E.TransportUnavailableError(
+                f"{shm_dir} has {free} bytes free, the pool needs {pool_bytes}; shrink num_slots/slot_bytes, "
+                "enlarge the tmpfs (Docker: --shm-size) or pass shm_dir="
+            )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, pool_bytes)
+            # Reserve the pages now: a sparse tmpfs file that cannot be backed later would kill the serving
+            # process with SIGBUS on first write instead of failing here with a named error.
+            try:
+                os.posix_fallocate(fd, 0, pool_bytes)
+            except OSError as e:
+                raise E.TransportUnavailableError(
+                    f"cannot reserve {pool_bytes} bytes in {shm_dir}: {e}; shrink the pool or enlarge "
+                    "the tmpfs "
+                    "(Docker: --shm-size)"
+                ) from None
             self._mm = mmap.mmap(fd, pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
