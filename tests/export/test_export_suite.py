@@ -201,6 +201,30 @@ def test_consumer_killed_mid_read_slots_are_reclaimed_within_ttl(backend: str, m
         assert digest(c.fetch("after-kill").hidden_states) == h
 
 
+def test_consumer_killed_during_a_transfer_leaves_the_producer_healthy(
+    backend: str, make_producer: Make
+) -> None:
+    ttl = 1.0
+    p = make_producer(num_slots=8, slot_bytes=4 * MiB, lease_ttl_s=ttl)
+    publish(p, "big", 2048, 4, 512)  # 8 MiB: each READ takes milliseconds, so the kill lands inside one
+    victim = Peer()
+    try:
+        connect(victim, p, landing_bytes=16 * MiB)
+        victim.ok("claim", ids=["big"])
+        victim.send("read_forever")
+        assert victim.next_line(30) == {"progress": "looping"}
+        time.sleep(0.3)
+        victim.kill()
+    finally:
+        victim.close()
+    wait_until(drained(p), ttl + 3.0, "the slot of the consumer killed mid-transfer to be reclaimed")
+    st = p.stats()
+    assert st["expired_claimed"] == 1 and st["released"] == 0 and st["pump_errors"] == 0
+    h = publish(p, "next", 64, 4, 512)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert digest(c.fetch("next").hidden_states) == h
+
+
 def test_producer_restart_consumer_rehandshakes(backend: str) -> None:
     port, token = free_port(), "t" * 40
     kw = dict(backend=backend, num_slots=16, slot_bytes=MiB, port=port, token=token)
