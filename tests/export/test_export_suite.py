@@ -628,3 +628,18 @@ def test_a_pool_larger_than_the_tmpfs_is_a_named_error(tmp_path: Any) -> None:
         ExportProducer(
             backend="shm", shm_dir=str(tmp_path), num_slots=4, slot_bytes=(free // 2 + 64) // 64 * 64
         )
+
+
+def test_record_larger_than_the_landing_buffer_fails_alone_in_a_stream(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    publish(p, "too-big", 1024, 4, 512)  # 4 MiB
+    h = publish(p, "fits", 8, 1, 64)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=1 * MiB) as c:
+        stream = c.iter_records(batch=4, wait_s=0.2, idle_timeout_s=0.5)
+        with pytest.raises(RecordTooLargeError, match="landing"):
+            next(stream)
+        rec = next(stream)  # the stream survives the failed record
+        assert rec.meta.request_id == "fits" and digest(rec.hidden_states) == h
+    wait_until(drained(p), 5.0, "the refused record's lease to be given back")

@@ -74,6 +74,14 @@ def test_claim_next_is_fifo_and_bounded_by_bytes() -> None:
     assert pool.claim_next(1, 1 << 20, 0.0) == []
 
 
+def test_an_oversized_head_record_is_still_handed_out_so_the_stream_cannot_stall() -> None:
+    pool = LeasePool(16, 64)
+    put(pool, "huge", 640)
+    put(pool, "small", 64)
+    assert [g.record_id for g in pool.claim_next(8, 128, 0.0)] == ["huge"]  # the consumer refuses it, named
+    assert [g.record_id for g in pool.claim_next(8, 128, 0.0)] == ["small"]
+
+
 def test_wait_policy_is_woken_by_a_release() -> None:
     pool = LeasePool(1, 64, on_full="wait", wait_timeout_s=10.0)
     put(pool, "a", 64)

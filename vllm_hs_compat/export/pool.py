@@ -254,7 +254,7 @@ class LeasePool:
             total = 0
             take: list[Lease] = []
             for lease in self._ready.values():
-                if len(take) >= max_records or total + lease.nbytes > max_bytes:
+                if take and (len(take) >= max_records or total + lease.nbytes > max_bytes):
                     break
                 total += lease.nbytes
                 take.append(lease)
