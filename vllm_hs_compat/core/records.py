@@ -56,6 +56,11 @@ DTYPES: Final[Mapping[str, torch.dtype]] = {
 }
 
 
+_ITEMSIZE: Final[Mapping[str, int]] = {
+    name: int(torch.empty((), dtype=dt).element_size()) for name, dt in DTYPES.items()
+}
+
+
 class RecordFormatError(HsCompatError):
     """Record metadata is malformed or contradicts itself (e.g. shape against token ids)."""
 
@@ -256,7 +261,7 @@ class RecordMeta:
 
     @property
     def itemsize(self) -> int:
-        return int(torch.empty((), dtype=self.torch_dtype).element_size())
+        return _ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
