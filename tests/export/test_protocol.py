@@ -16,6 +16,8 @@ from vllm_hs_compat.export.control import ControlClient, ControlServer, parse_en
 
 @pytest.mark.parametrize("codec", [b"m", b"j"])
 def test_both_codecs_carry_the_same_messages(codec: bytes) -> None:
+    if codec.decode() not in P.local_codecs():
+        pytest.skip("msgpack is not installed (the JSON codec still runs)")
     msg = {"op": "x", "n": 3, "f": 0.5, "l": [1, "a", None, True], "m": {"k": [1]}}
     a, b = socket.socketpair()
     with a, b:
@@ -116,3 +118,39 @@ def test_endpoint_parsing() -> None:
     for bad in ("nohost", ":80", "h:0", "h:x"):
         with pytest.raises(E.ExportConfigError):
             parse_endpoint(bad)
+
+
+def test_client_speaks_json_to_a_server_without_msgpack(
+    server: Callable[[Callable[[socket.socket], None]], str],
+) -> None:
+    seen: list[bytes] = []
+
+    def json_only(c: socket.socket) -> None:
+        P.write_frame(
+            c,
+            {"op": "challenge", "proto": 1, "nonce": "cd" * 16, "codecs": ["j"]},
+            time.monotonic() + 2,
+            b"j",
+        )
+        codec, _ = P.read_frame(c, time.monotonic() + 2, 1 << 16)
+        seen.append(codec)
+        P.write_frame(c, {"ok": False, "error": "auth", "message": "stop here"}, time.monotonic() + 2, b"j")
+
+    ep = server(json_only)
+    with pytest.raises(E.AuthError, match="stop here"):
+        ControlClient(ep, "t" * 32, timeout_s=2)
+    assert seen == [b"j"]
+
+
+def test_challenge_is_json_and_offers_msgpack_when_installed() -> None:
+    srv = ControlServer(lambda op, msg: {}, lambda: {}, "s" * 20)
+    try:
+        host, port = srv.address
+        with socket.create_connection((host, port), timeout=2) as s:
+            codec, challenge = P.read_frame(s, time.monotonic() + 2, 1 << 16)
+        assert codec == b"j" and challenge["codecs"] == P.local_codecs()
+        c = ControlClient(srv.endpoint, "s" * 20)
+        assert c._codec == (b"m" if "m" in P.local_codecs() else b"j")
+        c.close()
+    finally:
+        srv.close()

@@ -2,7 +2,7 @@
 
 Handshake (mutual, the token never crosses the wire):
 
-1. server -> ``{"op": "challenge", "proto": 1, "nonce": S}``
+1. server -> ``{"op": "challenge", "proto": 1, "nonce": S, "codecs": ["m", "j"]}`` (always JSON)
 2. client -> ``{"op": "auth", "cnonce": C, "mac": HMAC-SHA256(token, "client|" S "|" C)}``
 3. server checks the MAC with ``hmac.compare_digest``; on success it answers ``{"ok": true, "mac":
    HMAC-SHA256(token, "server|" C "|" S), "hello": {...}}`` and the client checks that MAC, so a process
@@ -157,12 +157,18 @@ class ControlServer:
             pass
 
     def _serve(self, conn: socket.socket) -> None:
-        codec = P.default_codec()
+        codec = P.CODEC_JSON  # until the client has spoken: every peer reads JSON
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             snonce = secrets.token_hex(16)
             deadline = time.monotonic() + self._handshake_timeout_s
-            P.write_frame(conn, {"op": "challenge", "proto": PROTO, "nonce": snonce}, deadline, codec)
+            # The challenge is JSON, which every peer reads; the client then speaks the best codec both have.
+            P.write_frame(
+                conn,
+                {"op": "challenge", "proto": PROTO, "nonce": snonce, "codecs": P.local_codecs()},
+                deadline,
+                P.CODEC_JSON,
+            )
             try:
                 codec, msg = P.read_frame(conn, deadline, P.MAX_REQUEST_BYTES)
             except E.ProtocolError as e:
@@ -297,7 +303,8 @@ class ControlClient:
             ) from None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._codec, challenge = P.read_frame(self._sock, deadline, P.MAX_REQUEST_BYTES)
+            _, challenge = P.read_frame(self._sock, deadline, P.MAX_REQUEST_BYTES)
+            self._codec = P.pick_codec(challenge.get("codecs"))
             if challenge.get("op") != "challenge" or challenge.get("proto") != PROTO:
                 raise E.ProtocolError(
                     f"expected a proto-{PROTO} challenge, found {challenge.get('op')!r} proto "

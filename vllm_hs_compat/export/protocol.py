@@ -38,6 +38,18 @@ def default_codec() -> bytes:
     return CODEC_MSGPACK if _msgpack is not None else CODEC_JSON
 
 
+def local_codecs() -> list[str]:
+    """Codecs this process can decode, best first (advertised in the challenge)."""
+    return ["m", "j"] if _msgpack is not None else ["j"]
+
+
+def pick_codec(offered: object) -> bytes:
+    """The best codec both sides speak; JSON is always common."""
+    if isinstance(offered, list) and "m" in offered and _msgpack is not None:
+        return CODEC_MSGPACK
+    return CODEC_JSON
+
+
 def encode(msg: Mapping[str, Any], codec: bytes | None = None) -> bytes:
     """One frame holding ``msg``."""
     codec = codec or default_codec()
