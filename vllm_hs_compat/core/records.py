@@ -320,8 +320,8 @@ class RecordMeta:
                 f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}"
             )
         new = object.__new__(RecordMeta)
-        for f in dataclasses.fields(self):
-            object.__setattr__(new, f.name, getattr(self, f.name))
+        for name in self.__slots__:
+            object.__setattr__(new, name, getattr(self, name))
         object.__setattr__(new, "checksum", checksum)
         object.__setattr__(new, "checksum_algorithm", algorithm)
         return new
