@@ -1,6 +1,6 @@
 """The protocol and fault suite, run on BOTH transports: the /dev/shm ring and real NIXL (UCX over loopback).
 
-Producer and consumer live in different processes (this one and tests/export/peer.py) unless a test says
+Producer and consumer live in different processes (this one and tests/export/hsx_peer.py) unless a test says
 otherwise; every wait has a deadline.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from _data import digest, make_meta, make_rows
-from conftest import Peer, free_port, wait_until
+from hsx_harness import Peer, free_port, wait_until
+from hsx_testdata import digest, make_meta, make_rows
 
 from vllm_hs_compat.export import (
     AuthError,

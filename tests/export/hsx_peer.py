@@ -19,7 +19,7 @@ CHANNEL = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _data import digest, make_meta, make_rows  # noqa: E402
+from hsx_testdata import digest, make_meta, make_rows  # noqa: E402
 
 from vllm_hs_compat.core.records import CaptureRecord  # noqa: E402
 from vllm_hs_compat.errors import HsCompatError  # noqa: E402
