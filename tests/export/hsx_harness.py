@@ -1,0 +1,132 @@
+"""Test harness of the export suite: the second process, deadlines, backend parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+
+# UCX reads its environment once, when NIXL is first imported: set it before anything imports nixl.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from vllm_hs_compat.export import nixl_available  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER_START_TIMEOUT_S = 60.0
+
+NIXL_REASON = "nixl is not importable here (install: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)"
+BACKENDS = [
+    pytest.param("shm", id="shm"),
+    pytest.param(
+        "nixl",
+        id="nixl",
+        marks=[pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason=NIXL_REASON)],
+    ),
+]
+
+
+class Peer:
+    """A second Python process (tests/export/hsx_peer.py) driven by JSON lines; every wait has a deadline."""
+
+    def __init__(self) -> None:
+        self._log = tempfile.NamedTemporaryFile(prefix="hsx-peer-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", os.path.join(HERE, "hsx_peer.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        ready = self.next_line(PEER_START_TIMEOUT_S)
+        if "ready" not in ready:
+            raise RuntimeError(f"peer did not start: {ready}")
+        self.pid: int = ready["ready"]
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def next_line(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"peer {self.proc.pid} said nothing for {timeout_s}s; log: {self.log()}"
+            ) from None
+        return dict(json.loads(line))
+
+    def send(self, cmd: str, **kw: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, cmd: str, timeout_s: float = 30.0, **kw: Any) -> dict[str, Any]:
+        self.send(cmd, **kw)
+        return self.answer(timeout_s)
+
+    def answer(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The answer to the command sent last (progress lines are skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ans = self.next_line(max(0.01, deadline - time.monotonic()))
+            if "progress" not in ans:
+                return ans
+
+    def ok(self, cmd: str, timeout_s: float = 30.0, **kw: Any) -> dict[str, Any]:
+        ans = self.call(cmd, timeout_s, **kw)
+        if not ans.get("ok"):
+            raise AssertionError(
+                f"peer {cmd} failed: {ans.get('error')}: {ans.get('message')}\n{ans.get('tb')}"
+            )
+        return ans
+
+    def log(self) -> str:
+        try:
+            with open(self._log.name) as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        os.unlink(self._log.name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)

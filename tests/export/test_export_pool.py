@@ -1,0 +1,147 @@
+"""LeasePool bookkeeping with an injected clock (no sleeping, no second process)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_hs_compat.core.records import RecordMeta
+from vllm_hs_compat.export import errors as E
+from vllm_hs_compat.export.pool import LeasePool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def meta(rid: str) -> RecordMeta:
+    return RecordMeta(rid, (1,), (0,), True, "uint8", (1, 1, 1), checksum=0)
+
+
+def put(pool: LeasePool, rid: str, nbytes: int) -> int:
+    lease = pool.allocate(rid, nbytes)
+    pool.publish(lease, meta(rid))
+    return lease.lease_id
+
+
+def test_ttls_reclaim_ready_and_claimed_leases() -> None:
+    clock = Clock()
+    pool = LeasePool(8, 64, lease_ttl_s=2.0, ready_ttl_s=5.0, clock=clock)
+    put(pool, "a", 100)
+    put(pool, "b", 64)
+    claimed = pool.claim("a")
+    assert pool.occupancy() == 3
+    clock.t += 2.5
+    assert pool.expire() == 1  # a's lease ran out; b still waits for a consumer
+    assert not pool.release(claimed.lease_id, claimed.nonce)  # a late release is ignored and counted
+    clock.t += 3.0
+    assert pool.expire() == 1
+    st = pool.stats()
+    assert (st["expired_claimed"], st["expired_ready"], st["stale_releases"], st["used_slots"]) == (
+        1,
+        1,
+        1,
+        0,
+    )
+
+
+def test_release_needs_the_nonce() -> None:
+    pool = LeasePool(4, 64)
+    put(pool, "a", 10)
+    c = pool.claim("a")
+    assert not pool.release(c.lease_id, "0" * 16)
+    assert pool.occupancy() == 1
+    assert pool.release(c.lease_id, c.nonce)
+    assert pool.occupancy() == 0
+    with pytest.raises(E.UnknownRecordError):
+        pool.claim("a")
+
+
+def test_claim_next_is_fifo_and_bounded_by_bytes() -> None:
+    pool = LeasePool(16, 64)
+    for i in range(6):
+        put(pool, f"r{i}", 64)
+    got = pool.claim_next(4, 64 * 3, 0.0)
+    assert [g.record_id for g in got] == ["r0", "r1", "r2"]
+    assert [g.record_id for g in pool.claim_next(10, 1 << 20, 0.0)] == ["r3", "r4", "r5"]
+    assert pool.claim_next(1, 1 << 20, 0.0) == []
+
+
+def test_an_oversized_head_record_is_still_handed_out_so_the_stream_cannot_stall() -> None:
+    pool = LeasePool(16, 64)
+    put(pool, "huge", 640)
+    put(pool, "small", 64)
+    assert [g.record_id for g in pool.claim_next(8, 128, 0.0)] == ["huge"]  # the consumer refuses it, named
+    assert [g.record_id for g in pool.claim_next(8, 128, 0.0)] == ["small"]
+
+
+def test_wait_policy_is_woken_by_a_release() -> None:
+    pool = LeasePool(1, 64, on_full="wait", wait_timeout_s=10.0)
+    put(pool, "a", 64)
+    c = pool.claim("a")
+    got: list[str] = []
+    th = threading.Thread(target=lambda: got.append(pool.allocate("b", 64).record_id))
+    th.start()
+    th.join(0.2)
+    assert th.is_alive()
+    pool.release(c.lease_id, c.nonce)
+    th.join(5)
+    assert got == ["b"] and pool.stats()["waited_full"] == 1
+
+
+def test_bad_settings_are_named() -> None:
+    for kw in ({"num_slots": 0}, {"slot_bytes": 100}, {"on_full": "block"}, {"lease_ttl_s": 0}):
+        args = {"num_slots": 4, "slot_bytes": 64, **kw}
+        with pytest.raises(E.ExportConfigError):
+            LeasePool(**args)  # type: ignore[arg-type]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["put", "claim", "release", "tick"]), st.integers(1, 300)), max_size=60
+    )
+)
+def test_slots_never_overlap_and_are_always_accounted(ops: list[tuple[str, int]]) -> None:
+    clock = Clock()
+    pool = LeasePool(12, 64, lease_ttl_s=3.0, ready_ttl_s=7.0, clock=clock)
+    claims = []
+    n = 0
+    for op, x in ops:
+        if op == "put":
+            n += 1
+            try:
+                put(pool, f"r{n}", x)
+            except E.PoolFullError:
+                pass
+        elif op == "claim":
+            claims.extend(pool.claim_next(1, 1 << 20, 0.0))
+        elif op == "release" and claims:
+            c = claims.pop(x % len(claims))
+            pool.release(c.lease_id, c.nonce)
+        else:
+            clock.t += x / 100
+            pool.expire()
+        live = list(pool._by_id.values())
+        cover = [0] * pool.num_slots
+        for lease in live:
+            assert lease.n_slots * pool.slot_bytes >= lease.nbytes
+            for s in range(lease.first_slot, lease.first_slot + lease.n_slots):
+                cover[s] += 1
+        assert max(cover, default=0) <= 1
+        assert sum(cover) == pool.occupancy()
+    st_ = pool.stats()
+    assert st_["published"] == (
+        st_["released"]
+        + st_["expired_ready"]
+        + st_["expired_claimed"]
+        + st_["leases_ready"]
+        + st_["leases_claimed"]
+    )

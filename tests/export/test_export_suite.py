@@ -1,0 +1,647 @@
+"""The protocol and fault suite, run on BOTH transports: the /dev/shm ring and real NIXL (UCX over loopback).
+
+Producer and consumer live in different processes (this one and tests/export/hsx_peer.py) unless a test says
+otherwise; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hsx_harness import Peer, free_port, wait_until
+from hsx_testdata import digest, make_meta, make_rows
+
+from vllm_hs_compat.export import (
+    AuthError,
+    DescriptorError,
+    DuplicateRecordError,
+    ExportConfigError,
+    ExportConsumer,
+    ExportProducer,
+    LandingBufferFullError,
+    PoolFullError,
+    RecordFormatError,
+    RecordTooLargeError,
+    StaleMetadataError,
+    TransportUnavailableError,
+    UcxSettings,
+    UnknownRecordError,
+    nixl_available,
+)
+from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.control import ControlClient
+
+MiB = 1 << 20
+Make = Callable[..., ExportProducer]
+
+
+@pytest.fixture
+def make_producer(backend: str) -> Iterator[Make]:
+    made: list[ExportProducer] = []
+
+    def make(**kw: Any) -> ExportProducer:
+        kw.setdefault("num_slots", 16)  # 16 MiB: CI containers often have a 64 MiB /dev/shm
+        kw.setdefault("slot_bytes", MiB)
+        p = ExportProducer(backend=backend, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def publish(
+    p: ExportProducer,
+    rid: str,
+    tokens: int,
+    planes: int = 2,
+    hidden: int = 64,
+    dtype: str = "bfloat16",
+    seed: int | None = None,
+) -> str:
+    rows = make_rows(seed if seed is not None else hash(rid) % 10_000, tokens, planes, hidden, dtype)
+    p.publish(make_meta(rid, rows, 7), rows)
+    return digest(rows)
+
+
+def connect(peer: Peer, p: ExportProducer, **kw: Any) -> None:
+    peer.ok(
+        "consumer",
+        endpoint=p.endpoint,
+        token=p.token,
+        landing_bytes=kw.pop("landing_bytes", 64 * MiB),
+        timeout_s=kw.pop("timeout_s", 10.0),
+        **kw,
+    )
+
+
+def drained(p: ExportProducer) -> Callable[[], bool]:
+    return lambda: p.occupancy() == 0
+
+
+# --- transfers ----------------------------------------------------------------------------------------------
+SIZES = [
+    (1, 1, 64, "bfloat16"),  # one row
+    (7, 3, 128, "float16"),
+    (5, 3, 7, "uint8"),  # 105 bytes: not a multiple of 8 (checksum tail path)
+    (100, 4, 256, "float32"),
+    (128, 4, 1024, "bfloat16"),  # exactly one 1 MiB slot
+    (513, 2, 1024, "bfloat16"),  # spans 3 slots
+    (2000, 4, 896, "float8_e4m3fn"),
+    (4096, 4, 1024, "bfloat16"),  # 32 MiB: 32 of the 40 slots
+]
+
+
+def test_records_of_many_sizes_arrive_byte_for_byte(backend: str, make_producer: Make, peer: Peer) -> None:
+    p = make_producer(num_slots=40)
+    expect = {}
+    for i, (t, pl, hid, dt) in enumerate(SIZES):
+        rid = f"size-{i}"
+        expect[rid] = sha = publish(p, rid, t, pl, hid, dt, seed=i)
+        # the biggest one needs the pool to itself: fetch as we go
+        connect(peer, p)
+        (res,) = peer.ok("fetch", ids=[rid])["results"]
+        assert res["ok"], res
+        assert res["sha256"] == sha
+        assert res["shape"] == [t, pl, hid]
+        assert res["meta"]["dtype"] == dt
+        assert res["meta"]["layer_ids"] == list(range(3, 3 + 4 * pl, 4))
+        assert res["meta"]["pre_norm"] is True
+        assert res["meta"]["vllm_version"] == "0.20.1" and res["meta"]["adapter"] == "v0_20"
+        assert isinstance(res["meta"]["checksum"], int)
+        assert len(res["meta"]["token_ids"]) == t
+        wait_until(drained(p), 5.0, "the pool to drain after a fetch")
+    st = p.stats()
+    assert st["published"] == st["claimed"] == st["released"] == len(SIZES)
+    assert st["expired_claimed"] == st["dropped_full"] == 0
+
+
+def test_iterate_yields_every_record_in_publish_order(backend: str, make_producer: Make, peer: Peer) -> None:
+    p = make_producer(num_slots=32, slot_bytes=256 * 1024)
+    want = [(f"it-{i}", publish(p, f"it-{i}", 1 + 13 * i, 2, 96)) for i in range(30)]
+    connect(peer, p)
+    res = peer.ok("iter", batch=8, idle_s=0.5)["results"]
+    assert [(r["record_id"], r["sha256"]) for r in res] == want
+    wait_until(drained(p), 5.0, "the pool to drain")
+
+
+def test_concurrent_consumers_share_the_stream_without_loss_or_duplicates(
+    backend: str, make_producer: Make, peers: dict[str, Peer]
+) -> None:
+    p = make_producer(num_slots=64, slot_bytes=256 * 1024, on_full="wait", wait_timeout_s=10.0)
+    trio = [peers["main"], peers["second"], peers["third"]]
+    for q in trio:
+        connect(q, p)
+    want: dict[str, str] = {}
+
+    def produce() -> None:
+        for i in range(90):
+            want[f"cc-{i}"] = publish(p, f"cc-{i}", 1 + (i * 37) % 300, 4, 128, seed=1000 + i)
+
+    th = threading.Thread(target=produce)
+    th.start()
+    for q in trio:
+        q.send("iter", batch=4, idle_s=1.5)
+    got: dict[str, str] = {}
+    per_consumer = []
+    for q in trio:
+        ans = q.answer(timeout_s=60)
+        assert ans["ok"], ans
+        per_consumer.append(len(ans["results"]))
+        for r in ans["results"]:
+            assert r["ok"], r
+            assert r["record_id"] not in got, f"{r['record_id']} delivered twice"
+            got[r["record_id"]] = r["sha256"]
+    th.join(30)
+    assert got == want
+    wait_until(drained(p), 5.0, "the pool to drain")
+    assert p.stats()["dropped_full"] == 0
+
+
+# --- faults -------------------------------------------------------------------------------------------------
+def test_consumer_killed_mid_read_slots_are_reclaimed_within_ttl(backend: str, make_producer: Make) -> None:
+    ttl = 1.5
+    p = make_producer(num_slots=8, slot_bytes=4 * MiB, lease_ttl_s=ttl)
+    for i in range(6):
+        publish(p, f"k-{i}", 1024, 4, 512, seed=i)  # 4 MiB each
+    victim = Peer()
+    try:
+        connect(victim, p)
+        victim.ok("claim", ids=[f"k-{i}" for i in range(6)])
+        assert p.stats()["leases_claimed"] == 6
+        victim.send("read_slowly", pause_s=0.3)
+        first = victim.next_line(30)
+        assert first == {"progress": 1}
+        victim.kill()  # mid-stream: one record read, the rest claimed and unread (or half-read)
+    finally:
+        victim.close()
+    killed_at = time.monotonic()
+    wait_until(drained(p), ttl + 3.0, "the producer to reclaim the dead consumer's slots")
+    assert time.monotonic() - killed_at < ttl + 3.0
+    st = p.stats()
+    assert st["claimed"] == 6
+    assert st["released"] + st["expired_claimed"] == 6  # every lease accounted for
+    # records 2..6 were never read: only the TTL can have freed them (record 1 was released by its reader,
+    # unless the kill beat the release notification out of the process, then it expired too)
+    assert st["expired_claimed"] >= 5
+    # serving is not wedged: a new record goes to a new consumer
+    h = publish(p, "after-kill", 10, 2, 64)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert digest(c.fetch("after-kill").hidden_states) == h
+
+
+def test_consumer_killed_during_a_transfer_leaves_the_producer_healthy(
+    backend: str, make_producer: Make
+) -> None:
+    ttl = 1.0
+    p = make_producer(num_slots=8, slot_bytes=4 * MiB, lease_ttl_s=ttl)
+    publish(p, "big", 2048, 4, 512)  # 8 MiB: each READ takes milliseconds, so the kill lands inside one
+    victim = Peer()
+    try:
+        connect(victim, p, landing_bytes=16 * MiB)
+        victim.ok("claim", ids=["big"])
+        victim.send("read_forever")
+        assert victim.next_line(30) == {"progress": "looping"}
+        time.sleep(0.3)
+        victim.kill()
+    finally:
+        victim.close()
+    wait_until(drained(p), ttl + 3.0, "the slot of the consumer killed mid-transfer to be reclaimed")
+    st = p.stats()
+    assert st["expired_claimed"] == 1 and st["released"] == 0 and st["pump_errors"] == 0
+    h = publish(p, "next", 64, 4, 512)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert digest(c.fetch("next").hidden_states) == h
+
+
+def test_producer_restart_consumer_rehandshakes(backend: str) -> None:
+    port, token = free_port(), "t" * 40
+    kw = dict(backend=backend, num_slots=16, slot_bytes=MiB, port=port, token=token)
+    first = Peer()
+    second: Peer | None = None
+    try:
+        first.ok("producer", **kw)
+        spec = dict(tokens=50, planes=2, hidden=64)
+        for rid, seed in (("A1", 1), ("A2", 2)):
+            first.ok("publish", record_id=rid, seed=seed, **spec)
+        c = ExportConsumer(f"127.0.0.1:{port}", token, timeout_s=5.0)
+        try:
+            assert digest(c.fetch("A1").hidden_states) == digest(make_rows(1, 50, 2, 64))
+            old_claim = c.claim("A2")
+            old_producer = c.producer
+            first.kill()
+            second = Peer()
+            second.ok("producer", **kw)
+            second.ok("publish", record_id="B1", seed=3, **spec)
+            rec = c.fetch("B1")  # the broken connection is re-established; new metadata is loaded
+            assert digest(rec.hidden_states) == digest(make_rows(3, 50, 2, 64))
+            assert c.producer != old_producer and c.stats()["producer_changes"] == 1
+            (res,) = c.read([old_claim])  # a lease from the dead producer
+            assert isinstance(res, StaleMetadataError)
+            with pytest.raises(UnknownRecordError):
+                c.fetch("A2")
+        finally:
+            c.close()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_stale_or_garbled_transport_metadata_is_refused(backend: str, make_producer: Make) -> None:
+    p = make_producer()
+    info = p.transport.describe()
+    with ExportConsumer(p.endpoint, p.token) as c:
+        t = c._transport
+        assert t is not None
+        if backend == "nixl":
+            bad = [
+                {**info, "metadata": P.b64(b"not nixl metadata")},
+                {**info, "metadata": info["metadata"][: len(info["metadata"]) // 2]},
+                {**info, "agent": "someone-else"},
+            ]
+        else:
+            bad = [
+                {**info, "path": "/etc/passwd"},
+                {**info, "path": os.path.join(os.path.dirname(info["path"]), "hsx-1-deadbeefdeadbeef.pool")},
+                {**info, "size": info["size"] * 2},
+            ]
+        for b in bad:
+            with pytest.raises((StaleMetadataError, DescriptorError, P.ProtocolError)):
+                t.attach(b)
+        # the real metadata still works afterwards
+        t.attach(info)
+        h = publish(p, "fresh", 3, 1, 64)
+        assert digest(c.fetch("fresh").hidden_states) == h
+
+
+def test_out_of_range_descriptors_are_refused(backend: str, make_producer: Make) -> None:
+    p = make_producer(num_slots=4, lease_ttl_s=5.0)
+    publish(p, "r", 10, 2, 64)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        claim = c.claim("r")
+        (res,) = c.read([dataclasses.replace(claim, offset=p.pool.pool_bytes - 8)])
+        assert isinstance(res, DescriptorError)
+        wait_until(drained(p), 3.0, "the refused lease to be given back")
+        t = c._transport
+        assert t is not None
+        with pytest.raises(DescriptorError):
+            t.read([(p.pool.pool_bytes - 10, 0, 100)], b"", time.monotonic() + 5)
+        with pytest.raises(DescriptorError):
+            t.read([(0, c._landing_bytes - 10, 100)], b"", time.monotonic() + 5)
+        if backend == "nixl":  # NIXL's own check, with ours bypassed, maps to the same named error
+            base = int(p.transport.describe()["base"])
+            lbase = int(t.landing.data_ptr())
+            with pytest.raises(DescriptorError):
+                t._read_raw(
+                    [(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], b"", time.monotonic() + 5
+                )
+
+
+def _raw_handshake(endpoint: str) -> tuple[socket.socket, dict[str, Any]]:
+    host, port = endpoint.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    _, challenge = P.read_frame(s, time.monotonic() + 5, P.MAX_REQUEST_BYTES)
+    return s, challenge
+
+
+def test_wrong_or_missing_token_is_refused(backend: str, make_producer: Make, peer: Peer) -> None:
+    p = make_producer()
+    h = publish(p, "secret", 10, 2, 64)
+    with pytest.raises(AuthError):
+        ExportConsumer(p.endpoint, "w" * 43)
+    with pytest.raises(ExportConfigError):
+        ExportConsumer(p.endpoint, "")
+    # no auth at all: a request straight after the challenge
+    s, challenge = _raw_handshake(p.endpoint)
+    assert challenge["op"] == "challenge" and "nonce" in challenge
+    P.write_frame(s, {"op": "claim", "ids": ["secret"]}, time.monotonic() + 5)
+    _, ans = P.read_frame(s, time.monotonic() + 5, P.MAX_RESPONSE_BYTES)
+    assert ans["ok"] is False and ans["error"] == "auth"
+    assert s.recv(1) == b""  # and the connection is closed
+    s.close()
+    # a forged MAC
+    s, _ = _raw_handshake(p.endpoint)
+    P.write_frame(s, {"op": "auth", "cnonce": "0" * 32, "mac": "f" * 64}, time.monotonic() + 5)
+    _, ans = P.read_frame(s, time.monotonic() + 5, P.MAX_RESPONSE_BYTES)
+    assert ans["error"] == "auth"
+    s.close()
+    assert p.stats()["control_auth_failures"] == 3
+    assert p.stats()["claimed"] == 0  # nothing was handed out
+    connect(peer, p)
+    (res,) = peer.ok("fetch", ids=["secret"])["results"]
+    assert res["ok"] and res["sha256"] == h
+
+
+def test_truncated_and_corrupted_control_messages_fail_alone(
+    backend: str, make_producer: Make, peer: Peer
+) -> None:
+    p = make_producer()
+    h = publish(p, "keep", 10, 2, 64)
+    bad_frames: list[bytes] = [
+        P.HEADER.pack(P.MAGIC, P.VERSION, b"m", 12) + b"\xc1" * 12,  # not msgpack
+        P.HEADER.pack(P.MAGIC, P.VERSION, b"j", 9) + b"[1, 2, 3]",  # not a map
+        P.HEADER.pack(P.MAGIC, P.VERSION, b"m", 1 << 30),  # oversized: refused unread
+        P.HEADER.pack(b"GE", P.VERSION, b"j", 4) + b"T / ",  # wrong magic (an HTTP client)
+        P.HEADER.pack(P.MAGIC, 9, b"j", 2) + b"{}",  # future protocol version
+    ]
+    for frame in bad_frames:
+        cl = ControlClient(p.endpoint, p.token, timeout_s=5)
+        cl._sock.sendall(frame)
+        _, ans = P.read_frame(cl._sock, time.monotonic() + 5, P.MAX_RESPONSE_BYTES)
+        assert ans["ok"] is False and ans["error"] == "protocol", ans
+        cl.close()
+    # truncated: a header announcing 100 bytes, 10 sent, then the peer vanishes
+    cl = ControlClient(p.endpoint, p.token, timeout_s=5)
+    cl._sock.sendall(P.HEADER.pack(P.MAGIC, P.VERSION, b"j", 100) + b'{"op": "cl')
+    cl._sock.shutdown(socket.SHUT_WR)
+    cl.close()
+    # well-formed but wrong requests are answered and the connection stays usable
+    cl = ControlClient(p.endpoint, p.token, timeout_s=5)
+    for msg in (
+        {"op": "format_disk"},
+        {"op": "claim", "ids": "keep"},
+        {"op": "release", "leases": [["x", 1]]},
+        {"op": "claim_next", "max_records": -1, "max_bytes": 1, "wait_s": 0},
+    ):
+        with pytest.raises(P.ProtocolError):
+            cl.call(msg)
+    assert cl.call({"op": "ping"})["producer"] == p.instance
+    cl.close()
+    wait_until(
+        lambda: p.stats()["control_bad_frames"] >= len(bad_frames) + 1, 5.0, "bad frames to be counted"
+    )
+    connect(peer, p)
+    (res,) = peer.ok("fetch", ids=["keep"])["results"]
+    assert res["ok"] and res["sha256"] == h
+
+
+def test_full_pool_drop_policy_counts_every_drop(backend: str, make_producer: Make, peer: Peer) -> None:
+    p = make_producer(num_slots=4, slot_bytes=64 * 1024, on_full="drop")
+    spec = dict(tokens=256, planes=1, hidden=128)  # 64 KiB in bf16: one slot
+    for i in range(4):
+        publish(p, f"f-{i}", **spec)
+    for i in range(3):
+        with pytest.raises(PoolFullError) as exc:
+            publish(p, f"dropped-{i}", **spec)
+    # the connector hands the client the reason instead of a record that will never come
+    params = json.loads(json.dumps(ExportProducer.error_params("dropped-2", exc.value)))
+    with pytest.raises(UnknownRecordError, match="PoolFullError"):
+        ExportConsumer.from_params(params)
+    st = p.stats()
+    assert st["dropped_full"] == 3 and st["published"] == 4 and st["used_slots"] == 4
+    connect(peer, p)
+    assert peer.ok("fetch", ids=["f-0"])["results"][0]["ok"]
+    wait_until(lambda: p.occupancy() == 3, 5.0, "one slot to come back")
+    publish(p, "f-4", **spec)  # room again
+    (res,) = peer.ok("fetch", ids=["dropped-0"])["results"]
+    assert res["error"] == "UnknownRecordError"
+
+
+def test_full_pool_wait_policy_waits_then_times_out_or_proceeds(
+    backend: str, make_producer: Make, peer: Peer
+) -> None:
+    p = make_producer(num_slots=2, slot_bytes=64 * 1024, on_full="wait", wait_timeout_s=0.4)
+    spec = dict(tokens=256, planes=1, hidden=128)
+    publish(p, "w-0", **spec)
+    publish(p, "w-1", **spec)
+    t0 = time.monotonic()
+    with pytest.raises(PoolFullError):
+        publish(p, "w-late", **spec)
+    assert 0.35 <= time.monotonic() - t0 < 3.0
+    assert p.stats()["waited_full"] == 1 and p.stats()["dropped_full"] == 1
+    p.pool.wait_timeout_s = 20.0
+    done: list[float] = []
+    th = threading.Thread(target=lambda: (publish(p, "w-2", **spec), done.append(time.monotonic())))
+    th.start()
+    time.sleep(0.3)
+    assert not done  # still waiting for room
+    connect(peer, p)
+    assert peer.ok("fetch", ids=["w-0"])["results"][0]["ok"]
+    th.join(10)
+    assert done, "publish should have proceeded once a slot was released"
+    assert p.stats()["published"] == 3
+
+
+def test_unclaimed_records_expire_and_are_counted(backend: str, make_producer: Make, peer: Peer) -> None:
+    p = make_producer(ready_ttl_s=0.3)
+    publish(p, "old", 10, 2, 64)
+    wait_until(drained(p), 3.0, "the unclaimed record to expire")
+    assert p.stats()["expired_ready"] == 1
+    connect(peer, p)
+    (res,) = peer.ok("fetch", ids=["old"])["results"]
+    assert res["error"] == "UnknownRecordError"
+
+
+def test_corrupted_slot_is_caught_by_the_checksum(backend: str, make_producer: Make, peer: Peer) -> None:
+    p = make_producer()
+    publish(p, "bent", 64, 2, 64)
+    lease = p.pool._by_record["bent"]
+    p.transport.buffer[lease.offset + 1000] ^= 0x10  # one bit flipped after publication
+    connect(peer, p)
+    (res,) = peer.ok("fetch", ids=["bent"])["results"]
+    assert res["ok"] is False and res["error"] == "ChecksumMismatchError", res
+    assert peer.ok("cstats")["stats"]["checksum_failures"] == 1
+    wait_until(drained(p), 5.0, "the slot to be released anyway")
+
+
+def test_bad_records_fail_alone_and_are_counted(backend: str, make_producer: Make, peer: Peer) -> None:
+    p = make_producer(num_slots=4)
+    rows = make_rows(1, 10, 2, 64)
+    with pytest.raises(RecordFormatError):
+        p.publish(make_meta("bad-shape", rows), rows[:5])
+    with pytest.raises(RecordFormatError):
+        p.publish(make_meta("bad-dtype", rows), rows.float())
+    publish(p, "dup", 10, 2, 64)
+    with pytest.raises(DuplicateRecordError):
+        publish(p, "dup", 10, 2, 64)
+    with pytest.raises(RecordTooLargeError):
+        publish(p, "huge", 8192, 4, 128)  # 8 MiB > 4 MiB pool
+    st = p.stats()
+    assert (st["bad_records"], st["duplicate"], st["too_large"], st["published"]) == (2, 1, 1, 1)
+    assert p.occupancy() == 1
+    h = publish(p, "good", 10, 2, 64)
+    connect(peer, p)
+    res = peer.ok("fetch", ids=["dup", "good", "never"])["results"]
+    assert [r["ok"] for r in res] == [True, True, False]
+    assert res[1]["sha256"] == h and res[2]["error"] == "UnknownRecordError"
+
+
+def test_zero_copy_fetch_and_landing_buffer_accounting(backend: str, make_producer: Make) -> None:
+    p = make_producer()
+    hs = [publish(p, f"z-{i}", 512, 4, 512) for i in range(3)]  # 2 MiB each
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=5 * MiB) as c:
+        r0 = c.fetch("z-0", copy=False)
+        r1 = c.fetch("z-1", copy=False)
+        assert digest(r0.hidden_states) == hs[0] and digest(r1.hidden_states) == hs[1]
+        with pytest.raises(LandingBufferFullError):
+            c.fetch("z-2", copy=False)
+        c.release(r0)
+        publish(p, "z-3", 512, 4, 512, seed=99)
+        r3 = c.fetch("z-3", copy=False)
+        assert digest(r3.hidden_states) == digest(make_rows(99, 512, 4, 512))
+        assert digest(r1.hidden_states) == hs[1]  # untouched by the later read
+        assert c.stats()["held_records"] == 2
+    wait_until(drained(p), 5.0, "every lease to be released")
+
+
+def test_control_plane_binds_loopback_by_default_one_port_per_producer(
+    backend: str, make_producer: Make
+) -> None:
+    a, b = make_producer(), make_producer()
+    assert a.endpoint.startswith("127.0.0.1:") and b.endpoint.startswith("127.0.0.1:")
+    assert a.endpoint != b.endpoint  # several engines (DP) per host do not collide
+    port = int(a.endpoint.rsplit(":", 1)[1])
+    with pytest.raises(ExportConfigError):
+        make_producer(port=port)  # an explicit port that is taken is a named error
+    params = a.publish(make_meta("kp", make_rows(0, 2, 1, 64)), make_rows(0, 2, 1, 64)).kv_transfer_params()
+    entry = params["hs_export"]
+    assert entry["endpoint"] == a.endpoint and entry["token"] == a.token and entry["record_id"] == "kp"
+    json.dumps(params)  # plain data, fit for an OpenAI response
+    with ExportConsumer.from_params(params) as c:
+        assert c.fetch(entry["record_id"]).meta.request_id == "kp"
+
+
+def test_consumer_process_exit_leaves_the_pool_intact(backend: str, make_producer: Make) -> None:
+    """Python 3.11's shared-memory resource tracker unlinks an attached segment at exit; ours must not."""
+    p = make_producer()
+    path = p.transport.describe().get("path")
+    h1, h2 = publish(p, "x1", 5, 1, 64), publish(p, "x2", 5, 1, 64)
+    short = Peer()
+    try:
+        connect(short, p)
+        assert short.ok("fetch", ids=["x1"])["results"][0]["sha256"] == h1
+    finally:
+        short.close()  # clean exit
+    if path is not None:
+        assert os.path.exists(path)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert digest(c.fetch("x2").hidden_states) == h2
+
+
+def test_frames_with_binary_or_extension_types_are_rejected() -> None:
+    if "m" not in P.local_codecs():
+        pytest.skip("msgpack is not installed")
+    packed = P.encode({"x": 1}, b"m")
+    assert P.decode(b"m", packed[P.HEADER.size :]) == {"x": 1}
+    with pytest.raises(P.ProtocolError):
+        P.decode(b"m", b"\x81\xa1x\xc4\x03abc")  # {"x": bin(b"abc")}: bytes are refused
+    with pytest.raises(P.ProtocolError):
+        P.decode(b"m", b"\x81\xa1x\xd4\x01\x00")  # {"x": ext(1)}: extension types are refused
+    with pytest.raises(P.ProtocolError):
+        P.decode(b"m", b"\x81\xc4\x01k\x01")  # a bytes map key
+    assert struct.calcsize("!2sBcI") == P.HEADER.size
+
+
+def test_consumer_asking_for_the_other_transport_gets_a_named_error(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    other = "shm" if backend == "nixl" else "nixl"
+    with pytest.raises(TransportUnavailableError, match=other):
+        ExportConsumer(p.endpoint, p.token, backend=other)
+    with ExportConsumer(p.endpoint, p.token, backend=backend) as c:
+        assert c.hello["backend"] == backend == p.backend
+
+
+def test_ucx_settings_never_override_the_users_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_hs_compat.export.nixl_backend import _load
+
+    assert UcxSettings().env() == {"UCX_RCACHE_MAX_UNRELEASED": "1024"}
+    assert (
+        UcxSettings(net_devices="mlx5_0:1", mmap_hook_mode="none").env()["UCX_MEM_MMAP_HOOK_MODE"] == "none"
+    )
+    if not nixl_available():
+        pytest.skip("nixl is not importable here")
+    monkeypatch.setenv("UCX_RCACHE_MAX_UNRELEASED", "77")
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    _load(UcxSettings(tls="cma,tcp,self"))
+    assert os.environ["UCX_RCACHE_MAX_UNRELEASED"] == "77"
+    assert os.environ["UCX_TLS"] == "cma,tcp,self"
+
+
+def test_explicit_bind_address_and_advertised_endpoint(backend: str, make_producer: Make) -> None:
+    p = make_producer(
+        host="0.0.0.0", advertise_host="127.0.0.1"
+    )  # multi-node: all interfaces, named endpoint
+    assert p.endpoint.startswith("127.0.0.1:")
+    h = publish(p, "wide", 4, 1, 64)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert digest(c.fetch("wide").hidden_states) == h
+
+
+def test_missing_nixl_is_a_named_error_with_the_lean_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    for name in ("nixl", "nixl_cu12", "nixl_cu13"):  # as if no NIXL package were installed
+        monkeypatch.setitem(sys.modules, name, None)
+    assert not nixl_available()
+    with pytest.raises(TransportUnavailableError, match="--no-deps nixl"):
+        ExportProducer(backend="nixl")
+    with ExportProducer(backend="auto") as p:  # auto falls back to the shared-memory ring
+        assert p.backend == "shm"
+
+
+def test_a_backend_wheel_without_the_meta_package_is_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from vllm_hs_compat.export.nixl_backend import _findable, _load
+
+    if not (_findable("nixl_cu12") or _findable("nixl_cu13")):
+        pytest.skip("no NIXL backend wheel installed")
+    monkeypatch.setitem(sys.modules, "nixl", None)  # only nixl-cu12 / nixl-cu13 installed
+    assert nixl_available()
+    api = _load(UcxSettings())
+    assert api.__name__ in ("nixl_cu12._api", "nixl_cu13._api")
+
+
+def test_strided_rows_and_skip_on_error_streams(backend: str, make_producer: Make) -> None:
+    p = make_producer()
+    base = make_rows(5, 3, 8, 64)  # [planes, tokens, hidden] in memory, exported as [tokens, planes, hidden]
+    rows = base.permute(1, 0, 2)
+    assert not rows.is_contiguous()
+    p.publish(make_meta("strided", rows), rows)
+    publish(p, "bent", 16, 2, 64)
+    publish(p, "after", 16, 2, 64, seed=4)
+    lease = p.pool._by_record["bent"]
+    p.transport.buffer[lease.offset + 3] ^= 0x01
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = list(c.iter_records(batch=8, wait_s=0.2, idle_timeout_s=0.5, on_error="skip"))
+        assert [r.meta.request_id for r in got] == ["strided", "after"]
+        assert torch.equal(got[0].hidden_states.view(torch.uint8), rows.contiguous().view(torch.uint8))
+        assert digest(got[1].hidden_states) == digest(make_rows(4, 16, 2, 64))
+        assert c.stats()["checksum_failures"] == 1
+
+
+def test_a_pool_larger_than_the_tmpfs_is_a_named_error(tmp_path: Any) -> None:
+    free = os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize
+    with pytest.raises(TransportUnavailableError, match="free"):
+        ExportProducer(
+            backend="shm", shm_dir=str(tmp_path), num_slots=4, slot_bytes=(free // 2 + 64) // 64 * 64
+        )
+
+
+def test_record_larger_than_the_landing_buffer_fails_alone_in_a_stream(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    publish(p, "too-big", 1024, 4, 512)  # 4 MiB
+    h = publish(p, "fits", 8, 1, 64)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=1 * MiB) as c:
+        stream = c.iter_records(batch=4, wait_s=0.2, idle_timeout_s=0.5)
+        with pytest.raises(RecordTooLargeError, match="landing"):
+            next(stream)
+        rec = next(stream)  # the stream survives the failed record
+        assert rec.meta.request_id == "fits" and digest(rec.hidden_states) == h
+    wait_until(drained(p), 5.0, "the refused record's lease to be given back")

@@ -1,0 +1,80 @@
+"""Export API: stream capture records from the serving process to trainers.
+
+Producer side (the capture connector's worker)::
+
+    from vllm_hs_compat.export import ExportProducer, RecordMeta
+    producer = ExportProducer(backend="auto")            # NIXL if installed, else the /dev/shm ring
+    ticket = producer.publish(RecordMeta.for_tensor(req_id, rows, token_ids, layer_ids, pre_norm=True), rows)
+    kv_transfer_params.update(ticket.kv_transfer_params())
+
+Trainer side::
+
+    from vllm_hs_compat.export import ExportConsumer
+    consumer = ExportConsumer.from_params(kv_transfer_params)
+    record = consumer.fetch(kv_transfer_params["hs_export"]["record_id"])
+
+See docs/export.md for the wire format, the security model, UCX settings and fault semantics.
+"""
+
+from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
+from vllm_hs_compat.export.consumer import Claim, ExportConsumer, ExportParams
+from vllm_hs_compat.export.errors import (
+    AuthError,
+    ChecksumMismatchError,
+    ControlPlaneError,
+    DescriptorError,
+    DuplicateRecordError,
+    ExportClosedError,
+    ExportConfigError,
+    ExportError,
+    ExportTimeoutError,
+    LandingBufferFullError,
+    LeaseExpiredError,
+    PoolFullError,
+    ProtocolError,
+    RecordFormatError,
+    RecordTooLargeError,
+    RemoteDisconnectedError,
+    RemoteError,
+    StaleMetadataError,
+    TransportError,
+    TransportUnavailableError,
+    UnknownRecordError,
+)
+from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
+from vllm_hs_compat.export.producer import PARAMS_KEY, ExportProducer, ExportTicket
+
+__all__ = [
+    "PARAMS_KEY",
+    "AuthError",
+    "CaptureRecord",
+    "ChecksumMismatchError",
+    "Claim",
+    "ControlPlaneError",
+    "DescriptorError",
+    "DuplicateRecordError",
+    "ExportClosedError",
+    "ExportConfigError",
+    "ExportConsumer",
+    "ExportError",
+    "ExportParams",
+    "ExportProducer",
+    "ExportTicket",
+    "ExportTimeoutError",
+    "LandingBufferFullError",
+    "LeaseExpiredError",
+    "PoolFullError",
+    "ProtocolError",
+    "RecordFormatError",
+    "RecordMeta",
+    "RecordTooLargeError",
+    "RemoteDisconnectedError",
+    "RemoteError",
+    "StaleMetadataError",
+    "TransportError",
+    "TransportUnavailableError",
+    "UcxSettings",
+    "UnknownRecordError",
+    "compute_checksum",
+    "nixl_available",
+]

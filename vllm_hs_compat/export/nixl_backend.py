@@ -1,0 +1,300 @@
+"""NIXL transport (optional extra ``nixl``, imported lazily on first use).
+
+One DRAM registration per side: the producer's pool, the consumer's landing buffer.  The consumer pulls with
+READ; the READ carries a release notification, so the producer frees the slots when the bytes have left.
+Agent metadata travels base64 inside control-plane messages; NIXL's pickle-based descriptor serialisation is
+never used.
+
+UCX settings (applied with ``os.environ.setdefault`` *before* NIXL is first imported, because UCX reads them
+once):
+
+* ``UCX_RCACHE_MAX_UNRELEASED=1024``: bounds UCX's registration cache of freed-but-unreleased regions, the
+  leak vLLM works around the same way (vllm-project/vllm#24264).  Set by default.
+* ``UCX_MEM_MMAP_HOOK_MODE``: ``none`` turns off UCX's mmap/munmap hooks (the other leak/crash workaround in
+  the wild).  Safe for this module, which registers once and never frees registered memory, but it changes
+  UCX for the whole process, so it is only set when asked (``UcxSettings(mmap_hook_mode="none")``).
+* ``UCX_NET_DEVICES``: which NIC(s) UCX may use, e.g. ``mlx5_0:1`` on an RDMA host, ``lo`` for a single-host
+  test. Left to UCX unless given.
+* ``UCX_TLS``: transports; left to UCX unless given (``cma,tcp,self`` works on a host without RDMA).
+
+Agents run with ``enable_prog_thread=False``: the producer's pump thread polls ``get_new_notifs()`` (which
+also drives UCX progress for incoming connections); the consumer polls ``check_xfer_state``.  Every wait has
+a deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_hs_compat.export import errors as E
+from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.transport import host_buffer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class UcxSettings:
+    """UCX environment applied before NIXL is imported (``None`` = leave UCX's default / the user's value)."""
+
+    net_devices: str | None = None
+    tls: str | None = None
+    rcache_max_unreleased: str | None = "1024"
+    mmap_hook_mode: str | None = None
+
+    def env(self) -> dict[str, str]:
+        pairs = {
+            "UCX_NET_DEVICES": self.net_devices,
+            "UCX_TLS": self.tls,
+            "UCX_RCACHE_MAX_UNRELEASED": self.rcache_max_unreleased,
+            "UCX_MEM_MMAP_HOOK_MODE": self.mmap_hook_mode,
+        }
+        return {k: v for k, v in pairs.items() if v is not None}
+
+
+#: Import names tried in order: the ``nixl`` meta package (it picks the CUDA major itself), then the backend
+#: wheels directly, so ``pip install nixl-cu12`` alone (no meta package, no CUDA 13 libraries) is enough.
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+LEAN_INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+
+
+def _findable(name: str) -> bool:
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name] is not None  # None: import deliberately blocked
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def nixl_available() -> bool:
+    """True if a NIXL package can be imported (checked without importing it)."""
+    return any(_findable(m) for m in NIXL_MODULES)
+
+
+def _load(ucx: UcxSettings) -> Any:
+    """Apply UCX settings, then import NIXL's ``_api`` module; a named error when no NIXL is installed."""
+    already = any(m == "nixl" or m.startswith("nixl_cu") for m in sys.modules)
+    for key, value in ucx.env().items():
+        if key in os.environ:
+            continue
+        if already:
+            log.warning(
+                "NIXL was imported before vllm-hs-compat could set %s=%s; set it in the environment",
+                key,
+                value,
+            )
+        os.environ[key] = value
+    failures: list[str] = []
+    for name in NIXL_MODULES:
+        if not _findable(name):
+            failures.append(f"{name}: not installed")
+            continue
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError as e:
+            failures.append(f"{name}: {e}")
+    raise E.TransportUnavailableError(
+        f"the NIXL transport needs a NIXL package ({'; '.join(failures)}); install the lean way: "
+        f"{LEAN_INSTALL} (never a bare 'pip install nixl', it pulls CUDA torch and libraries), "
+        "or use backend='shm' on a single host"
+    )
+
+
+def _nixl_errors() -> dict[str, type[E.ExportError]]:
+    return {
+        "nixlRemoteDisconnectError": E.RemoteDisconnectedError,
+        "nixlNotFoundError": E.DescriptorError,
+        "nixlInvalidParamError": E.DescriptorError,
+        "nixlMismatchError": E.StaleMetadataError,
+        "nixlNotAllowedError": E.StaleMetadataError,
+    }
+
+
+def _translate(exc: Exception, what: str) -> E.ExportError:
+    name = type(exc).__name__
+    cls = _nixl_errors().get(name, E.TransportError)
+    hints: dict[type[E.ExportError], str] = {
+        E.RemoteDisconnectedError: "the peer process died or restarted; reconnect for fresh metadata",
+        E.DescriptorError: "a descriptor lies outside the registered memory (or lengths disagree)",
+        E.StaleMetadataError: "the agent metadata is stale, garbled or already loaded under that name",
+    }
+    hint = hints.get(cls, "see the NIXL log lines above")
+    return cls(f"NIXL {what} failed with {name}: {exc}; {hint}")
+
+
+def _agent(api: Any, name: str) -> Any:
+    cfg = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=False)
+    try:
+        agent = api.nixl_agent(name, cfg)
+    except Exception as e:
+        raise _translate(e, "agent creation") from None
+    if "UCX" not in getattr(agent, "backends", {}):
+        raise E.TransportUnavailableError(
+            "NIXL loaded but its UCX backend did not start; check UCX_NET_DEVICES / UCX_TLS and the NIXL log"
+        )
+    return agent
+
+
+class NixlProducerTransport:
+    kind = "nixl"
+
+    def __init__(self, pool_bytes: int, instance: str, ucx: UcxSettings | None = None) -> None:
+        api = _load(ucx or UcxSettings())
+        self.pool_bytes = pool_bytes
+        self.buffer = host_buffer(pool_bytes)
+        self.agent_name = f"hsx-p-{instance}"
+        self._agent = _agent(api, self.agent_name)
+        try:
+            self._reg = self._agent.register_memory([(self.buffer.data_ptr(), pool_bytes, 0, "")], "DRAM")
+            self._metadata = bytes(self._agent.get_agent_metadata())
+        except Exception as e:
+            raise _translate(e, "pool registration") from None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "agent": self.agent_name,
+            "metadata": P.b64(self._metadata),
+            "base": int(self.buffer.data_ptr()),
+            "size": self.pool_bytes,
+        }
+
+    def poll_notifications(self) -> list[bytes]:
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as e:  # keep serving; the pump logs and counts
+            raise _translate(e, "notification poll") from None
+        return [bytes(m) for msgs in notifs.values() for m in msgs]
+
+    def close(self) -> None:
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception as e:
+            log.warning("NIXL deregistration failed: %s", e)
+        self._agent = None
+
+
+class NixlConsumerTransport:
+    kind = "nixl"
+    releases_by_notification = True
+
+    def __init__(self, landing_bytes: int, ucx: UcxSettings | None = None) -> None:
+        api = _load(ucx or UcxSettings())
+        self.landing = host_buffer(landing_bytes)
+        self.agent_name = f"hsx-c-{uuid.uuid4().hex}"
+        self._agent = _agent(api, self.agent_name)
+        try:
+            self._reg = self._agent.register_memory([(self.landing.data_ptr(), landing_bytes, 0, "")], "DRAM")
+        except Exception as e:
+            raise _translate(e, "landing-buffer registration") from None
+        self._remote: str | None = None
+        self._base = 0
+        self._size = 0
+
+    def attach(self, info: dict[str, Any]) -> None:
+        if info.get("kind") != self.kind:
+            raise E.TransportUnavailableError(f"producer offers transport {info.get('kind')!r}, this is nixl")
+        name = P.get_str(info, "agent", 256)
+        metadata = P.unb64(P.get_str(info, "metadata", 1 << 22), "NIXL agent metadata")
+        base = P.get_int(info, "base", 1, (1 << 64) - 1)
+        size = P.get_int(info, "size", 1, 1 << 48)
+        self.detach()
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise _translate(e, "loading the producer's agent metadata") from None
+        loaded_s = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_s != name:
+            self._remote = loaded_s
+            self.detach()
+            raise E.StaleMetadataError(
+                f"agent metadata names agent {loaded_s!r}, the producer said {name!r}; refusing it"
+            )
+        self._remote, self._base, self._size = name, base, size
+
+    def detach(self) -> None:
+        if self._remote is not None:
+            try:
+                self._agent.remove_remote_agent(self._remote)
+            except Exception as e:
+                log.debug("remove_remote_agent(%s): %s", self._remote, e)
+            self._remote = None
+
+    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+        if self._remote is None:
+            raise E.StaleMetadataError("no producer attached; call attach() first")
+        cap = self.landing.numel()
+        lbase = int(self.landing.data_ptr())
+        local: list[tuple[int, int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        for roff, loff, n in items:
+            if roff < 0 or n <= 0 or roff + n > self._size or loff < 0 or loff + n > cap:
+                raise E.DescriptorError(
+                    f"range remote[{roff}:{roff + n}] -> landing[{loff}:{loff + n}] is outside the pool "
+                    f"({self._size} bytes) or the landing buffer ({cap} bytes)"
+                )
+            local.append((lbase + loff, n, 0))
+            remote.append((self._base + roff, n, 0))
+        self._read_raw(local, remote, notif, deadline)
+
+    def _read_raw(
+        self,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        notif: bytes,
+        deadline: float,
+    ) -> None:
+        """READ absolute address ranges (no range checks: tests use it to prove NIXL's own checks map)."""
+        agent = self._agent
+        handle = None
+        try:
+            ldesc = agent.get_xfer_descs(local, "DRAM")
+            rdesc = agent.get_xfer_descs(remote, "DRAM")
+            handle = agent.initialize_xfer("READ", ldesc, rdesc, self._remote, notif)
+            state = agent.transfer(handle)
+            spins = 0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise E.ExportTimeoutError(
+                        f"NIXL READ of {sum(n for _, n, _ in local)} bytes still in progress at its "
+                        "deadline; "
+                        "the producer may be stalled (is its pump running?) or the network down"
+                    )
+                spins += 1
+                if spins > 64:
+                    time.sleep(50e-6)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise E.TransportError(f"NIXL READ ended in state {state!r}")
+        except E.ExportError:
+            raise
+        except Exception as e:
+            raise _translate(e, "READ") from None
+        finally:
+            if handle is not None:
+                try:
+                    handle.release()
+                except Exception as e:
+                    log.debug("releasing a NIXL handle: %s", e)
+
+    @property
+    def remote_base(self) -> int:
+        return self._base
+
+    def close(self) -> None:
+        self.detach()
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception as e:
+            log.debug("NIXL deregistration failed: %s", e)

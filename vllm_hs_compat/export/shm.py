@@ -1,0 +1,200 @@
+"""Embedded default transport: the pool is a file in ``/dev/shm`` mapped by the producer (read-write) and by
+same-host consumers (read-only).  Slots, leases and releases follow the same protocol as NIXL; releases
+travel over the control plane instead of a NIXL notification.
+
+Why a plain file and not ``multiprocessing.shared_memory``: on Python 3.11 every process that *attaches* to
+a ``SharedMemory`` registers it with its resource tracker, which unlinks the segment when that process
+exits, so a trainer finishing would delete the producer's pool.  A file opened with ``os.open`` + ``mmap``
+is never tracked. Files are created ``0600`` (same user only) and named ``hsx-<pid>-<instance>.pool``; a
+producer removes its own on close and, on start, the files of producers whose pid no longer exists (left by
+a SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, Final
+
+import torch
+
+from vllm_hs_compat.export import errors as E
+from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.transport import host_buffer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHM_DIR: Final = "/dev/shm"
+_NAME_RE: Final = re.compile(r"^hsx-(\d+)-([0-9a-f]{8,64})\.pool$")
+
+
+def _sweep_dead(shm_dir: str) -> int:
+    removed = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME_RE.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore"
+        )  # read-only maps: torch warns the tensor is not writable; we never write
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class ShmProducerTransport:
+    kind = "shm"
+
+    def __init__(self, pool_bytes: int, instance: str, shm_dir: str = DEFAULT_SHM_DIR) -> None:
+        if not os.path.isdir(shm_dir):
+            raise E.TransportUnavailableError(
+                f"shared-memory directory {shm_dir!r} does not exist; pass shm_dir= an existing tmpfs "
+                "directory"
+            )
+        swept = _sweep_dead(shm_dir)
+        if swept:
+            log.info("removed %d pool file(s) left by dead producers in %s", swept, shm_dir)
+        self.path = os.path.join(shm_dir, f"hsx-{os.getpid()}-{instance}.pool")
+        self.pool_bytes = pool_bytes
+        st = os.statvfs(shm_dir)
+        free = st.f_bavail * st.f_frsize
+        if pool_bytes > free:
+            raise E.TransportUnavailableError(
+                f"{shm_dir} has {free} bytes free, the pool needs {pool_bytes}; shrink num_slots/slot_bytes, "
+                "enlarge the tmpfs (Docker: --shm-size) or pass shm_dir="
+            )
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Reserve the pages now: a sparse tmpfs file that cannot be backed later would kill the serving
+            # process with SIGBUS on first write instead of failing here with a named error.
+            try:
+                os.posix_fallocate(fd, 0, pool_bytes)
+            except OSError as e:
+                raise E.TransportUnavailableError(
+                    f"cannot reserve {pool_bytes} bytes in {shm_dir}: {e}; shrink the pool or enlarge "
+                    "the tmpfs "
+                    "(Docker: --shm-size)"
+                ) from None
+            self._mm = mmap.mmap(fd, pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.buffer = _tensor_over(self._mm)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "size": self.pool_bytes, "pid": os.getpid()}
+
+    def poll_notifications(self) -> list[bytes]:
+        return []
+
+    def close(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._mm.close()
+        except BufferError:
+            log.warning("pool views still alive at close; the mapping is left to the garbage collector")
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class ShmConsumerTransport:
+    kind = "shm"
+    releases_by_notification = False
+
+    def __init__(self, landing_bytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> None:
+        self.landing = host_buffer(landing_bytes)
+        self._shm_dir = os.path.realpath(shm_dir)
+        self._mm: mmap.mmap | None = None
+        self._remote: torch.Tensor | None = None
+        self._size = 0
+
+    def attach(self, info: dict[str, Any]) -> None:
+        if info.get("kind") != self.kind:
+            raise E.TransportUnavailableError(f"producer offers transport {info.get('kind')!r}, this is shm")
+        path = P.get_str(info, "path", 4096)
+        size = P.get_int(info, "size", 1, 1 << 48)
+        real = os.path.realpath(path)
+        if os.path.dirname(real) != self._shm_dir or not _NAME_RE.match(os.path.basename(real)):
+            raise E.DescriptorError(
+                f"producer names pool file {path!r}, expected an hsx-<pid>-<id>.pool file in "
+                f"{self._shm_dir}; "
+                "refusing to map it (pass shm_dir= if the producer uses another directory)"
+            )
+        self.detach()
+        try:
+            fd = os.open(real, os.O_RDONLY)
+        except FileNotFoundError:
+            raise E.StaleMetadataError(
+                f"pool file {real} is gone: the producer restarted or exited; reconnect for fresh metadata"
+            ) from None
+        except OSError as e:
+            raise E.TransportUnavailableError(
+                f"cannot open pool file {real}: {e}; producer and consumer must run as the same user "
+                "on one host"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_size < size:
+                raise E.StaleMetadataError(f"pool file {real} has {st.st_size} bytes, producer says {size}")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._remote = _tensor_over(self._mm)
+        self._size = size
+
+    def detach(self) -> None:
+        self._remote = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+            self._mm = None
+
+    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+        remote = self._remote
+        if remote is None:
+            raise E.StaleMetadataError("no producer attached; call attach() first")
+        cap = self.landing.numel()
+        for roff, loff, n in items:
+            if roff < 0 or n < 0 or roff + n > self._size or loff < 0 or loff + n > cap:
+                raise E.DescriptorError(
+                    f"range remote[{roff}:{roff + n}] -> landing[{loff}:{loff + n}] is outside the pool "
+                    f"({self._size} bytes) or the landing buffer ({cap} bytes)"
+                )
+        for roff, loff, n in items:
+            if time.monotonic() > deadline:
+                raise E.ExportTimeoutError("shared-memory copy ran past its deadline")
+            self.landing[loff : loff + n].copy_(remote[roff : roff + n])
+
+    def close(self) -> None:
+        self.detach()
