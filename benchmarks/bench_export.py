@@ -270,9 +270,7 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
     line("producer publish (copy into pool + checksum)", LARGE, r["publish_large_s"])
     if "raw_large_s" in r:
         ratio("large: API / raw NIXL", r["raw_large_s"], r["api_large_s"], "(target >= 0.95x)")
-        ratio(
-            "large: API without checksum verification / raw NIXL", r["raw_large_s"], r["api_large_noverify_s"]
-        )
+        ratio("large: API without checksum verification / raw NIXL", r["raw_large_s"], r["api_large_noverify_s"])
     ratio("large: API / memcpy", r["memcpy_large_s"], r["api_large_s"])
     nb = n_small * SMALL
     print(f"{n_small} small records of {SMALL} B:")

@@ -65,9 +65,7 @@ class Peer:
         try:
             line = self._lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise TimeoutError(
-                f"peer {self.proc.pid} said nothing for {timeout_s}s; log: {self.log()}"
-            ) from None
+            raise TimeoutError(f"peer {self.proc.pid} said nothing for {timeout_s}s; log: {self.log()}") from None
         return dict(json.loads(line))
 
     def send(self, cmd: str, **kw: Any) -> None:
@@ -90,9 +88,7 @@ class Peer:
     def ok(self, cmd: str, timeout_s: float = 30.0, **kw: Any) -> dict[str, Any]:
         ans = self.call(cmd, timeout_s, **kw)
         if not ans.get("ok"):
-            raise AssertionError(
-                f"peer {cmd} failed: {ans.get('error')}: {ans.get('message')}\n{ans.get('tb')}"
-            )
+            raise AssertionError(f"peer {cmd} failed: {ans.get('error')}: {ans.get('message')}\n{ans.get('tb')}")
         return ans
 
     def log(self) -> str:

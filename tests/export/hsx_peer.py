@@ -51,9 +51,7 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "publish":
         if producer is None:
             raise RuntimeError("no producer")
-        rows = make_rows(
-            cmd["seed"], cmd["tokens"], cmd["planes"], cmd["hidden"], cmd.get("dtype", "bfloat16")
-        )
+        rows = make_rows(cmd["seed"], cmd["tokens"], cmd["planes"], cmd["hidden"], cmd.get("dtype", "bfloat16"))
         ticket = producer.publish(make_meta(cmd["record_id"], rows, cmd["seed"]), rows)
         return {"params": ticket.kv_transfer_params()}
     if op == "pstats":

@@ -17,11 +17,7 @@ from vllm_hs_compat.export.control import ControlClient, ControlServer
 from vllm_hs_compat.export.transport import decode_release
 
 plain = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=10), kids, max_size=5),
     max_leaves=30,
 )

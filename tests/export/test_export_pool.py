@@ -104,11 +104,7 @@ def test_bad_settings_are_named() -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["put", "claim", "release", "tick"]), st.integers(1, 300)), max_size=60
-    )
-)
+@given(st.lists(st.tuples(st.sampled_from(["put", "claim", "release", "tick"]), st.integers(1, 300)), max_size=60))
 def test_slots_never_overlap_and_are_always_accounted(ops: list[tuple[str, int]]) -> None:
     clock = Clock()
     pool = LeasePool(12, 64, lease_ttl_s=3.0, ready_ttl_s=7.0, clock=clock)
@@ -139,9 +135,5 @@ def test_slots_never_overlap_and_are_always_accounted(ops: list[tuple[str, int]]
         assert sum(cover) == pool.occupancy()
     st_ = pool.stats()
     assert st_["published"] == (
-        st_["released"]
-        + st_["expired_ready"]
-        + st_["expired_claimed"]
-        + st_["leases_ready"]
-        + st_["leases_claimed"]
+        st_["released"] + st_["expired_ready"] + st_["expired_claimed"] + st_["leases_ready"] + st_["leases_claimed"]
     )

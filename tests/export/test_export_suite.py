@@ -201,9 +201,7 @@ def test_consumer_killed_mid_read_slots_are_reclaimed_within_ttl(backend: str, m
         assert digest(c.fetch("after-kill").hidden_states) == h
 
 
-def test_consumer_killed_during_a_transfer_leaves_the_producer_healthy(
-    backend: str, make_producer: Make
-) -> None:
+def test_consumer_killed_during_a_transfer_leaves_the_producer_healthy(backend: str, make_producer: Make) -> None:
     ttl = 1.0
     p = make_producer(num_slots=8, slot_bytes=4 * MiB, lease_ttl_s=ttl)
     publish(p, "big", 2048, 4, 512)  # 8 MiB: each READ takes milliseconds, so the kill lands inside one
@@ -304,9 +302,7 @@ def test_out_of_range_descriptors_are_refused(backend: str, make_producer: Make)
             base = int(p.transport.describe()["base"])
             lbase = int(t.landing.data_ptr())
             with pytest.raises(DescriptorError):
-                t._read_raw(
-                    [(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], b"", time.monotonic() + 5
-                )
+                t._read_raw([(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], b"", time.monotonic() + 5)
 
 
 def _raw_handshake(endpoint: str) -> tuple[socket.socket, dict[str, Any]]:
@@ -344,9 +340,7 @@ def test_wrong_or_missing_token_is_refused(backend: str, make_producer: Make, pe
     assert res["ok"] and res["sha256"] == h
 
 
-def test_truncated_and_corrupted_control_messages_fail_alone(
-    backend: str, make_producer: Make, peer: Peer
-) -> None:
+def test_truncated_and_corrupted_control_messages_fail_alone(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer()
     h = publish(p, "keep", 10, 2, 64)
     bad_frames: list[bytes] = [
@@ -379,9 +373,7 @@ def test_truncated_and_corrupted_control_messages_fail_alone(
             cl.call(msg)
     assert cl.call({"op": "ping"})["producer"] == p.instance
     cl.close()
-    wait_until(
-        lambda: p.stats()["control_bad_frames"] >= len(bad_frames) + 1, 5.0, "bad frames to be counted"
-    )
+    wait_until(lambda: p.stats()["control_bad_frames"] >= len(bad_frames) + 1, 5.0, "bad frames to be counted")
     connect(peer, p)
     (res,) = peer.ok("fetch", ids=["keep"])["results"]
     assert res["ok"] and res["sha256"] == h
@@ -409,9 +401,7 @@ def test_full_pool_drop_policy_counts_every_drop(backend: str, make_producer: Ma
     assert res["error"] == "UnknownRecordError"
 
 
-def test_full_pool_wait_policy_waits_then_times_out_or_proceeds(
-    backend: str, make_producer: Make, peer: Peer
-) -> None:
+def test_full_pool_wait_policy_waits_then_times_out_or_proceeds(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer(num_slots=2, slot_bytes=64 * 1024, on_full="wait", wait_timeout_s=0.4)
     spec = dict(tokens=256, planes=1, hidden=128)
     publish(p, "w-0", **spec)
@@ -496,9 +486,7 @@ def test_zero_copy_fetch_and_landing_buffer_accounting(backend: str, make_produc
     wait_until(drained(p), 5.0, "every lease to be released")
 
 
-def test_control_plane_binds_loopback_by_default_one_port_per_producer(
-    backend: str, make_producer: Make
-) -> None:
+def test_control_plane_binds_loopback_by_default_one_port_per_producer(backend: str, make_producer: Make) -> None:
     a, b = make_producer(), make_producer()
     assert a.endpoint.startswith("127.0.0.1:") and b.endpoint.startswith("127.0.0.1:")
     assert a.endpoint != b.endpoint  # several engines (DP) per host do not collide
@@ -544,9 +532,7 @@ def test_frames_with_binary_or_extension_types_are_rejected() -> None:
     assert struct.calcsize("!2sBcI") == P.HEADER.size
 
 
-def test_consumer_asking_for_the_other_transport_gets_a_named_error(
-    backend: str, make_producer: Make
-) -> None:
+def test_consumer_asking_for_the_other_transport_gets_a_named_error(backend: str, make_producer: Make) -> None:
     p = make_producer()
     other = "shm" if backend == "nixl" else "nixl"
     with pytest.raises(TransportUnavailableError, match=other):
@@ -559,9 +545,7 @@ def test_ucx_settings_never_override_the_users_environment(monkeypatch: pytest.M
     from vllm_hs_compat.export.nixl_backend import _load
 
     assert UcxSettings().env() == {"UCX_RCACHE_MAX_UNRELEASED": "1024"}
-    assert (
-        UcxSettings(net_devices="mlx5_0:1", mmap_hook_mode="none").env()["UCX_MEM_MMAP_HOOK_MODE"] == "none"
-    )
+    assert UcxSettings(net_devices="mlx5_0:1", mmap_hook_mode="none").env()["UCX_MEM_MMAP_HOOK_MODE"] == "none"
     if not nixl_available():
         pytest.skip("nixl is not importable here")
     monkeypatch.setenv("UCX_RCACHE_MAX_UNRELEASED", "77")
@@ -572,9 +556,7 @@ def test_ucx_settings_never_override_the_users_environment(monkeypatch: pytest.M
 
 
 def test_explicit_bind_address_and_advertised_endpoint(backend: str, make_producer: Make) -> None:
-    p = make_producer(
-        host="0.0.0.0", advertise_host="127.0.0.1"
-    )  # multi-node: all interfaces, named endpoint
+    p = make_producer(host="0.0.0.0", advertise_host="127.0.0.1")  # multi-node: all interfaces, named endpoint
     assert p.endpoint.startswith("127.0.0.1:")
     h = publish(p, "wide", 4, 1, 64)
     with ExportConsumer(p.endpoint, p.token) as c:
@@ -627,14 +609,10 @@ def test_strided_rows_and_skip_on_error_streams(backend: str, make_producer: Mak
 def test_a_pool_larger_than_the_tmpfs_is_a_named_error(tmp_path: Any) -> None:
     free = os.statvfs(str(tmp_path)).f_bavail * os.statvfs(str(tmp_path)).f_frsize
     with pytest.raises(TransportUnavailableError, match="free"):
-        ExportProducer(
-            backend="shm", shm_dir=str(tmp_path), num_slots=4, slot_bytes=(free // 2 + 64) // 64 * 64
-        )
+        ExportProducer(backend="shm", shm_dir=str(tmp_path), num_slots=4, slot_bytes=(free // 2 + 64) // 64 * 64)
 
 
-def test_record_larger_than_the_landing_buffer_fails_alone_in_a_stream(
-    backend: str, make_producer: Make
-) -> None:
+def test_record_larger_than_the_landing_buffer_fails_alone_in_a_stream(backend: str, make_producer: Make) -> None:
     p = make_producer()
     publish(p, "too-big", 1024, 4, 512)  # 4 MiB
     h = publish(p, "fits", 8, 1, 64)

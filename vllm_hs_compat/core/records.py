@@ -125,9 +125,7 @@ class ChecksumState:
 
     def __init__(self, algorithm: str, total_bytes: int) -> None:
         if algorithm not in CHECKSUM_ALGORITHMS:
-            raise RecordFormatError(
-                f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}"
-            )
+            raise RecordFormatError(f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}")
         if algorithm == "bsum64" and sys.byteorder != "little":
             raise RecordFormatError("bsum64 is defined on little-endian hosts only; use checksum='crc32'")
         self.algorithm = algorithm
@@ -136,12 +134,7 @@ class ChecksumState:
         self._crc = zlib.crc32(total_bytes.to_bytes(8, "little")) if algorithm == "bsum64" else 0
 
     def update(self, data: torch.Tensor) -> ChecksumState:
-        if (
-            data.dtype != torch.uint8
-            or data.dim() != 1
-            or not data.is_contiguous()
-            or data.device.type != "cpu"
-        ):
+        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous() or data.device.type != "cpu":
             raise RecordFormatError(
                 f"checksum input must be a 1-D contiguous CPU uint8 tensor, got dtype={data.dtype} "
                 f"dim={data.dim()} contiguous={data.is_contiguous()} device={data.device}; "
@@ -303,8 +296,7 @@ class RecordMeta:
             )
         if self.checksum_algorithm not in CHECKSUM_ALGORITHMS:
             raise RecordFormatError(
-                f"unknown checksum algorithm {self.checksum_algorithm!r}; expected one of "
-                f"{CHECKSUM_ALGORITHMS}"
+                f"unknown checksum algorithm {self.checksum_algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}"
             )
         if self.checksum is not None:
             _int(self.checksum, "checksum", 0, 0xFFFFFFFF)
@@ -316,9 +308,7 @@ class RecordMeta:
         algorithm = algorithm or self.checksum_algorithm
         _int(checksum, "checksum", 0, 0xFFFFFFFF)
         if algorithm not in CHECKSUM_ALGORITHMS:
-            raise RecordFormatError(
-                f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}"
-            )
+            raise RecordFormatError(f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}")
         new = object.__new__(RecordMeta)
         for name in self.__slots__:
             object.__setattr__(new, name, getattr(self, name))
@@ -356,9 +346,7 @@ class RecordMeta:
             )
         shape = _int_seq(_field(d, "shape"), "shape", 0, 1 << 40, 3)
         if len(shape) != 3:
-            raise RecordFormatError(
-                f"shape must have 3 entries [tokens, planes, hidden], found {list(shape)}"
-            )
+            raise RecordFormatError(f"shape must have 3 entries [tokens, planes, hidden], found {list(shape)}")
         checksum = _field(d, "checksum")
         return cls(
             request_id=_str(_field(d, "request_id"), "request_id"),
@@ -390,8 +378,7 @@ class RecordMeta:
         producer."""
         if rows.dim() != 3:
             raise RecordFormatError(
-                f"record {request_id!r}: rows must be [tokens, planes, hidden], found shape "
-                f"{tuple(rows.shape)}"
+                f"record {request_id!r}: rows must be [tokens, planes, hidden], found shape {tuple(rows.shape)}"
             )
         return cls(
             request_id=request_id,

@@ -100,9 +100,7 @@ class Claim:
             meta=meta,
         )
         if meta.request_id != claim.record_id:
-            raise E.RecordFormatError(
-                f"descriptor for {claim.record_id!r} carries metadata of {meta.request_id!r}"
-            )
+            raise E.RecordFormatError(f"descriptor for {claim.record_id!r} carries metadata of {meta.request_id!r}")
         if meta.nbytes != claim.nbytes:
             raise E.RecordFormatError(
                 f"record {claim.record_id!r}: descriptor says {claim.nbytes} bytes, its shape {meta.shape} "
@@ -153,9 +151,7 @@ class ExportConsumer:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
         if landing_bytes < PAGE or landing_bytes % PAGE:
-            raise E.ExportConfigError(
-                f"landing_bytes must be a positive multiple of {PAGE}, found {landing_bytes}"
-            )
+            raise E.ExportConfigError(f"landing_bytes must be a positive multiple of {PAGE}, found {landing_bytes}")
         self.endpoint = endpoint
         self._token = token
         self._want = backend
@@ -273,9 +269,7 @@ class ExportConsumer:
             raise E.ProtocolError(f"claim of one record answered with {len(recs)} descriptors")
         return Claim.parse(recs[0])
 
-    def claim_next(
-        self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None
-    ) -> list[Claim]:
+    def claim_next(self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None) -> list[Claim]:
         """Lease up to ``max_records`` published records (oldest first), waiting up to ``wait_s`` for one."""
         max_bytes = max_bytes or self._landing_bytes
         ans = self._call(
@@ -368,18 +362,14 @@ class ExportConsumer:
                 continue
             if not transport.releases_by_notification:
                 try:
-                    self._call(
-                        {"op": "release", "leases": [[c.lease, c.nonce] for _, c, _ in group]}, self.timeout_s
-                    )
+                    self._call({"op": "release", "leases": [[c.lease, c.nonce] for _, c, _ in group]}, self.timeout_s)
                 except E.ExportError as e:
                     log.info("release failed (%s); the producer's TTL reclaims the slots", e)
             for i, c, off in group:
                 results[i] = self._finish(c, off, copy)
         return [r if r is not None else E.ExportError("internal: no result") for r in results]
 
-    def _finish(
-        self, c: Claim, off: int, copy: bool, checksum: int | None = None
-    ) -> CaptureRecord | HsCompatError:
+    def _finish(self, c: Claim, off: int, copy: bool, checksum: int | None = None) -> CaptureRecord | HsCompatError:
         transport = self._transport
         if transport is None:
             return E.ExportClosedError("consumer closed")

@@ -150,9 +150,7 @@ class ControlServer:
 
     def _reply_error(self, conn: socket.socket, codec: bytes, code: str, message: str) -> None:
         try:
-            P.write_frame(
-                conn, {"ok": False, "error": code, "message": message}, time.monotonic() + 1.0, codec
-            )
+            P.write_frame(conn, {"ok": False, "error": code, "message": message}, time.monotonic() + 1.0, codec)
         except E.ExportError:
             pass
 
@@ -186,9 +184,7 @@ class ControlServer:
             )
             if not ok:
                 self._count("auth_failures")
-                what = (
-                    "wrong token" if msg.get("op") == "auth" else f"unauthenticated {msg.get('op')!r} request"
-                )
+                what = "wrong token" if msg.get("op") == "auth" else f"unauthenticated {msg.get('op')!r} request"
                 self._reply_error(
                     conn,
                     codec,
@@ -208,9 +204,7 @@ class ControlServer:
             )
             while True:
                 try:
-                    codec, msg = P.read_frame(
-                        conn, time.monotonic() + self._idle_timeout_s, P.MAX_REQUEST_BYTES
-                    )
+                    codec, msg = P.read_frame(conn, time.monotonic() + self._idle_timeout_s, P.MAX_REQUEST_BYTES)
                 except E.ExportTimeoutError:
                     return
                 except P.PeerClosedError:
@@ -323,9 +317,7 @@ class ControlClient:
             self._raise_for(answer)
             smac = P.get_str(answer, "mac", 128)
             if not hmac.compare_digest(smac.encode(), _mac(self._token, b"server", cnonce, snonce).encode()):
-                raise E.AuthError(
-                    f"the server at {endpoint} could not prove it knows the token; refusing to trust it"
-                )
+                raise E.AuthError(f"the server at {endpoint} could not prove it knows the token; refusing to trust it")
             self.hello: dict[str, Any] = P.get_map(answer, "hello")
         except BaseException:
             self.close()

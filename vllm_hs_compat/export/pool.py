@@ -202,9 +202,7 @@ class LeasePool:
                 raise E.ExportError(f"lease {lease.lease_id} is {lease.state.value}, expected writing")
             lease.meta = meta
             lease.state = LeaseState.READY
-            lease.deadline = (
-                self._clock() + self.ready_ttl_s if self.ready_ttl_s is not None else float("inf")
-            )
+            lease.deadline = self._clock() + self.ready_ttl_s if self.ready_ttl_s is not None else float("inf")
             self._ready[lease.lease_id] = lease
             self._counters["published"] += 1
             self._counters["bytes_published"] += lease.nbytes
@@ -264,11 +262,7 @@ class LeasePool:
         """Free a CLAIMED lease; a wrong nonce or an unknown/expired lease is counted and ignored."""
         with self._cond:
             lease = self._by_id.get(lease_id)
-            if (
-                lease is None
-                or lease.state is not LeaseState.CLAIMED
-                or not secrets.compare_digest(lease.nonce, nonce)
-            ):
+            if lease is None or lease.state is not LeaseState.CLAIMED or not secrets.compare_digest(lease.nonce, nonce):
                 self._counters["stale_releases"] += 1
                 return False
             self._counters["released"] += 1

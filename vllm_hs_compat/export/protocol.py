@@ -58,9 +58,7 @@ def encode(msg: Mapping[str, Any], codec: bytes | None = None) -> bytes:
     elif codec == CODEC_JSON:
         body = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
     else:
-        raise ProtocolError(
-            f"codec {codec!r} is not available here; expected b'm' (msgpack installed) or b'j'"
-        )
+        raise ProtocolError(f"codec {codec!r} is not available here; expected b'm' (msgpack installed) or b'j'")
     return HEADER.pack(MAGIC, VERSION, codec, len(body)) + body
 
 
@@ -130,9 +128,7 @@ def read_frame(sock: socket.socket, deadline: float, max_bytes: int) -> tuple[by
     return codec, decode(codec, body)
 
 
-def write_frame(
-    sock: socket.socket, msg: Mapping[str, Any], deadline: float, codec: bytes | None = None
-) -> None:
+def write_frame(sock: socket.socket, msg: Mapping[str, Any], deadline: float, codec: bytes | None = None) -> None:
     data = encode(msg, codec)
     left = deadline - time.monotonic()
     if left <= 0:
@@ -150,9 +146,7 @@ def write_frame(
 def get_str(msg: Mapping[str, Any], key: str, max_chars: int = 4096) -> str:
     v = msg.get(key)
     if not isinstance(v, str) or len(v) > max_chars:
-        raise ProtocolError(
-            f"field {key!r} must be a str of at most {max_chars} chars, found {type(v).__name__}"
-        )
+        raise ProtocolError(f"field {key!r} must be a str of at most {max_chars} chars, found {type(v).__name__}")
     return v
 
 
@@ -173,9 +167,7 @@ def get_float(msg: Mapping[str, Any], key: str, lo: float, hi: float) -> float:
 def get_list(msg: Mapping[str, Any], key: str, max_len: int) -> list[Any]:
     v = msg.get(key)
     if not isinstance(v, list) or len(v) > max_len:
-        raise ProtocolError(
-            f"field {key!r} must be a list of at most {max_len} entries, found {type(v).__name__}"
-        )
+        raise ProtocolError(f"field {key!r} must be a list of at most {max_len} entries, found {type(v).__name__}")
     return v
 
 

@@ -61,9 +61,7 @@ def _sweep_dead(shm_dir: str) -> int:
 
 def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore"
-        )  # read-only maps: torch warns the tensor is not writable; we never write
+        warnings.simplefilter("ignore")  # read-only maps: torch warns the tensor is not writable; we never write
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
@@ -73,8 +71,7 @@ class ShmProducerTransport:
     def __init__(self, pool_bytes: int, instance: str, shm_dir: str = DEFAULT_SHM_DIR) -> None:
         if not os.path.isdir(shm_dir):
             raise E.TransportUnavailableError(
-                f"shared-memory directory {shm_dir!r} does not exist; pass shm_dir= an existing tmpfs "
-                "directory"
+                f"shared-memory directory {shm_dir!r} does not exist; pass shm_dir= an existing tmpfs directory"
             )
         swept = _sweep_dead(shm_dir)
         if swept:
@@ -158,8 +155,7 @@ class ShmConsumerTransport:
             ) from None
         except OSError as e:
             raise E.TransportUnavailableError(
-                f"cannot open pool file {real}: {e}; producer and consumer must run as the same user "
-                "on one host"
+                f"cannot open pool file {real}: {e}; producer and consumer must run as the same user on one host"
             ) from None
         try:
             st = os.fstat(fd)
