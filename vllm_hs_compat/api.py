@@ -120,17 +120,8 @@ def describe_capture_view(
     )
 
 
-def request_slots(
-    req_id: str,
-    block_ids: Sequence[int],
-    view: CaptureView,
-    *,
-    num_tokens: int,
-    start: int = 0,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Manager slots of a request's tokens ``[start, start + num_tokens)``, validated against the view."""
-    return slots_for_view(req_id, block_ids, view, num_tokens=num_tokens, start=start, device=device)
+request_slots = slots_for_view
+"""Manager slots of a request's tokens ``[start, start + num_tokens)``, validated against the view."""
 
 
 def read_request(

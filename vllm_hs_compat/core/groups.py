@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from vllm_hs_compat.errors import CaptureGroupError
+from ..errors import CaptureGroupError
 
 ViewKind = Literal["worker", "scheduler"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_hs_compat.errors import LayerIdError
+from ..errors import LayerIdError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_hs_compat.errors import AmbiguousViewError, CaptureViewError
+from ..errors import AmbiguousViewError, CaptureViewError
 
 
 class ViewOrder(enum.Enum):

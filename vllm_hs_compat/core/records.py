@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import torch
 
-from vllm_hs_compat.errors import HsCompatError
+from ..errors import HsCompatError
 
 SCHEMA_VERSION: Final = 1
 CHECKSUM_ALGORITHMS: Final = ("bsum64", "crc32")

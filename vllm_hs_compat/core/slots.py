@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_hs_compat.core.layout import CaptureView
-from vllm_hs_compat.errors import BlockCoverageError, BlockRangeError, SlotError
+from ..errors import BlockCoverageError, BlockRangeError, SlotError
+from .layout import CaptureView
 
 
 def request_slots(

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from vllm_hs_compat.core.layout import CaptureView, gather_rows
-from vllm_hs_compat.errors import HsCompatError
+from ..errors import HsCompatError
+from .layout import CaptureView, gather_rows
 
 
 class TransferError(HsCompatError):
