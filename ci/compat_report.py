@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -32,7 +33,8 @@ def main(reports: Path, out: Path) -> int:
         doctor_path = reports / f"doctor-{release}.json"
         adapter, probes = "?", "?"
         if doctor_path.exists():
-            doc = json.loads(doctor_path.read_text())
+            text = doctor_path.read_text()
+            doc = json.loads(text[text.find("{") :])  # tolerate log lines written before the report
             adapter = doc.get("adapter", "?")
             plist = doc.get("probes", [])
             probes = f"{sum(p['ok'] for p in plist)}/{len(plist)}"
@@ -42,6 +44,12 @@ def main(reports: Path, out: Path) -> int:
     if not rows:
         print(f"no junit reports under {reports}; run `nox -s vllm` first", file=sys.stderr)
         return 1
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=out.parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
     text = [
         "# Compatibility matrix",
         "",
@@ -52,6 +60,7 @@ def main(reports: Path, out: Path) -> int:
         "views and compared bit for bit. Probes: feature probes that confirmed the adapter (`vllm-hs-compat doctor`).",
         "",
         "Regenerate: `scripts/test --full` (or `nox -s vllm` then `nox -s compat_report`).",
+        f"Generated at commit `{commit}` on {dt.date.today().isoformat()}.",
         "",
         "| vLLM | adapter | probes ok | passed | failed | skipped | pytest time | result | date |",
         "|---|---|---|---|---|---|---|---|---|",

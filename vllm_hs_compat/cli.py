@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from vllm_hs_compat import __version__
 from vllm_hs_compat.errors import HsCompatError, VllmNotInstalledError
@@ -22,7 +23,34 @@ def _select_cpu_platform_if_needed() -> None:
         print(f"note: could not select a vLLM platform ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """Send everything written to file descriptor 1 (vLLM logs to stdout) to stderr, so ``--json`` prints
+    nothing but the report on stdout."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.__stdout__):
+            if stream is not None:
+                stream.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def doctor(as_json: bool = False) -> int:
+    with _stdout_to_stderr(as_json):
+        report, lines, code = _doctor()
+    _emit(report, lines, as_json)
+    return code
+
+
+def _doctor() -> tuple[dict[str, object], list[str], int]:
     from vllm_hs_compat.adapters import (
         ADAPTERS,
         OVERRIDE_ENV,
@@ -46,8 +74,7 @@ def doctor(as_json: bool = False) -> int:
             f"  {exc}",
             "adapters: " + ", ".join(f"{a.name} {a.versions}" for a in ADAPTERS),
         ]
-        _emit(report, lines, as_json)
-        return 2
+        return report, lines, 2
     report["vllm"] = raw
     lines.append(f"vLLM: {raw}")
     override = os.environ.get(OVERRIDE_ENV) or None
@@ -56,8 +83,7 @@ def doctor(as_json: bool = False) -> int:
     except HsCompatError as exc:
         report.update(ok=False, error=str(exc))
         lines += [f"adapter: none -- {exc}"]
-        _emit(report, lines, as_json)
-        return 1
+        return report, lines, 1
     _select_cpu_platform_if_needed()
     lines.append(f"adapter: {adapter.describe()}" + (f" [{OVERRIDE_ENV}={override}]" if override else ""))
     results = adapter.run_probes()
@@ -96,8 +122,7 @@ def doctor(as_json: bool = False) -> int:
         lines.append(f"RESULT: {len(bad)} probe(s) contradict adapter {adapter.name}: {fix}")
     else:
         lines.append(f"RESULT: ok -- adapter {adapter.name} confirmed by {len(results)} probes")
-    _emit(report, lines, as_json)
-    return 1 if bad else 0
+    return report, lines, 1 if bad else 0
 
 
 def _emit(report: dict[str, object], lines: list[str], as_json: bool) -> None:
