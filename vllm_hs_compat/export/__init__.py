@@ -17,7 +17,7 @@ See docs/export.md for the wire format, the security model, UCX settings and fau
 """
 
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
-from vllm_hs_compat.export.consumer import Claim, ExportConsumer, ExportParams
+from vllm_hs_compat.export.consumer import Claim, ExportConsumer
 from vllm_hs_compat.export.errors import (
     AuthError,
     ChecksumMismatchError,
@@ -42,7 +42,8 @@ from vllm_hs_compat.export.errors import (
     UnknownRecordError,
 )
 from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
-from vllm_hs_compat.export.producer import PARAMS_KEY, ExportProducer, ExportTicket
+from vllm_hs_compat.export.producer import ExportProducer
+from vllm_hs_compat.export.protocol import PARAMS_KEY, ExportTicket
 
 __all__ = [
     "PARAMS_KEY",
@@ -57,7 +58,6 @@ __all__ = [
     "ExportConfigError",
     "ExportConsumer",
     "ExportError",
-    "ExportParams",
     "ExportProducer",
     "ExportTicket",
     "ExportTimeoutError",

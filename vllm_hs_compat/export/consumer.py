@@ -28,49 +28,13 @@ from vllm_hs_compat.export import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlClient
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings
-from vllm_hs_compat.export.producer import MAX_BATCH, PARAMS_KEY
+from vllm_hs_compat.export.producer import MAX_BATCH
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmConsumerTransport
 from vllm_hs_compat.export.transport import MAX_RELEASES_PER_NOTIF, ConsumerTransport, encode_release
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportParams:
-    """The ``kv_transfer_params["hs_export"]`` entry a producer hands out with each record."""
-
-    record_id: str
-    endpoint: str
-    token: str
-    producer: str
-    backend: str
-
-    @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> ExportParams:
-        if not isinstance(params, Mapping):
-            raise E.ExportConfigError(f"kv_transfer_params must be a mapping, found {type(params).__name__}")
-        entry = params.get(PARAMS_KEY, params)
-        if not isinstance(entry, Mapping) or entry.get("v") != 1:
-            raise E.ExportConfigError(
-                f"kv_transfer_params lacks a version-1 {PARAMS_KEY!r} entry "
-                f"(found keys {sorted(map(str, params))}); "
-                "was the server started with the vllm-hs-compat connector and export enabled?"
-            )
-        d = dict(entry)
-        if "error" in d:
-            raise E.UnknownRecordError(
-                f"the producer could not export record {d.get('record_id')!r}: {d.get('error')}: "
-                f"{d.get('message')} (counted in the producer's stats)"
-            )
-        return cls(
-            record_id=P.get_str(d, "record_id", 512),
-            endpoint=P.get_str(d, "endpoint", 300),
-            token=P.get_str(d, "token", 512),
-            producer=P.get_str(d, "producer", 64),
-            backend=P.get_str(d, "backend", 16),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +151,7 @@ class ExportConsumer:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], **kw: Any) -> ExportConsumer:
-        p = ExportParams.parse(params)
+        p = P.ExportTicket.parse(params)
         return cls(p.endpoint, p.token, **kw)
 
     # --- connection -----------------------------------------------------------------------------------------

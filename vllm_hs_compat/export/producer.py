@@ -11,7 +11,6 @@ Caller: the capture connector's worker process, once per finished request::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import socket
@@ -32,34 +31,8 @@ from vllm_hs_compat.export.transport import ProducerTransport, decode_release
 
 log = logging.getLogger(__name__)
 
-PARAMS_KEY = "hs_export"
 BACKENDS = ("auto", "shm", "nixl")
 MAX_BATCH = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportTicket:
-    """What a consumer needs to fetch one record; travels in ``kv_transfer_params``."""
-
-    record_id: str
-    endpoint: str
-    token: str
-    producer: str
-    backend: str
-    nbytes: int
-
-    def kv_transfer_params(self) -> dict[str, Any]:
-        return {
-            PARAMS_KEY: {
-                "v": 1,
-                "record_id": self.record_id,
-                "endpoint": self.endpoint,
-                "token": self.token,
-                "producer": self.producer,
-                "backend": self.backend,
-                "nbytes": self.nbytes,
-            }
-        }
 
 
 def lease_descriptor(lease: Lease, instance: str) -> dict[str, Any]:
@@ -146,7 +119,7 @@ class ExportProducer:
         """``kv_transfer_params`` for a record that could not be exported (e.g. :class:`PoolFullError`), so
         the client learns why instead of waiting for a record that will never come."""
         return {
-            PARAMS_KEY: {
+            P.PARAMS_KEY: {
                 "v": 1,
                 "record_id": record_id,
                 "error": type(error).__name__,
@@ -155,7 +128,7 @@ class ExportProducer:
         }
 
     # --- serving side ---------------------------------------------------------------------------------------
-    def publish(self, meta: RecordMeta, rows: torch.Tensor) -> ExportTicket:
+    def publish(self, meta: RecordMeta, rows: torch.Tensor) -> P.ExportTicket:
         """Copy ``rows`` into a leased run of slots, checksum it, make it fetchable.  Raises (and counts)
         :class:`RecordFormatError`, :class:`RecordTooLargeError`, :class:`PoolFullError`,
         :class:`DuplicateRecordError` for this record only."""
@@ -183,7 +156,7 @@ class ExportProducer:
         except BaseException:
             self.pool.abort(lease)
             raise
-        return ExportTicket(meta.request_id, self.endpoint, self.token, self.instance, self.backend, nbytes)
+        return P.ExportTicket(meta.request_id, self.endpoint, self.token, self.instance, self.backend, nbytes)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import socket
 import struct
@@ -17,7 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from vllm_hs_compat.export.errors import ExportTimeoutError, ProtocolError
+from vllm_hs_compat.export.errors import ExportConfigError, ExportTimeoutError, ProtocolError, UnknownRecordError
 
 try:  # msgpack is an optional extra; JSON is always available.
     import msgpack as _msgpack
@@ -187,3 +188,58 @@ def unb64(text: str, what: str) -> bytes:
         return base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError) as e:
         raise ProtocolError(f"{what} is not valid base64: {e}") from None
+
+
+PARAMS_KEY: Final = "hs_export"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportTicket:
+    """What a consumer needs to fetch one record: the ``kv_transfer_params["hs_export"]`` entry (version 1)."""
+
+    record_id: str
+    endpoint: str
+    token: str
+    producer: str
+    backend: str
+    nbytes: int
+
+    def kv_transfer_params(self) -> dict[str, Any]:
+        return {
+            PARAMS_KEY: {
+                "v": 1,
+                "record_id": self.record_id,
+                "endpoint": self.endpoint,
+                "token": self.token,
+                "producer": self.producer,
+                "backend": self.backend,
+                "nbytes": self.nbytes,
+            }
+        }
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> ExportTicket:
+        """Read a ticket from ``kv_transfer_params`` (or from its ``hs_export`` entry), validating every field."""
+        if not isinstance(params, Mapping):
+            raise ExportConfigError(f"kv_transfer_params must be a mapping, found {type(params).__name__}")
+        entry = params.get(PARAMS_KEY, params)
+        if not isinstance(entry, Mapping) or entry.get("v") != 1:
+            raise ExportConfigError(
+                f"kv_transfer_params lacks a version-1 {PARAMS_KEY!r} entry "
+                f"(found keys {sorted(map(str, params))}); "
+                "was the server started with the vllm-hs-compat connector and export enabled?"
+            )
+        d = dict(entry)
+        if "error" in d:
+            raise UnknownRecordError(
+                f"the producer could not export record {d.get('record_id')!r}: {d.get('error')}: "
+                f"{d.get('message')} (counted in the producer's stats)"
+            )
+        return cls(
+            record_id=get_str(d, "record_id", 512),
+            endpoint=get_str(d, "endpoint", 300),
+            token=get_str(d, "token", 512),
+            producer=get_str(d, "producer", 64),
+            backend=get_str(d, "backend", 16),
+            nbytes=get_int(d, "nbytes"),
+        )
