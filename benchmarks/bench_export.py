@@ -152,7 +152,7 @@ def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
         ep = srv(op="start", name="L", backend=backend, num_slots=80, slot_bytes=MiB)
         c = ExportConsumer(ep["endpoint"], ep["token"], landing_bytes=LARGE + MiB, timeout_s=60)
         raw = RawNixl(c.hello["transport"], LARGE) if backend == "nixl" else None
-        api, pub, rt = [], [], []
+        api, pub, rt, cl = [], [], [], []
         # Interleaved, both on freshly published bytes: record A_i through the API, record B_i claimed through
         # the API (untimed) and then read with one bare NIXL READ (timed), then given back.
         for i in range(iters + 1):
@@ -163,7 +163,9 @@ def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
             c.release(rec)
             if raw is not None:
                 srv(op="publish_large", name="L", id=f"B{i}")
+                t0 = time.perf_counter()
                 claim = c.claim(f"B{i}")
+                cdt = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 raw.read([(claim.offset, 0, claim.nbytes)])
                 rdt = time.perf_counter() - t0
@@ -172,6 +174,7 @@ def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
                 api.append(dt)
                 if raw is not None:
                     rt.append(rdt)
+                    cl.append(cdt)
         out["api_large_s"] = med(api)
         c.verify_checksum = False
         nv = []
@@ -186,6 +189,7 @@ def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
         out["publish_large_s"] = med(pub[1:])
         if rt:
             out["raw_large_s"] = med(rt)
+            out["claim_s"] = med(cl)
         land = c._transport.landing if c._transport is not None else None
         verify = []
         if land is not None:
@@ -266,6 +270,7 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
     line("checksum verification alone (bsum64)", LARGE, r["verify_large_s"])
     if "raw_large_s" in r:
         line("raw NIXL READ of the same bytes", LARGE, r["raw_large_s"])
+        print(f"  {'claim round trip alone (control plane)':<44} {'':>10}  {r['claim_s'] * 1e3:8.2f} ms")
     line("memcpy (torch copy_)", LARGE, r["memcpy_large_s"])
     line("producer publish (copy into pool + checksum)", LARGE, r["publish_large_s"])
     if "raw_large_s" in r:
