@@ -98,7 +98,7 @@ def resolve_capture_group(
     name = layer_name or capture_layer_name(kv_cache_config, vllm_config, adapter=ad)
     infos = ad.group_infos(kv_cache_config)
     group = _resolve(infos, name, capture_spec_types=ad.capture_spec_types, view=view)
-    ad.check_capture_group(group.index, group.merged, infos)
+    ad.check_capture_group(group.index)
     return group
 
 

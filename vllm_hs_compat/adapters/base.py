@@ -285,7 +285,7 @@ class VllmAdapter:
             )
         return infos
 
-    def check_capture_group(self, group_index: int, merged: bool, groups: list[GroupInfo]) -> None:
+    def check_capture_group(self, group_index: int) -> None:
         """Refuse capture-group shapes this release writes incorrectly."""
         if self.proposer_uses_group0_slots and group_index != 0:
             raise CaptureGroupError(
