@@ -26,7 +26,7 @@ from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.labels import plane_labels as _plane_labels
 from vllm_hs_compat.core.layout import CaptureView, gather_rows
 from vllm_hs_compat.core.layout import describe_capture_view as _describe
-from vllm_hs_compat.core.slots import slots_for_view
+from vllm_hs_compat.core.slots import request_slots
 from vllm_hs_compat.core.transfer import PendingRows, copy_rows_async
 from vllm_hs_compat.errors import CaptureGroupError
 
@@ -118,10 +118,6 @@ def describe_capture_view(
         order=_adapter(adapter).view_order,
         hidden_size=hidden_size,
     )
-
-
-request_slots = slots_for_view
-"""Manager slots of a request's tokens ``[start, start + num_tokens)``, validated against the view."""
 
 
 def read_request(

@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import torch
 
-from ..errors import HsCompatError
+from ..errors import ChecksumMismatchError, RecordFormatError
 
 SCHEMA_VERSION: Final = 1
 CHECKSUM_ALGORITHMS: Final = ("bsum64", "crc32")
@@ -59,14 +59,6 @@ DTYPES: Final[Mapping[str, torch.dtype]] = {
 _ITEMSIZE: Final[Mapping[str, int]] = {
     name: int(torch.empty((), dtype=dt).element_size()) for name, dt in DTYPES.items()
 }
-
-
-class RecordFormatError(HsCompatError):
-    """Record metadata is malformed or contradicts itself (e.g. shape against token ids)."""
-
-
-class ChecksumMismatchError(RecordFormatError):
-    """The bytes of a record do not match the checksum in its metadata."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -22,13 +22,8 @@ from typing import Any
 
 import torch
 
-from ..errors import HsCompatError
+from ..errors import TransferError
 from .layout import CaptureView, gather_rows
-
-
-class TransferError(HsCompatError):
-    """A rows copy was misused (wrong destination shape or dtype, waited past its deadline)."""
-
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
 _streams: dict[int, Any] = {}

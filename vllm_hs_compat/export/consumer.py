@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
 from vllm_hs_compat.errors import HsCompatError
-from vllm_hs_compat.export import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlClient
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings

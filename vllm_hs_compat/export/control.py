@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from vllm_hs_compat.export import errors as E
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 
 log = logging.getLogger(__name__)

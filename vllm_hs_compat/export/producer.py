@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, RecordMeta, compute_checksum
-from vllm_hs_compat.export import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available

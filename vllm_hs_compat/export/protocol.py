@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from vllm_hs_compat.export.errors import ExportConfigError, ExportTimeoutError, ProtocolError, UnknownRecordError
+from vllm_hs_compat.errors import ExportConfigError, ExportTimeoutError, ProtocolError, UnknownRecordError
 
 try:  # msgpack is an optional extra; JSON is always available.
     import msgpack as _msgpack
