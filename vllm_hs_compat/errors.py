@@ -34,6 +34,10 @@ class AmbiguousViewError(CaptureViewError):
     """The view's plane and token axes cannot be told apart (P == N and no declared order)."""
 
 
+class CaptureConfigError(HsCompatError):
+    """A capture setting (``kv_connector_extra_config`` or a request's ``hs_capture`` entry) is invalid."""
+
+
 class LayerIdError(HsCompatError):
     """The configured capture layer ids are invalid for this model or vLLM release."""
 
