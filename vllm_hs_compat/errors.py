@@ -107,6 +107,11 @@ class UnknownRecordError(ExportError):
     """The producer holds no record with this id (never published, already taken, expired or dropped)."""
 
 
+class RecordFailedError(ExportError):
+    """The record will never exist: the producer (or the file sink) recorded why (e.g. its blocks could not
+    be read, or the pool was full)."""
+
+
 class LeaseExpiredError(ExportError):
     """The lease on a record ran out before the consumer finished with it; its slots may hold other data
     now."""
