@@ -203,7 +203,7 @@ class VllmReader:
             num_computed_tokens=int(request.num_computed_tokens),
             num_prompt_tokens=int(request.num_prompt_tokens),
             token_ids=tuple(int(t) for t in request.all_token_ids),
-            aborted=name == "FINISHED_ABORTED",
+            aborted=name in ("FINISHED_ABORTED", "FINISHED_ERROR"),
             status=name,
             params=params if isinstance(params, Mapping) else None,
         )

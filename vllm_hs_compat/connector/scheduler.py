@@ -151,7 +151,7 @@ class CaptureScheduler:
         watched = self._tracker.blocks(fr.req_id) if fr.req_id in self._tracker else None
         self._tracker.forget(fr.req_id)
         if fr.aborted:
-            return self._refuse(fr, REASON_ABORTED, "the request was aborted")
+            return self._refuse(fr, REASON_ABORTED, f"the request did not finish normally ({fr.status})")
         try:
             spec = self._spec_for(fr)
         except CaptureConfigError as e:
