@@ -136,7 +136,7 @@ def make_sink(config: ConnectorConfig) -> Sink:
 
 
 def sink_ticket(kind: str, locator: Mapping[str, Any] | None, record_id: str, nbytes: int) -> dict[str, Any]:
-    """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_capture``).  Never a
+    """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_record``).  Never a
     credential: these params reach whoever sent the request."""
     if not locator:
         return {}

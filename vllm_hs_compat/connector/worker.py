@@ -214,7 +214,7 @@ class CaptureWorker:
             return
         if self.reader is not None:
             self.reader.mark_written()
-        if plan is None or not plan.checks or plan.step <= self._checked_step or self.view is None:
+        if not self.owner or plan is None or not plan.checks or plan.step <= self._checked_step or self.view is None:
             return
         self._checked_step = plan.step
         mapping = self.adapter.layer_slot_mapping(layer_name, attn_metadata)
