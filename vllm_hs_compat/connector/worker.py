@@ -109,7 +109,7 @@ class CaptureWorker:
             )
             self.reader = RowReader(tensor, self.view)
         if self.owner:
-            self.sink = make_sink(self.config)
+            self.sink = make_sink(self.config, ranks.dp_rank)
             self._thread = threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True)
             self._thread.start()
         view = self.view.describe() if self.view is not None else "none (this stage does not hold the capture layer)"
