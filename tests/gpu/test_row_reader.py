@@ -10,37 +10,21 @@ current stream only) must be caught reading stale rows.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from vllm_hs_compat.core import ViewOrder, describe_capture_view, manager_slots
 from vllm_hs_compat.core.transfer import RowReader
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_views import NB, N, P, expected, make_cache, write  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 
-NB, N, P, C = 512, 16, 4, 1024
 SPIN = 2_000_000
-
-
-def make_cache(order: ViewOrder, split: int) -> torch.Tensor:
-    nb, n = NB * split, N // split
-    if order is ViewOrder.BLOCK_TOKEN_PLANE:
-        return torch.zeros(nb, n, P, C, dtype=torch.bfloat16, device="cuda")
-    return torch.zeros(nb, n, P, C, dtype=torch.bfloat16, device="cuda").permute(0, 2, 1, 3)
-
-
-def write(cache: torch.Tensor, order: ViewOrder, n: int, slots: torch.Tensor, value: float) -> None:
-    blk, off = slots // n, slots % n
-    rows = torch.full((slots.numel(), P, C), value, dtype=torch.bfloat16, device="cuda")
-    rows += torch.arange(P, device="cuda", dtype=torch.bfloat16).view(1, P, 1)
-    if order is ViewOrder.BLOCK_TOKEN_PLANE:
-        cache[blk, off] = rows
-    else:
-        cache[blk, :, off] = rows
-
-
-def expected(value: float, tokens: int) -> torch.Tensor:
-    return torch.full((tokens, P, C), value, dtype=torch.bfloat16) + torch.arange(P, dtype=torch.bfloat16).view(1, P, 1)
 
 
 def run(order: ViewOrder, split: int, mark: bool, iters: int = 30) -> int:
@@ -58,7 +42,7 @@ def run(order: ViewOrder, split: int, mark: bool, iters: int = 30) -> int:
         torch.cuda.synchronize()
         with torch.cuda.stream(writer):  # the model's stream: late, then the capture write
             torch.cuda._sleep(SPIN)
-            write(cache, order, view.block_tokens, slots, value)
+            write(cache, order, slots, value)
             if mark:
                 reader.mark_written()  # what save_kv_layer does, on the writing stream
         # next step, on another (current) stream: the connector reads the finished request's rows
