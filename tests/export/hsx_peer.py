@@ -77,7 +77,7 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "pstats":
         if producer is None:
             raise RuntimeError("no producer")
-        return {"stats": producer.stats()}
+        return {"stats": producer.stats(), "endpoint": producer.endpoint}
     if op == "consumer":
         if consumer is not None:
             consumer.close()
@@ -117,6 +117,10 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
             return summary(e)
     if op == "claim":
         new = [consumer.claim(rid) for rid in cmd["ids"]]
+        claims.extend(new)
+        return {"n": len(new)}
+    if op == "claim_next":  # lease a batch and hold it (a trainer about to be killed)
+        new = consumer.claim_next(cmd["n"], wait_s=cmd.get("wait_s", 0.5))
         claims.extend(new)
         return {"n": len(new)}
     if op == "read_slowly":  # read held claims one at a time, pausing between them (a slow trainer)

@@ -274,7 +274,7 @@ def test_stale_or_garbled_transport_metadata_is_refused(backend: str, make_produ
         else:
             bad = [
                 {**info, "path": "/etc/passwd"},
-                {**info, "path": os.path.join(os.path.dirname(info["path"]), "hsx-1-deadbeefdeadbeef.pool")},
+                {**info, "path": os.path.join(os.path.dirname(info["path"]), "hsx2-1-deadbeefdeadbeef.pool")},
                 {**info, "size": info["size"] * 2},
             ]
         for b in bad:

@@ -120,9 +120,9 @@ class Claim:
 
     @classmethod
     def parse(cls, d: Any) -> Claim:
-        """A claim from an encoded descriptor (``msgspec.Raw``/bytes) or its plain-dict form; raises
-        :class:`ProtocolError` or :class:`RecordFormatError`."""
-        if isinstance(d, msgspec.Raw | bytes | bytearray | memoryview):
+        """A claim from an encoded descriptor (bytes) or its plain-dict form; raises :class:`ProtocolError` or
+        :class:`RecordFormatError`."""
+        if isinstance(d, bytes | bytearray | memoryview):
             desc = P.decode_descriptor(bytes(d))
         else:
             try:
@@ -337,7 +337,7 @@ class ExportConsumer:
             raise item
         return item
 
-    def _parse(self, raws: Sequence[msgspec.Raw]) -> list[Claim | HsCompatError]:
+    def _parse(self, raws: Sequence[bytes]) -> list[Claim | HsCompatError]:
         """Each descriptor on its own: a bad one fails its record alone (its lease is given back if it can be
         read, else the producer's TTL reclaims it)."""
         out: list[Claim | HsCompatError] = []

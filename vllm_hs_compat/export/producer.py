@@ -29,7 +29,6 @@ import threading
 import time
 from typing import Any
 
-import msgspec
 import torch
 
 from vllm_hs_compat import errors as E
@@ -362,7 +361,7 @@ class ExportProducer:
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
         again = self._retried(call)
         if again is not None:
-            return P.ClaimReply([msgspec.Raw(lease.wire) for lease in again])
+            return P.ClaimReply([lease.wire for lease in again])
         out: list[Lease] = []
         errors: list[P.ClaimError] = []
         spent = 0
@@ -384,12 +383,12 @@ class ExportProducer:
             spent += len(lease.wire) + 8
             out.append(lease)
         self._remember(call, out)
-        return P.ClaimReply([msgspec.Raw(lease.wire) for lease in out], errors)
+        return P.ClaimReply([lease.wire for lease in out], errors)
 
     def _claim_next(self, req: P.ClaimNextReq, call: Call) -> P.ClaimReply | None:
         again = self._retried(call)
         if again is not None:
-            return P.ClaimReply([msgspec.Raw(lease.wire) for lease in again])
+            return P.ClaimReply([lease.wire for lease in again])
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
         leases = self.pool.claim_next(
             req.max_records, req.max_bytes, 0.0, budget=budget, cost=lambda lease: len(lease.wire) + 8
@@ -398,7 +397,7 @@ class ExportProducer:
             return None  # park until a publish or the deadline
         self._remember(call, leases)
         more = bool(leases) and len(leases) < req.max_records and self.pool.has_ready()
-        return P.ClaimReply([msgspec.Raw(lease.wire) for lease in leases], more=more)
+        return P.ClaimReply([lease.wire for lease in leases], more=more)
 
     def _release(self, req: P.ReleaseReq, trainer: bool) -> P.ReleaseReply:
         if not trainer:  # every lease must be the capability's record: check them all before freeing any

@@ -12,10 +12,10 @@ every type, length, range and pattern constraint: a message is decoded and valid
 that does not fit is a :class:`~vllm_hs_compat.errors.ProtocolError` before any handler runs.  Nothing from the
 network is unpickled.
 
-Record descriptors travel as separately encoded ``msgspec.Raw`` entries of a claim reply, so one malformed
-descriptor fails its own record only.  A descriptor is small and of bounded size (token ids are not in it: they
-lie in the pool after the hidden states and are read, checksummed and verified with them), and every reply is
-bounded by its encoded size, which the client states in each claim.
+Record descriptors travel as separately encoded msgpack byte strings inside a claim reply, so one malformed
+(even truncated) descriptor fails its own record only and never the reply around it.  A descriptor is small and
+of bounded size (token ids are not in it: they lie in the pool after the hidden states and are read, checksummed
+and verified with them), and every reply is bounded by its encoded size, which the client states in each claim.
 """
 
 from __future__ import annotations
@@ -229,10 +229,10 @@ class ClaimError(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ClaimReply(_Reply, tag="claim"):
-    """``records``: one encoded :class:`RecordDesc` each.  ``more``: records were left READY because the reply
-    reached the client's size budget."""
+    """``records``: one encoded :class:`RecordDesc` each (a byte string: decoded one by one).  ``more``: records
+    were left READY because the reply reached the client's size budget."""
 
-    records: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BATCH)]
+    records: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BATCH)]
     errors: Annotated[list[ClaimError], msgspec.Meta(max_length=MAX_CLAIM_IDS)] = []
     more: bool = False
 
@@ -294,13 +294,13 @@ def decode_reply(body: bytes | memoryview) -> Reply:
     return rep
 
 
-def decode_descriptor(raw: msgspec.Raw | bytes) -> RecordDesc:
+def decode_descriptor(raw: bytes | memoryview) -> RecordDesc:
     """One record descriptor of a claim reply."""
     desc: RecordDesc = _decode(_DESC_DECODER, raw, "record descriptor")
     return desc
 
 
-def decode_lease_ref(raw: msgspec.Raw | bytes) -> LeaseRef | None:
+def decode_lease_ref(raw: bytes | memoryview) -> LeaseRef | None:
     """The lease of a descriptor that failed :func:`decode_descriptor`, if that much of it is readable."""
     try:
         ref = _LEASE_REF_DECODER.decode(raw)

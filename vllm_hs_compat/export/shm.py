@@ -5,14 +5,15 @@ over the control plane on both).
 Why a plain file and not ``multiprocessing.shared_memory``: on Python 3.11 every process that *attaches* to
 a ``SharedMemory`` registers it with its resource tracker, which unlinks the segment when that process
 exits, so a trainer finishing would delete the producer's pool.  A file opened with ``os.open`` + ``mmap``
-is never tracked. Files are created ``0600`` (same user only) and named ``hsx-<pid>-<instance>.pool``.
+is never tracked. Files are created ``0600`` (same user only) and named ``hsx2-<pid>-<instance>.pool``.
 
 Ownership survives containers: the producer holds an exclusive ``flock`` on its file for as long as it lives
 (the lock is taken on a temporary name, before the file is renamed into place, so it is never visible
 unlocked).  The kernel drops the lock when the process dies, SIGKILL included.  On start a producer removes the
 files whose lock it can take: their owner is dead.  The pid in the name is for people only; it is never used to
 decide liveness, because DP ranks in sibling containers that share ``/dev/shm`` live in other pid namespaces,
-where a live producer's pid means nothing (or another process).
+where a live producer's pid means nothing (or another process).  The ``hsx2-`` prefix keeps producers of the
+earlier release (``hsx-<pid>-...``, no lock) and this one out of each other's sweeps.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from vllm_hs_compat.export.transport import host_buffer
 log = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR: Final = "/dev/shm"
-_NAME_RE: Final = re.compile(r"^hsx-(\d+)-([0-9a-f]{8,64})\.pool$")
-_TMP_RE: Final = re.compile(r"^\.hsx-([0-9a-f]{8,64})\.tmp$")
+_NAME_RE: Final = re.compile(r"^hsx2-(\d+)-([0-9a-f]{8,64})\.pool$")
+_TMP_RE: Final = re.compile(r"^\.hsx2-([0-9a-f]{8,64})\.tmp$")
 
 
 def _sweep_dead(shm_dir: str) -> int:
@@ -89,8 +90,8 @@ class ShmProducerTransport:
         swept = _sweep_dead(shm_dir)
         if swept:
             log.info("removed %d pool file(s) left by dead producers in %s", swept, shm_dir)
-        self.path = os.path.join(shm_dir, f"hsx-{os.getpid()}-{instance}.pool")
-        tmp = os.path.join(shm_dir, f".hsx-{instance}.tmp")
+        self.path = os.path.join(shm_dir, f"hsx2-{os.getpid()}-{instance}.pool")
+        tmp = os.path.join(shm_dir, f".hsx2-{instance}.tmp")
         self.pool_bytes = pool_bytes
         st = os.statvfs(shm_dir)
         free = st.f_bavail * st.f_frsize
@@ -170,7 +171,7 @@ class ShmConsumerTransport:
         real = os.path.realpath(path)
         if os.path.dirname(real) != self._shm_dir or not _NAME_RE.match(os.path.basename(real)):
             raise E.DescriptorError(
-                f"producer names pool file {path!r}, expected an hsx-<pid>-<id>.pool file in "
+                f"producer names pool file {path!r}, expected an hsx2-<pid>-<id>.pool file in "
                 f"{self._shm_dir}; "
                 "refusing to map it (pass shm_dir= if the producer uses another directory)"
             )
