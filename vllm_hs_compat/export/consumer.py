@@ -670,6 +670,7 @@ class _RecordStream(Iterator[CaptureRecord]):
             while self._buf:
                 item = self._buf.popleft()
                 if isinstance(item, CaptureRecord):
+                    self._last = time.monotonic()  # idle means: no record for idle_timeout_s
                     return item
                 if self._on_error == "raise":
                     raise item
@@ -679,8 +680,8 @@ class _RecordStream(Iterator[CaptureRecord]):
             wait = self._wait_s if self._idle is None else min(self._wait_s, max(0.0, self._idle))
             items = self._c._claim_next_items(self._batch, wait)
             if items:
-                self._last = time.monotonic()
                 claims = [it for it in items if isinstance(it, Claim)]
                 results = iter(self._c.read(claims, self._copy) if claims else [])
                 for it in items:  # keep the producer's order, bad descriptors in place
                     self._buf.append(next(results) if isinstance(it, Claim) else it)
+                self._last = time.monotonic()
