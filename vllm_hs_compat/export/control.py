@@ -293,6 +293,7 @@ class ControlServer:
             last = s.getsockopt_string(zmq.LAST_ENDPOINT)
             self.address: tuple[str, int] = (host, int(last.rsplit(":", 1)[1]))
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self._wake_lock = threading.Lock()
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
@@ -306,11 +307,15 @@ class ControlServer:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def wake(self) -> None:
-        """Retry parked long polls now (the producer calls it after each publish; any thread)."""
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a retry is pending anyway) or closed
+        """Retry parked long polls now (the producer calls it after each publish; any thread; a no-op once
+        closed)."""
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: a retry is pending anyway
 
     # --- the serving thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -355,11 +360,6 @@ class ControlServer:
                 try:
                     sock.close(linger=0)
                 except zmq.ZMQError:
-                    pass
-            for fd in (self._wake_r, self._wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
                     pass
 
     def _serve_zap(self) -> None:
@@ -492,6 +492,11 @@ class ControlServer:
         self.wake()
         self._thread.join(timeout=5.0)
         self._ctx.destroy(linger=0)
+        with self._wake_lock:  # after the thread: no one polls the pipe any more, and wake() becomes a no-op
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
 
 # --- client -------------------------------------------------------------------------------------------------------

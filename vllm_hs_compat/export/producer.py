@@ -438,6 +438,7 @@ class ExportProducer:
         if self._closed or not hasattr(self, "_server"):
             return
         self._closed = True
+        self.pool.on_ready = None
         self.pool.close()
         self._server.close()
         self._stop.set()
