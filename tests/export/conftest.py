@@ -24,10 +24,10 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def peers() -> Iterator[dict[str, Peer]]:
-    """Long-lived peer processes for the module, created on first use by name.  A peer is transport-neutral:
-    each test points its consumer at the test's own producer."""
+    """Long-lived peer processes for the session (a peer costs seconds to start), created on first use by name.  A
+    peer is transport-neutral: each test points its consumer at the test's own producer."""
     made: dict[str, Peer] = {}
 
     class _Lazy(dict[str, Peer]):

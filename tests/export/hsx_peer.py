@@ -6,6 +6,7 @@ pipe (nothing is unpickled).
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
@@ -34,12 +35,11 @@ claims: list[Claim] = []
 
 def summary(res: CaptureRecord | HsCompatError, brief: bool = False) -> dict[str, Any]:
     if isinstance(res, CaptureRecord) and brief:  # long records: digests instead of the token ids
-        ids = ",".join(map(str, res.meta.token_ids)).encode()
         return {
             "ok": True,
             "record_id": res.meta.request_id,
             "sha256": digest(res.hidden_states),
-            "ids_sha256": hashlib.sha256(ids).hexdigest(),
+            "ids_sha256": hashlib.sha256(array.array("I", res.meta.token_ids).tobytes()).hexdigest(),
         }
     if isinstance(res, CaptureRecord):
         return {
@@ -64,6 +64,11 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
                 producer = ExportProducer(**cmd)
         path = producer.transport.describe().get("path")
         return {"endpoint": producer.endpoint, "token": producer.token, "instance": producer.instance, "path": path}
+    if op == "close_producer":
+        if producer is not None:
+            producer.close()
+            producer = None
+        return {}
     if op == "rss":
         with open("/proc/self/status") as f:
             st = dict(line.split(":", 1) for line in f if ":" in line)
