@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -50,6 +52,7 @@ def test_the_connector_ticket_opens_its_record_for_a_client_without_the_token(
 ) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     sink = ExportSink({"backend": "shm", "num_slots": 4, "slot_bytes": 1 << 20, "token_file": str(tmp_path / "tok")})
+    late = threading.Timer(0, lambda: None)
     try:
         locator = pickle.loads(pickle.dumps(sink.locator()))  # worker -> scheduler
         token = (tmp_path / "tok").read_text().strip()
@@ -59,16 +62,22 @@ def test_the_connector_ticket_opens_its_record_for_a_client_without_the_token(
         params = sink_ticket("export", locator, "cmpl-7", rows.numel() * 2)  # the scheduler, before the publish
         json.dumps(params)
         assert token not in json.dumps(params) and str.__str__(locator["capability_key"]) not in json.dumps(params)
-        sink.write(CaptureRecord(make_meta("cmpl-7", rows), rows))  # the worker's publisher thread
         sink.write(CaptureRecord(make_meta("cmpl-8", other), other))
         monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "no-token-here"))  # the client has no trainer token
+        # the client gets its ticket before the worker publishes: fetch(wait_s=) waits for the record
+        late = threading.Timer(0.3, lambda: sink.write(CaptureRecord(make_meta("cmpl-7", rows), rows)))
         with ExportConsumer.from_params(params, timeout_s=5) as c:
             assert c.principal == "record"
-            assert digest(c.fetch(params["hs_export"]["record_id"], wait_s=5).hidden_states) == digest(rows)
+            late.start()
+            t0 = time.monotonic()
+            assert digest(c.fetch(params["hs_export"]["record_id"], wait_s=10).hidden_states) == digest(rows)
+            assert time.monotonic() - t0 >= 0.25
             with pytest.raises(CapabilityError):
                 c.fetch("cmpl-8")
         with ExportConsumer.from_params(params, token=token) as trainer:  # the trainer streams the rest
             assert [r.meta.request_id for r in trainer.iter_records(wait_s=0.2, idle_timeout_s=0.5)] == ["cmpl-8"]
         ledger_balanced(sink.producer.stats())
     finally:
+        if late.ident is not None:  # started: let its publish finish before the producer closes
+            late.join(5)
         sink.close()

@@ -46,6 +46,8 @@ Settled = Literal["released", "expired", "unknown"]
 
 
 class LeaseState(enum.Enum):
+    """Where a lease is in its life."""
+
     WRITING = "writing"
     READY = "ready"
     CLAIMED = "claimed"
@@ -54,6 +56,8 @@ class LeaseState(enum.Enum):
 
 @dataclasses.dataclass(slots=True)
 class Lease:
+    """One record's run of slots: ``[offset, offset + nbytes)`` of the pool."""
+
     lease_id: int
     record_id: str
     first_slot: int
@@ -89,6 +93,8 @@ _COUNTERS: Final = (
 
 
 class LeasePool:
+    """The slots of one producer's pool and the lease of every record in it (see the module docstring)."""
+
     def __init__(
         self,
         num_slots: int,

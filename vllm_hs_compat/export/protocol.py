@@ -86,7 +86,7 @@ class HelloReq(_Request, tag="hello"):
 
 
 class PingReq(_Request, tag="ping"):
-    pass
+    """Liveness (any principal)."""
 
 
 class ClaimReq(_Request, tag="claim"):
@@ -141,12 +141,16 @@ Request = HelloReq | PingReq | ClaimReq | ClaimNextReq | ReleaseReq | ReadReq | 
 
 # --- transport descriptions (in the trainer's hello) ----------------------------------------------------------
 class ShmInfo(msgspec.Struct, tag_field="kind", tag="shm", forbid_unknown_fields=True):
+    """The shared-memory pool: its file, size and owner pid (for people; liveness is its ``flock``)."""
+
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
     size: Size
     pid: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
 
 
 class NixlInfo(msgspec.Struct, tag_field="kind", tag="nixl", forbid_unknown_fields=True):
+    """The NIXL pool: the producer's agent name and metadata and the registered address range."""
+
     agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=4 << 20)]
     base: Annotated[int, msgspec.Meta(ge=1)]
@@ -208,6 +212,8 @@ class _Reply(msgspec.Struct, tag_field="t", forbid_unknown_fields=True):
 
 
 class HelloReply(_Reply, tag="hello"):
+    """Who the producer is and who the caller is; ``transport`` only for the trainer."""
+
     producer: InstanceId
     backend: Annotated[str, msgspec.Meta(max_length=16)]
     principal: Principal
@@ -219,10 +225,14 @@ class HelloReply(_Reply, tag="hello"):
 
 
 class PongReply(_Reply, tag="pong"):
+    """The answer to :class:`PingReq`."""
+
     producer: InstanceId
 
 
 class ClaimError(msgspec.Struct, forbid_unknown_fields=True):
+    """Why one id of a claim was not leased (not published yet, gone, or failed at the producer)."""
+
     record_id: RecordId
     code: Literal["unknown_record", "failed_record"]
     message: Annotated[str, msgspec.Meta(max_length=4096)]
@@ -246,14 +256,20 @@ class ReleaseReply(_Reply, tag="release"):
 
 
 class ReadReply(_Reply, tag="read"):
+    """The bytes a :class:`ReadReq` asked for."""
+
     data: Annotated[bytes, msgspec.Meta(max_length=MAX_READ_BYTES)]
 
 
 class StatsReply(_Reply, tag="stats"):
+    """The producer's counters (``ExportProducer.stats()``)."""
+
     stats: dict[str, int | float | str]
 
 
 class ErrorReply(_Reply, tag="error"):
+    """A failed request: ``code`` names the error class (``control.ERROR_CODES``)."""
+
     code: Annotated[str, msgspec.Meta(max_length=64)]
     message: Annotated[str, msgspec.Meta(max_length=8192)]
 
