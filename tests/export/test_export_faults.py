@@ -280,6 +280,31 @@ def test_long_context_records_stream_in_full_with_the_default_batch(
     ledger_balanced(st)
 
 
+def test_a_claim_sent_twice_with_one_request_id_is_answered_once(shm_producer: Make) -> None:
+    """What a client does when its connection drops with a claim in flight: the same request id again."""
+    p = shm_producer()
+    for i in range(6):
+        publish(p, f"i{i}", 4, seed=i)
+    c = ControlClient(p.endpoint, p.token, timeout_s=5)
+    try:
+        for req in (
+            P.ClaimNextReq(max_records=4, max_bytes=MiB, wait_s=0.0),
+            P.ClaimReq(["i5", "nope"]),
+            P.ClaimNextReq(max_records=4, max_bytes=MiB, wait_s=0.0),  # one record left
+        ):
+            frames = [P.HEADER, P.new_rid(), P.encode(req)]
+            answers = []
+            for _ in range(2):
+                c._sock.send_multipart(frames)
+                assert c._sock.poll(5000)
+                answers.append(P.decode_reply(c._sock.recv_multipart()[3]))
+            assert answers[0] == answers[1], answers  # the same leases (and errors), not a second batch
+        st = p.stats()
+        assert st["claimed"] == 6 and st["leases_claimed"] == 6 and st["claim_retries"] == 3
+    finally:
+        c.close()
+
+
 def _ids_digest(ids: tuple[int, ...]) -> str:
     return hashlib.sha256(array.array("I", ids).tobytes()).hexdigest()
 

@@ -119,7 +119,10 @@ class ExportProducer:
         }
         self._counter_lock = threading.Lock()
         self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
-        self._claims: collections.OrderedDict[tuple[str, bytes], list[int]] = collections.OrderedDict()
+        # request id -> (lease ids, errors) of each claim: a retried claim is answered the same, never claims anew
+        self._claims: collections.OrderedDict[tuple[str, bytes], tuple[list[int], list[P.ClaimError]]] = (
+            collections.OrderedDict()
+        )
         self._last_activity = 0.0
         if backend == "auto":
             backend = "nixl" if nixl_available() else "shm"
@@ -345,23 +348,25 @@ class ExportProducer:
                 "only, on the producer that issued it"
             )
 
-    def _remember(self, call: Call, leases: list[Lease]) -> None:
-        self._claims[(call.principal, call.rid)] = [lease.lease_id for lease in leases]
+    def _remember(self, call: Call, leases: list[Lease], errors: list[P.ClaimError] | None = None) -> None:
+        self._claims[(call.principal, call.rid)] = ([lease.lease_id for lease in leases], errors or [])
         while len(self._claims) > MAX_CLAIM_MEMORY:
             self._claims.popitem(last=False)
 
-    def _retried(self, call: Call) -> list[Lease] | None:
-        ids = self._claims.get((call.principal, call.rid))
-        if ids is None:
+    def _retried(self, call: Call) -> P.ClaimReply | None:
+        """The answer to a claim already made under this request id (its leases that are still claimed)."""
+        got = self._claims.get((call.principal, call.rid))
+        if got is None:
             return None
         self._count("claim_retries")
-        return self.pool.claimed(ids)
+        ids, errors = got
+        return P.ClaimReply([lease.wire for lease in self.pool.claimed(ids)], errors)
 
     def _claim(self, req: P.ClaimReq, call: Call) -> P.ClaimReply:
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
         again = self._retried(call)
         if again is not None:
-            return P.ClaimReply([lease.wire for lease in again])
+            return again
         out: list[Lease] = []
         errors: list[P.ClaimError] = []
         spent = 0
@@ -382,13 +387,13 @@ class ExportProducer:
                 continue
             spent += len(lease.wire) + 8
             out.append(lease)
-        self._remember(call, out)
+        self._remember(call, out, errors)
         return P.ClaimReply([lease.wire for lease in out], errors)
 
     def _claim_next(self, req: P.ClaimNextReq, call: Call) -> P.ClaimReply | None:
         again = self._retried(call)
         if again is not None:
-            return P.ClaimReply([lease.wire for lease in again])
+            return again
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
         leases = self.pool.claim_next(
             req.max_records, req.max_bytes, 0.0, budget=budget, cost=lambda lease: len(lease.wire) + 8
