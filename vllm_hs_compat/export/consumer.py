@@ -525,7 +525,9 @@ class ExportConsumer:
                 bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[k])
                 if isinstance(meta, HsCompatError) or bad is not None:
                     self._landing.free(off, c.extent)
-                    results[i] = meta if isinstance(meta, HsCompatError) else bad
+                    # an expired lease explains whatever the bytes looked like: it comes first
+                    expired = bad if isinstance(bad, E.LeaseExpiredError) else None
+                    results[i] = expired or (meta if isinstance(meta, HsCompatError) else bad)
                     continue
                 results[i] = self._finish(c, meta, transport.landing, off, copy)
         return [r if r is not None else E.ExportError("internal: no result") for r in results]
@@ -558,6 +560,8 @@ class ExportConsumer:
         meta, outcome = self._verify(c, buf, 0)
         settled = self._settle([(c.lease, c.nonce, outcome)])
         bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[0])
+        if isinstance(bad, E.LeaseExpiredError):
+            return bad
         if isinstance(meta, HsCompatError):
             return meta
         if bad is not None:
