@@ -95,7 +95,7 @@ def _drop_venv(session: nox.Session) -> None:
 
 
 def _vllm_session(session: nox.Session, release: str) -> None:
-    _install_vllm(session, release, "pytest", "hypothesis", "msgpack", "safetensors")
+    _install_vllm(session, release, "pytest", "hypothesis", "safetensors", "xxhash")
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release}
