@@ -100,7 +100,8 @@ class CaptureScheduler:
                     "the scheduler would address the wrong cache rows"
                 )
             self._locator = dict(info.get("locator") or {})
-            log.info("vllm-hs-compat scheduler: capture owner %s, sink %s", info.get("ranks"), self._locator)
+            shown = {k: v for k, v in self._locator.items() if k != "capability_key"}  # a secret: never logged
+            log.info("vllm-hs-compat scheduler: capture owner %s, sink %s", info.get("ranks"), shown)
 
     # --- every step -------------------------------------------------------------------------------------
     def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
