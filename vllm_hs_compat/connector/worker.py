@@ -126,7 +126,7 @@ class CaptureWorker:
             list(self.labels.layer_ids),
             self.owner,
             self.config.sink if self.owner else "-",
-            self.sink.locator() if self.sink is not None else "",
+            {k: v for k, v in self.sink.locator().items() if k != "capability_key"} if self.sink is not None else "",
         )
         token_file = getattr(self.sink, "token_file", None)
         if token_file is not None:
