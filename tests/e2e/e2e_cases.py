@@ -1,0 +1,368 @@
+"""The end-to-end cases: prompts, engine settings, and how a case's output is checked.
+
+Every case is run by :func:`run_case`: a fresh ``e2e_engine.py`` process (one real vLLM engine), then the records
+it produced -- through the export (fetched by a consumer in another process) or through the file sink -- are
+paired with the transformers forward of the same weights (:mod:`e2e_pairing`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import e2e_models  # noqa: E402
+import e2e_pairing  # noqa: E402
+import e2e_reference  # noqa: E402
+from e2e_engine import EngineSpec  # noqa: E402
+
+FIRST_TOKEN = 3  # 0-2 are the tokenizer's special tokens
+
+
+def prompts_with_shared_prefixes(
+    seed: int, lengths: list[int], prefixes: list[int], groups: list[int], vocab: int
+) -> list[list[int]]:
+    """``lengths[i]`` tokens each; prompt ``i`` starts with prefix ``groups[i]`` (of ``prefixes[groups[i]]``
+    tokens; group -1: no shared prefix), the rest is its own."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(FIRST_TOKEN, vocab) for _ in range(n)] for n in prefixes]
+    out = []
+    for n, g in zip(lengths, groups, strict=True):
+        head = shared[g][: n - 1] if g >= 0 else []
+        out.append(head + [rng.randrange(FIRST_TOKEN, vocab) for _ in range(n - len(head))])
+    return out
+
+
+@dataclass
+class Case:
+    name: str
+    model_kind: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    engine: dict[str, Any] = field(default_factory=dict)
+    capture: str = "prompt"
+    sink: str = "export"
+    env: dict[str, str] = field(default_factory=dict)
+    expect_preemptions: bool = False
+    expect_prefix_hits: bool = False
+    expect_own_capture_group: bool | None = None
+    timeout_s: float = 600.0
+
+
+def _mk(name: str, kind: str, seed: int, lengths: list[int], prefixes: list[int], groups: list[int], **kw: Any) -> Case:
+    vocab = 500
+    prompts = prompts_with_shared_prefixes(seed, lengths, prefixes, groups, vocab)
+    max_tokens = kw.pop("max_tokens", [4] * len(prompts))
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    return Case(name=name, model_kind=kind, prompts=prompts, max_tokens=max_tokens, **kw)
+
+
+def cases() -> dict[str, Case]:
+    c = [
+        # Prompts longer than max_num_batched_tokens (128) are chunked; two share a 70-token prefix.
+        _mk("dense", "dense", 1, [7, 45, 160, 300, 75], [70], [-1, -1, 0, -1, 0], sink="export"),
+        # Sliding window 48 < most prompts: the sliding layers' early blocks are dropped while the capture
+        # group keeps them.  The capture layer must get a KV-cache group of its own (HMA on).
+        _mk(
+            "hybrid",
+            "hybrid",
+            2,
+            [9, 50, 140, 260, 100],
+            [90],
+            [-1, -1, 0, -1, 0],
+            sink="file",
+            expect_own_capture_group=True,
+        ),
+        # 20 concurrent prompts of different lengths, three shared-prefix families (one prefix spans 5 blocks),
+        # several longer than max_num_batched_tokens.
+        _mk(
+            "concurrent",
+            "dense",
+            3,
+            [5, 33, 64, 97, 129, 150, 180, 200, 222, 260, 300, 350, 40, 70, 190, 170, 140, 210, 31, 400],
+            [40, 100, 160],
+            [-1, 0, 0, 1, 1, 1, 2, 2, 2, -1, 1, 2, -1, 0, 1, 2, -1, 0, -1, 2],
+            max_tokens=[3 + (i % 5) for i in range(20)],
+            sink="export",
+            expect_prefix_hits=True,
+        ),
+        # A KV cache of 16 blocks (512 tokens) for ~1,400 tokens of demand: requests are preempted and recomputed.
+        _mk(
+            "preempt",
+            "dense",
+            4,
+            [100, 130, 90, 120, 140, 110, 70, 125],
+            [64],
+            [0, 0, -1, -1, 0, -1, -1, -1],
+            max_tokens=64,
+            sink="file",
+            engine={"num_gpu_blocks_override": 16, "max_model_len": 448, "max_num_seqs": 8},
+            expect_preemptions=True,
+        ),
+        # Prompt and generated tokens: a record holds prompt + output[:-1] (the last token is never forwarded).
+        _mk(
+            "prompt_output",
+            "dense",
+            5,
+            [12, 70, 150, 33],
+            [50],
+            [-1, 0, 0, -1],
+            max_tokens=[16, 9, 20, 5],
+            capture="all",
+            sink="export",
+        ),
+    ]
+    return {x.name: x for x in c}
+
+
+def v2_cases() -> dict[str, Case]:
+    """Model Runner V2 runs every Triton kernel in Triton's interpreter: small prompts."""
+    c = [
+        _mk("v2_dense", "dense", 11, [6, 40, 90, 50], [30], [-1, -1, 0, 0], sink="export"),
+        _mk(
+            "v2_preempt",
+            "dense",
+            12,
+            [70, 90, 60, 80, 100],
+            [40],
+            [0, 0, -1, -1, 0],
+            max_tokens=10,
+            sink="file",
+            engine={"num_gpu_blocks_override": 10, "max_model_len": 256, "max_num_seqs": 5},
+            expect_preemptions=True,
+        ),
+    ]
+    return {x.name: x for x in c}
+
+
+def tp_cases() -> dict[str, Case]:
+    c = [
+        _mk(
+            "tp2",
+            "dense",
+            21,
+            [8, 50, 150, 90],
+            [60],
+            [-1, -1, 0, 0],
+            sink="export",
+            engine={"tensor_parallel_size": 2},
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        ),
+    ]
+    return {x.name: x for x in c}
+
+
+# --------------------------------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------------------------------
+def base_env(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    paths = [str(HERE)] + (extra_pythonpath or [])
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+@dataclass
+class CaseRun:
+    case: Case
+    spec: EngineSpec
+    out: Path
+    rc: int
+    seconds: float
+    result: dict[str, Any] | None
+    log: str
+
+
+def run_case(
+    case: Case,
+    model_dir: str,
+    out: Path,
+    connector: str = "ours",
+    env: dict[str, str] | None = None,
+    layer_ids: tuple[int, ...] = e2e_models.CAPTURE_LAYER_IDS,
+) -> CaseRun:
+    out.mkdir(parents=True, exist_ok=True)
+    engine = {"max_num_batched_tokens": 128, "block_size": 32, **case.engine}
+    spec = EngineSpec(
+        model=model_dir,
+        out_dir=str(out),
+        prompts=case.prompts,
+        max_tokens=case.max_tokens,
+        layer_ids=list(layer_ids),
+        connector=connector,
+        sink=case.sink,
+        capture=case.capture,
+        **engine,
+    )
+    spec.save(out / "spec.json")
+    run_env = env if env is not None else base_env()
+    run_env = {**run_env, **case.env}
+    t0 = time.monotonic()
+    with open(out / "engine.log", "w") as log:
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(HERE / "e2e_engine.py"), str(out / "spec.json")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=run_env,
+                timeout=case.timeout_s,
+                check=False,
+            )
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = -9
+    seconds = time.monotonic() - t0
+    result_path = out / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    return CaseRun(case, spec, out, rc, seconds, result, (out / "engine.log").read_text(errors="replace"))
+
+
+# --------------------------------------------------------------------------------------------------
+# records, as each sink delivers them
+# --------------------------------------------------------------------------------------------------
+def expected_positions(capture: str, prompt_len: int, output_len: int) -> tuple[int, int]:
+    """Positions whose hidden states exist at finish: prompt, then every generated token but the last."""
+    computed = prompt_len + max(output_len - 1, 0)
+    if capture == "prompt":
+        return 0, prompt_len
+    if capture == "all":
+        return 0, computed
+    raise ValueError(f"capture {capture!r} is not checked by these cases")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]]:
+    """The record each request's ``kv_transfer_params`` points at, in request order (None: missing)."""
+    assert run.result is not None
+    notes: list[str] = []
+    reqs = run.result["requests"]
+    recs: list[e2e_pairing.Record | None] = [None] * len(reqs)
+    spec = run.spec
+    if spec.connector == "example":
+        layer_ids = sorted(spec.layer_ids)
+        for r in reqs:
+            p = (r["kv_transfer_params"] or {}).get("hidden_states_path")
+            if p is None or not Path(p).exists():
+                notes.append(f"request {r['index']}: no example file ({p})")
+                continue
+            t = _load_safetensors(Path(p))
+            recs[r["index"]] = e2e_pairing.Record(
+                label=f"{r['index']}:{r['request_id']}",
+                token_ids=t["token_ids"].tolist(),
+                layer_ids=layer_ids,
+                hidden_states=t["hidden_states"],
+                source="example-file",
+            )
+        return recs, notes
+    by_record_id = {}
+    for r in reqs:
+        cap = (r["kv_transfer_params"] or {}).get("hs_capture") or {}
+        if cap.get("status") != "pending":
+            notes.append(f"request {r['index']}: hs_capture {cap}")
+            continue
+        by_record_id[cap["record_id"]] = r["index"]
+    if spec.sink == "file":
+        d = run.out / "file_sink"
+        for rid, idx in by_record_id.items():
+            mpath, tpath = d / f"{rid}.json", d / f"{rid}.safetensors"
+            if not (mpath.exists() and tpath.exists()):
+                notes.append(f"request {idx}: file sink lacks {rid}")
+                continue
+            manifest = json.loads(mpath.read_text())
+            meta = manifest.get("meta", manifest)
+            t = _load_safetensors(tpath)
+            recs[idx] = e2e_pairing.Record(
+                label=f"{idx}:{rid}",
+                token_ids=list(meta["token_ids"]),
+                layer_ids=list(meta["layer_ids"]),
+                hidden_states=t["hidden_states"],
+                start=int(manifest.get("start", 0)),
+                source="file",
+            )
+    else:
+        d = run.out / "export_records"
+        summary_path = d / "summary.json"
+        if not summary_path.exists():
+            notes.append("export consumer wrote no summary")
+            return recs, notes
+        summary = json.loads(summary_path.read_text())
+        for f in summary["fetched"]:
+            rid, n = f["record_id"], f["n"]
+            if rid not in by_record_id:
+                notes.append(f"consumer fetched {rid}, which no request names")
+                continue
+            meta = json.loads((d / f"{n}.json").read_text())["meta"]
+            t = _load_safetensors(d / f"{n}.safetensors")
+            idx = by_record_id[rid]
+            recs[idx] = e2e_pairing.Record(
+                label=f"{idx}:{rid}",
+                token_ids=list(meta["token_ids"]),
+                layer_ids=list(meta["layer_ids"]),
+                hidden_states=t["hidden_states"],
+                source="export",
+            )
+        if summary["extra"]:
+            notes.append(f"producer published records no request names: {summary['extra']}")
+    return recs, notes
+
+
+@dataclass
+class CheckResult:
+    pairing: e2e_pairing.Pairing | None
+    missing: list[int]
+    notes: list[str]
+    text: str
+
+
+def check(run: CaseRun, title: str) -> CheckResult:
+    """Pair the run's records with the transformers forward; render the matrix."""
+    assert run.result is not None
+    recs, notes = records_of(run)
+    model_dir = run.spec.model
+    capture = run.spec.capture
+    layer_ids = sorted(run.spec.layer_ids)
+    ref_tokens: list[list[int]] = []
+    refs: list[torch.Tensor] = []
+    for r in run.result["requests"]:
+        full = r["prompt"] + r["output"]
+        lo, hi = expected_positions(capture, len(r["prompt"]), len(r["output"]))
+        ctx = full[:hi]
+        ref = e2e_reference.reference(model_dir, ctx, layer_ids)
+        refs.append(ref[lo:hi])
+        ref_tokens.append(ctx[lo:hi])
+    missing = [i for i, x in enumerate(recs) if x is None]
+    if missing:
+        text = f"{title}: records missing for requests {missing}\n" + "\n".join(notes)
+        return CheckResult(None, missing, notes, text)
+    present = [x for x in recs if x is not None]
+    pairing = e2e_pairing.pair(present, refs, ref_tokens, layer_ids)
+    pairing.notes.extend(notes)
+    return CheckResult(pairing, [], notes, pairing.render(title))

@@ -1,0 +1,313 @@
+"""Run ONE real vLLM engine for one end-to-end case, in its own process, and write what it produced.
+
+    python e2e_engine.py SPEC.json
+
+``SPEC.json`` (:class:`EngineSpec`) names the model, the prompts, the engine settings and the connector:
+
+* ``ours``    -- ``HiddenStatesCaptureConnector`` from ``vllm_hs_compat.connector`` (export or file sink);
+* ``example`` -- vLLM's in-tree ``ExampleHiddenStatesConnector`` under the CPU stand-ins of ``e2e_example_cpu``;
+* ``none``    -- no connector (and, with ``extract`` false, no ``extract_hidden_states`` either): the benchmark's
+  baseline.
+
+Into ``out_dir`` it writes ``result.json`` (each request's prompt, output tokens and ``kv_transfer_params``, the
+engine's preemption counter, timings, pids) and, for the export sink, the records a consumer in ANOTHER process
+(``e2e_consumer.py``) fetched over the export's shared-memory transport.  The comparison against transformers is
+the caller's (``e2e_check.py``), from these files only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    out_dir: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    layer_ids: list[int]
+    connector: str = "ours"  # ours | example | none
+    extract: bool = True  # extract_hidden_states speculative method on
+    sink: str = "export"  # ours: export | file
+    capture: str = "prompt"  # ours: prompt | all | output; example: prompt | all (include_output_tokens)
+    window: list[int | None] | None = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 128
+    block_size: int = 32
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    drain_timeout_s: float = 120.0
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    per_request_params: list[dict[str, Any] | None] | None = None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> EngineSpec:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(asdict(self)))
+
+
+def _kv_transfer_config(spec: EngineSpec, out: Path) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if spec.connector == "ours":
+        extra: dict[str, Any] = {"capture": spec.capture, "sink": spec.sink}
+        if spec.window is not None:
+            extra["window"] = spec.window
+        if spec.sink == "file":
+            extra["file"] = {"path": str(out / "file_sink")}
+        elif spec.sink == "export":
+            extra["export"] = {
+                "backend": "shm",
+                "num_slots": 64,
+                "slot_bytes": 1 << 20,
+                "token_file": str(out / "export.token"),
+            }
+        extra.update(spec.extra_config)
+        return KVTransferConfig(
+            kv_connector="HiddenStatesCaptureConnector",
+            kv_connector_module_path="vllm_hs_compat.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config=extra,
+        )
+    if spec.connector == "example":
+        extra = {"shared_storage_path": str(out / "example_sink"), "use_synchronization_lock": False}
+        extra.update(spec.extra_config)
+        return KVTransferConfig(
+            kv_connector="CpuExampleHiddenStatesConnector",
+            kv_connector_module_path="e2e_example_cpu",
+            kv_role="kv_producer",
+            kv_connector_extra_config=extra,
+        )
+    if spec.connector == "none":
+        return None
+    raise ValueError(f"unknown connector {spec.connector!r}")
+
+
+def build_llm(spec: EngineSpec, out: Path) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=spec.model,
+        tokenizer=spec.model,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        enable_chunked_prefill=spec.enable_chunked_prefill,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        enforce_eager=True,
+        block_size=spec.block_size,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        disable_log_stats=False,
+    )
+    if spec.num_gpu_blocks_override is not None:
+        kwargs["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
+    if spec.extract:
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(spec.layer_ids)}},
+        }
+    kv = _kv_transfer_config(spec, out)
+    if kv is not None:
+        kwargs["kv_transfer_config"] = kv
+    return LLM(**kwargs)
+
+
+def _sampling_params(spec: EngineSpec) -> list[Any]:
+    from vllm import SamplingParams
+
+    params = []
+    for i, n in enumerate(spec.max_tokens):
+        kv: dict[str, Any] | None = None
+        if spec.per_request_params is not None and spec.per_request_params[i] is not None:
+            kv = dict(spec.per_request_params[i] or {})
+        elif spec.connector == "example" and spec.capture == "all":
+            kv = {"include_output_tokens": True}
+        extra = {"kv_transfer_params": kv} if kv is not None else None
+        params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, extra_args=extra))
+    return params
+
+
+def _inproc_core(llm: Any) -> Any | None:
+    """The EngineCore when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), else None."""
+    client = getattr(llm.llm_engine, "engine_core", None)
+    return getattr(client, "engine_core", None)
+
+
+def _expected_files(spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) -> list[Path]:
+    files: list[Path] = []
+    for r in requests:
+        params = r["kv_transfer_params"] or {}
+        if spec.connector == "example":
+            if "hidden_states_path" in params:
+                files.append(Path(params["hidden_states_path"]))
+        elif spec.connector == "ours" and spec.sink == "file":
+            cap = params.get("hs_capture") or {}
+            if cap.get("status") == "pending":
+                rid = cap["record_id"]
+                files += [out / "file_sink" / f"{rid}.json", out / "file_sink" / f"{rid}.safetensors"]
+    return files
+
+
+def drain(llm: Any, spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Step the engine until it holds no finished request any more (the connector has read every held request
+    and reported it done) and every file the sink promised exists.  An in-process engine only steps when asked;
+    a multiprocess engine core keeps stepping by itself while the connector holds blocks."""
+    core = _inproc_core(llm)
+    deadline = time.monotonic() + spec.drain_timeout_s
+    steps = 0
+    files = _expected_files(spec, out, requests)
+    while time.monotonic() < deadline:
+        busy = core is not None and core.scheduler.has_requests()
+        if busy:
+            llm.llm_engine.step()
+            steps += 1
+            continue
+        if all(f.exists() for f in files):
+            return {"drain_steps": steps, "drained": True}
+        time.sleep(0.05)
+    return {
+        "drain_steps": steps,
+        "drained": False,
+        "missing_files": [str(f) for f in files if not f.exists()],
+        "scheduler_busy": core is not None and core.scheduler.has_requests(),
+    }
+
+
+COUNTERS = {
+    "num_preemptions": "vllm:num_preemptions",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+}
+
+
+def engine_counters(llm: Any) -> dict[str, int | None]:
+    """The engine's own Prometheus counters (``disable_log_stats=False``)."""
+    out: dict[str, int | None] = {k: None for k in COUNTERS}
+    try:
+        metrics = llm.get_metrics()
+    except Exception as e:  # noqa: BLE001 - reported; the test decides what a missing counter means
+        print(f"[e2e] get_metrics failed: {e!r}", file=sys.stderr)
+        return out
+    for key, name in COUNTERS.items():
+        for m in metrics:
+            if m.name == name:
+                out[key] = (out[key] or 0) + int(getattr(m, "value", 0))
+    return out
+
+
+def _groups(kv_cache_config: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "spec": type(g.kv_cache_spec).__name__,
+            "block_size": int(g.kv_cache_spec.block_size),
+            "layers": list(g.layer_names),
+        }
+        for g in kv_cache_config.kv_cache_groups
+    ]
+
+
+def kv_cache_groups(llm: Any) -> dict[str, Any]:
+    """How the engine grouped the layers, scheduler and worker side (in-process engines only)."""
+    core = _inproc_core(llm)
+    if core is None:
+        return {}
+    facts: dict[str, Any] = {}
+    try:
+        facts["scheduler"] = _groups(core.scheduler.kv_cache_config)
+    except AttributeError as e:
+        facts["scheduler_error"] = repr(e)
+    try:
+        worker = core.model_executor.driver_worker.worker
+        facts["worker"] = _groups(worker.model_runner.kv_cache_config)
+    except AttributeError as e:
+        facts["worker_error"] = repr(e)
+    return facts
+
+
+def run_consumer(spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fetch every exported record from a consumer in another process (the trainer's side)."""
+    tickets = []
+    for r in requests:
+        params = r["kv_transfer_params"] or {}
+        if "hs_export" in params:
+            tickets.append(params)
+    args = {
+        "tickets": tickets,
+        "token_file": str(out / "export.token"),
+        "out_dir": str(out / "export_records"),
+        "producer_pid": os.getpid() if spec.tensor_parallel_size == 1 else None,
+    }
+    (out / "consumer_args.json").write_text(json.dumps(args))
+    t0 = time.monotonic()
+    with open(out / "consumer.log", "w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "e2e_consumer.py"), str(out / "consumer_args.json")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=180,
+            check=False,
+        )
+    return {"consumer_rc": proc.returncode, "consumer_s": time.monotonic() - t0}
+
+
+def main(spec_path: str) -> int:
+    spec = EngineSpec.load(spec_path)
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    import vllm
+
+    result: dict[str, Any] = {"vllm_version": vllm.__version__, "pid": os.getpid(), "connector": spec.connector}
+    t0 = time.monotonic()
+    llm = build_llm(spec, out)
+    result["init_s"] = time.monotonic() - t0
+    result["kv_cache_groups"] = kv_cache_groups(llm)
+    prompts = [{"prompt_token_ids": p} for p in spec.prompts]
+    t1 = time.monotonic()
+    outputs = llm.generate(prompts, _sampling_params(spec), use_tqdm=False)
+    result["generate_s"] = time.monotonic() - t1
+    requests = []
+    for i, o in enumerate(outputs):
+        assert list(o.prompt_token_ids) == spec.prompts[i], f"output {i} is not prompt {i}"
+        requests.append(
+            {
+                "index": i,
+                "request_id": o.request_id,
+                "prompt": list(o.prompt_token_ids),
+                "output": list(o.outputs[0].token_ids),
+                "kv_transfer_params": o.kv_transfer_params,
+            }
+        )
+    result["requests"] = requests
+    result["generated_tokens"] = sum(len(r["output"]) for r in requests)
+    result["prompt_tokens"] = sum(len(r["prompt"]) for r in requests)
+    t2 = time.monotonic()
+    result.update(drain(llm, spec, out, requests))
+    result["drain_s"] = time.monotonic() - t2
+    result.update(engine_counters(llm))
+    if spec.connector == "ours" and spec.sink == "export":
+        result.update(run_consumer(spec, out, requests))
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(f"[e2e] done: {json.dumps({k: v for k, v in result.items() if k != 'requests'})}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
