@@ -7,9 +7,11 @@ paired with the transformers forward of the same weights (:mod:`e2e_pairing`).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -58,6 +60,7 @@ class Case:
     expect_prefix_hits: bool = False
     expect_own_capture_group: bool | None = None
     timeout_s: float = 600.0
+    v2: bool = False  # Model Runner V2 (the Triton "cpu" shim on PYTHONPATH, kernels interpreted)
 
 
 def _mk(name: str, kind: str, seed: int, lengths: list[int], prefixes: list[int], groups: list[int], **kw: Any) -> Case:
@@ -127,10 +130,25 @@ def cases() -> dict[str, Case]:
     return {x.name: x for x in c}
 
 
+TRITON_CPU_SHIM = HERE / "triton_cpu_shim"
+# Model Runner V2 on a CPU build: Triton must report a "cpu" backend (the shim) and run kernels interpreted.
+V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+
+
 def v2_cases() -> dict[str, Case]:
     """Model Runner V2 runs every Triton kernel in Triton's interpreter: small prompts."""
     c = [
-        _mk("v2_dense", "dense", 11, [6, 40, 90, 50], [30], [-1, -1, 0, 0], sink="export"),
+        _mk(
+            "v2_dense",
+            "dense",
+            11,
+            [6, 40, 90, 50],
+            [30],
+            [-1, -1, 0, 0],
+            sink="export",
+            engine={"max_num_batched_tokens": 64},
+            v2=True,
+        ),
         _mk(
             "v2_preempt",
             "dense",
@@ -138,10 +156,11 @@ def v2_cases() -> dict[str, Case]:
             [70, 90, 60, 80, 100],
             [40],
             [0, 0, -1, -1, 0],
-            max_tokens=10,
+            max_tokens=40,
             sink="file",
-            engine={"num_gpu_blocks_override": 10, "max_model_len": 256, "max_num_seqs": 5},
+            engine={"num_gpu_blocks_override": 8, "max_model_len": 224, "max_num_seqs": 5, "max_num_batched_tokens": 64},
             expect_preemptions=True,
+            v2=True,
         ),
     ]
     return {x.name: x for x in c}
@@ -218,8 +237,8 @@ def run_case(
         **engine,
     )
     spec.save(out / "spec.json")
-    run_env = env if env is not None else base_env()
-    run_env = {**run_env, **case.env}
+    run_env = env if env is not None else base_env([str(TRITON_CPU_SHIM)] if case.v2 else None)
+    run_env = {**run_env, **case.env, **(V2_ENV if case.v2 else {})}
     t0 = time.monotonic()
     with open(out / "engine.log", "w") as log:
         try:
@@ -243,9 +262,21 @@ def run_case(
 # --------------------------------------------------------------------------------------------------
 # records, as each sink delivers them
 # --------------------------------------------------------------------------------------------------
-def expected_positions(capture: str, prompt_len: int, output_len: int) -> tuple[int, int]:
-    """Positions whose hidden states exist at finish: prompt, then every generated token but the last."""
-    computed = prompt_len + max(output_len - 1, 0)
+def expected_positions(
+    capture: str, prompt_len: int, output_len: int, num_computed: int | None, record_len: int | None
+) -> tuple[int, int]:
+    """The positions a record must hold.  Hidden states exist for the first ``num_computed_tokens`` positions
+    (vLLM's own count at finish, witnessed in-process).  Without the witness (multiprocess engines) it is the
+    prompt plus every generated token but the last -- or all of them, when the final step's accepted draft
+    token was computed and the bonus token cut by ``max_tokens``; the record's own length decides between the
+    two, and the transformers comparison proves that row real."""
+    total = prompt_len + output_len
+    if num_computed is not None:
+        computed = min(num_computed, total)
+    elif record_len in (total - 1, total):
+        computed = record_len
+    else:
+        computed = total - 1
     if capture == "prompt":
         return 0, prompt_len
     if capture == "all":
@@ -290,21 +321,25 @@ def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]
             continue
         by_record_id[cap["record_id"]] = r["index"]
     if spec.sink == "file":
-        d = run.out / "file_sink"
-        for rid, idx in by_record_id.items():
-            mpath, tpath = d / f"{rid}.json", d / f"{rid}.safetensors"
-            if not (mpath.exists() and tpath.exists()):
-                notes.append(f"request {idx}: file sink lacks {rid}")
+        from vllm_hs_compat.export import files
+
+        for r in reqs:
+            entry = (r["kv_transfer_params"] or {}).get("hs_file") or {}
+            idx = r["index"]
+            if idx not in by_record_id.values():
                 continue
-            manifest = json.loads(mpath.read_text())
-            meta = manifest.get("meta", manifest)
-            t = _load_safetensors(tpath)
+            manifest = Path(entry.get("manifest", ""))
+            if not manifest.is_file():
+                notes.append(f"request {idx}: file sink has no manifest at {manifest}")
+                continue
+            # The package's own reader: checksum and the manifest/tensor token ids are verified.
+            rec = files.read_record(manifest)
             recs[idx] = e2e_pairing.Record(
-                label=f"{idx}:{rid}",
-                token_ids=list(meta["token_ids"]),
-                layer_ids=list(meta["layer_ids"]),
-                hidden_states=t["hidden_states"],
-                start=int(manifest.get("start", 0)),
+                label=f"{idx}:{rec.meta.request_id}",
+                token_ids=list(rec.meta.token_ids),
+                layer_ids=list(rec.meta.layer_ids),
+                hidden_states=rec.hidden_states,
+                start=int(getattr(rec.meta, "start", 0) or 0),
                 source="file",
             )
     else:
@@ -351,9 +386,16 @@ def check(run: CaseRun, title: str) -> CheckResult:
     layer_ids = sorted(run.spec.layer_ids)
     ref_tokens: list[list[int]] = []
     refs: list[torch.Tensor] = []
-    for r in run.result["requests"]:
+    for r, rec in zip(run.result["requests"], recs, strict=True):
         full = r["prompt"] + r["output"]
-        lo, hi = expected_positions(capture, len(r["prompt"]), len(r["output"]))
+        at_finish = r.get("at_finish") or {}
+        lo, hi = expected_positions(
+            capture,
+            len(r["prompt"]),
+            len(r["output"]),
+            at_finish.get("num_computed_tokens"),
+            rec.hidden_states.shape[0] if rec is not None else None,
+        )
         ctx = full[:hi]
         ref = e2e_reference.reference(model_dir, ctx, layer_ids)
         refs.append(ref[lo:hi])
@@ -366,3 +408,58 @@ def check(run: CaseRun, title: str) -> CheckResult:
     pairing = e2e_pairing.pair(present, refs, ref_tokens, layer_ids)
     pairing.notes.extend(notes)
     return CheckResult(pairing, [], notes, pairing.render(title))
+
+
+# --------------------------------------------------------------------------------------------------
+# what the engine and the connector logged
+# --------------------------------------------------------------------------------------------------
+_PROC = r"(?:\((?P<proc>[\w-]+) pid=(?P<pid>\d+)\)\s+)?"
+_WORKER_RE = re.compile(_PROC + r".*vllm-hs-compat worker \(tp (?P<tp>\d+)/(?P<tps>\d+) .*?\): (?P<rest>.*)$")
+_COUNTERS_RE = re.compile(_PROC + r".*vllm-hs-compat worker: (?P<counters>\{.*\})\s*$")
+_SCHED_RE = re.compile(r".*vllm-hs-compat scheduler: (?P<rest>capture layer .*)$")
+
+
+@dataclass
+class WorkerLine:
+    proc: str | None
+    pid: int | None
+    tp_rank: int
+    tp_size: int
+    owner: bool
+    text: str
+
+
+@dataclass
+class LogFacts:
+    workers: list[WorkerLine]
+    scheduler: list[str]
+    counters: list[dict[str, int]]
+    v2_runner: bool
+    chunked_prefill: bool
+
+
+def log_facts(log: str) -> LogFacts:
+    workers, sched, counters = [], [], []
+    for line in log.splitlines():
+        if m := _COUNTERS_RE.match(line):
+            counters.append(ast.literal_eval(m["counters"]))
+        elif m := _WORKER_RE.match(line):
+            workers.append(
+                WorkerLine(
+                    proc=m["proc"],
+                    pid=int(m["pid"]) if m["pid"] else None,
+                    tp_rank=int(m["tp"]),
+                    tp_size=int(m["tps"]),
+                    owner="owner=True" in m["rest"],
+                    text=m["rest"],
+                )
+            )
+        elif m := _SCHED_RE.match(line):
+            sched.append(m["rest"])
+    return LogFacts(
+        workers=workers,
+        scheduler=sched,
+        counters=counters,
+        v2_runner="Using V2 Model Runner" in log,
+        chunked_prefill="Chunked prefill is enabled" in log,
+    )

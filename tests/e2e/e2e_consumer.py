@@ -2,8 +2,8 @@
 
     python e2e_consumer.py ARGS.json
 
-``ARGS.json``: ``tickets`` (the finished requests' ``kv_transfer_params``), ``token_file`` (the producer's token,
-written by the worker), ``out_dir``, ``producer_pid``.  Fetches every ticket's record through
+``ARGS.json``: ``tickets`` (the finished requests' ``kv_transfer_params``), ``token_file`` (the trainer credential
+the serving worker wrote; tickets never carry it), ``out_dir``, ``producer_pid``.  Fetches every ticket's record through
 ``vllm_hs_compat.export.ExportConsumer`` over shared memory (checksums verified by the consumer), then drains the
 producer's stream for anything it published beyond the tickets, and writes each record as
 ``<n>.safetensors`` (``hidden_states``) + ``<n>.json`` (its self-describing metadata) plus ``summary.json``.
@@ -19,17 +19,11 @@ from pathlib import Path
 from typing import Any
 
 
-def _token(args: dict[str, Any], ticket: dict[str, Any]) -> str:
-    entry = ticket.get("hs_export", {})
-    if isinstance(entry.get("token"), str):
-        return str(entry["token"])
-    return Path(args["token_file"]).read_text().strip()
-
-
 def main(path: str) -> int:
     from safetensors.torch import save_file
 
     from vllm_hs_compat.export import ExportConsumer
+    from vllm_hs_compat.export.control import read_token
 
     args = json.loads(Path(path).read_text())
     out = Path(args["out_dir"])
@@ -37,6 +31,8 @@ def main(path: str) -> int:
     summary: dict[str, Any] = {"pid": os.getpid(), "producer_pid": args.get("producer_pid"), "fetched": [], "extra": []}
     if args.get("producer_pid") is not None and args["producer_pid"] == os.getpid():
         raise SystemExit("the consumer must not run in the producer's process")
+    # The credential is never in the ticket: the trainer reads the token file the serving worker wrote.
+    token = read_token(args["token_file"])
     consumers: dict[tuple[str, str], ExportConsumer] = {}
     t0 = time.monotonic()
     n = 0
@@ -45,8 +41,8 @@ def main(path: str) -> int:
         endpoint = entry["endpoint"]
         key = (endpoint, entry.get("producer", ""))
         if key not in consumers:
-            consumers[key] = ExportConsumer(endpoint, _token(args, ticket), backend="shm", timeout_s=30.0)
-        rec = consumers[key].fetch(entry["record_id"], timeout_s=60.0)
+            consumers[key] = ExportConsumer.from_params(ticket, token=token, backend="shm", timeout_s=30.0)
+        rec = consumers[key].fetch(entry["record_id"], timeout_s=60.0, wait_s=60.0)
         save_file({"hidden_states": rec.hidden_states.contiguous()}, str(out / f"{n}.safetensors"))
         meta = rec.meta.to_dict()
         (out / f"{n}.json").write_text(json.dumps({"record_id": entry["record_id"], "meta": meta}))
@@ -57,7 +53,11 @@ def main(path: str) -> int:
         for rec in c.iter_records(wait_s=0.5, idle_timeout_s=2.0):
             summary["extra"].append({"record_id": rec.meta.request_id, "tokens": int(rec.hidden_states.shape[0])})
         summary.setdefault("counters", []).append(dict(c.counters))
-        summary.setdefault("transports", []).append(c.hello.get("transport", {}).get("kind"))
+        transport = c.hello.get("transport", {})
+        # The shm transport names the pool file and the pid of the process that owns it: the producer.
+        summary.setdefault("transports", []).append(
+            {"kind": transport.get("kind"), "pid": transport.get("pid"), "path": transport.get("path")}
+        )
         c.close()
     summary["seconds"] = time.monotonic() - t0
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

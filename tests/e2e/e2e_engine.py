@@ -52,6 +52,11 @@ class EngineSpec:
     drain_timeout_s: float = 120.0
     extra_config: dict[str, Any] = field(default_factory=dict)
     per_request_params: list[dict[str, Any] | None] | None = None
+    # Benchmark only: time the scheduler-side connector hooks per engine step (in-process engines).
+    time_scheduler_hooks: bool = False
+    # Benchmark only: one untimed batch first (first-step allocations, lazy imports), drained before timing.
+    warmup: bool = False
+    consume_export: bool = True
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> EngineSpec:
@@ -159,10 +164,10 @@ def _expected_files(spec: EngineSpec, out: Path, requests: list[dict[str, Any]])
             if "hidden_states_path" in params:
                 files.append(Path(params["hidden_states_path"]))
         elif spec.connector == "ours" and spec.sink == "file":
-            cap = params.get("hs_capture") or {}
-            if cap.get("status") == "pending":
-                rid = cap["record_id"]
-                files += [out / "file_sink" / f"{rid}.json", out / "file_sink" / f"{rid}.safetensors"]
+            entry = params.get("hs_file") or {}
+            if entry.get("manifest"):
+                # The manifest is renamed into place last: once it exists the record is complete.
+                files.append(Path(entry["manifest"]))
     return files
 
 
@@ -268,6 +273,95 @@ def run_consumer(spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) ->
     return {"consumer_rc": proc.returncode, "consumer_s": time.monotonic() - t0}
 
 
+SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "get_kv_connector_stats",
+)
+
+
+class FinishWitness:
+    """What vLLM itself says about each request when it hands it to the connector at finish (in-process
+    engines): ``num_computed_tokens`` -- the positions whose hidden states exist -- and the token count.  Read
+    from vLLM's ``Request`` as vLLM passes it; the connector's answer is not consulted."""
+
+    def __init__(self, core: Any) -> None:
+        self.seen: dict[str, dict[str, Any]] = {}
+        conn = core.scheduler.connector
+        if conn is None:
+            return
+        for name in ("request_finished", "request_finished_all_groups"):
+            fn = getattr(conn, name, None)
+            if fn is not None:
+                setattr(conn, name, self._wrap(fn))
+
+    def _wrap(self, fn: Any) -> Any:
+        def wrapped(request: Any, *a: Any, **k: Any) -> Any:
+            self.seen.setdefault(
+                request.request_id,
+                {
+                    "num_computed_tokens": int(request.num_computed_tokens),
+                    "num_tokens": int(request.num_tokens),
+                    "prompt": list(request.prompt_token_ids or []),
+                },
+            )
+            return fn(request, *a, **k)
+
+        return wrapped
+
+    def by_prompt(self) -> dict[tuple[int, ...], dict[str, Any]]:
+        out: dict[tuple[int, ...], dict[str, Any]] = {}
+        for rid, d in self.seen.items():
+            out[tuple(d["prompt"])] = {"engine_request_id": rid, **{k: v for k, v in d.items() if k != "prompt"}}
+        return out
+
+
+class HookTimer:
+    """Wraps the scheduler-side connector's hooks and the engine step; one sample per step:
+    (running requests, seconds in connector hooks, seconds in the whole step)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.in_hooks = 0.0
+        self.samples: list[tuple[int, float, float]] = []
+        conn = core.scheduler.connector
+        if conn is not None:
+            for name in SCHEDULER_HOOKS:
+                fn = getattr(conn, name, None)
+                if fn is not None:
+                    setattr(conn, name, self._wrap(fn))
+        step = core.step_fn
+
+        def timed_step(*a: Any, **k: Any) -> Any:
+            running = len(core.scheduler.running)
+            before = self.in_hooks
+            t = time.perf_counter()
+            try:
+                return step(*a, **k)
+            finally:
+                self.samples.append((running, self.in_hooks - before, time.perf_counter() - t))
+
+        core.step_fn = timed_step
+
+    def _wrap(self, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.in_hooks += time.perf_counter() - t
+
+        return wrapped
+
+    def summary(self) -> dict[str, Any]:
+        return {"samples": self.samples}
+
+
 def main(spec_path: str) -> int:
     spec = EngineSpec.load(spec_path)
     out = Path(spec.out_dir)
@@ -279,11 +373,27 @@ def main(spec_path: str) -> int:
     llm = build_llm(spec, out)
     result["init_s"] = time.monotonic() - t0
     result["kv_cache_groups"] = kv_cache_groups(llm)
+    core = _inproc_core(llm)
+    witness = FinishWitness(core) if core is not None else None
+    timer = None
+    if spec.time_scheduler_hooks:
+        core = _inproc_core(llm)
+        if core is None:
+            raise SystemExit("time_scheduler_hooks needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        timer = HookTimer(core)
     prompts = [{"prompt_token_ids": p} for p in spec.prompts]
+    if spec.warmup:
+        warm = [{"prompt_token_ids": [3 + (i * 7 + j) % 400 for j in range(64)]} for i in range(8)]
+        llm.generate(warm, _sampling_params(spec)[: len(warm)], use_tqdm=False)
+        core = _inproc_core(llm)
+        while core is not None and core.scheduler.has_requests():
+            llm.llm_engine.step()
+        result["warmup_s"] = time.monotonic() - t0 - result["init_s"]
     t1 = time.monotonic()
     outputs = llm.generate(prompts, _sampling_params(spec), use_tqdm=False)
     result["generate_s"] = time.monotonic() - t1
     requests = []
+    finish = witness.by_prompt() if witness is not None else {}
     for i, o in enumerate(outputs):
         assert list(o.prompt_token_ids) == spec.prompts[i], f"output {i} is not prompt {i}"
         requests.append(
@@ -293,6 +403,7 @@ def main(spec_path: str) -> int:
                 "prompt": list(o.prompt_token_ids),
                 "output": list(o.outputs[0].token_ids),
                 "kv_transfer_params": o.kv_transfer_params,
+                "at_finish": finish.get(tuple(spec.prompts[i])),
             }
         )
     result["requests"] = requests
@@ -302,7 +413,9 @@ def main(spec_path: str) -> int:
     result.update(drain(llm, spec, out, requests))
     result["drain_s"] = time.monotonic() - t2
     result.update(engine_counters(llm))
-    if spec.connector == "ours" and spec.sink == "export":
+    if timer is not None:
+        result["hook_timing"] = timer.summary()
+    if spec.connector == "ours" and spec.sink == "export" and spec.consume_export:
         result.update(run_consumer(spec, out, requests))
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(f"[e2e] done: {json.dumps({k: v for k, v in result.items() if k != 'requests'})}", flush=True)

@@ -16,7 +16,6 @@ from pathlib import Path
 # Geometry.  CPU attention needs head_dim >= 32; 4 verifier layers so the capture layer is
 # ``cache_only_layers.4`` and layer id 4 is the pre-final-norm output.
 HIDDEN = 64
-INTERMEDIATE = 128
 NUM_LAYERS = 4
 NUM_HEADS = 2
 NUM_KV_HEADS = 1
@@ -79,8 +78,17 @@ def make_tokenizer(path: str, vocab: int = VOCAB, seed: int = 0) -> int:
     return int(tok.get_vocab_size())
 
 
-def make_model(path: str, kind: str = "dense", seed: int = 0) -> TinyModel:
-    """Write a tiny bf16 Llama (``kind`` ``dense`` or ``hybrid``) with random weights to ``path``."""
+def make_model(
+    path: str,
+    kind: str = "dense",
+    seed: int = 0,
+    *,
+    hidden: int = HIDDEN,
+    num_layers: int = NUM_LAYERS,
+    num_heads: int = NUM_HEADS,
+) -> TinyModel:
+    """Write a tiny bf16 Llama (``kind`` ``dense`` or ``hybrid``) with random weights to ``path``.  The tests use
+    the default geometry; the engine benchmark asks for a wider one."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -90,13 +98,13 @@ def make_model(path: str, kind: str = "dense", seed: int = 0) -> TinyModel:
     layer_types: tuple[str, ...] | None = None
     extra: dict[str, object] = {}
     if kind == "hybrid":
-        layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(NUM_LAYERS))
+        layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
         extra = {"layer_types": list(layer_types), "sliding_window": SLIDING_WINDOW}
     config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
         num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         vocab_size=VOCAB,
@@ -118,8 +126,8 @@ def make_model(path: str, kind: str = "dense", seed: int = 0) -> TinyModel:
     tiny = TinyModel(
         path=str(Path(path).resolve()),
         kind=kind,
-        num_layers=NUM_LAYERS,
-        hidden=HIDDEN,
+        num_layers=num_layers,
+        hidden=hidden,
         vocab=VOCAB,
         tokenizer_vocab=tokenizer_vocab,
         layer_types=layer_types,
