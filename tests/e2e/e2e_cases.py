@@ -61,6 +61,7 @@ class Case:
     expect_own_capture_group: bool | None = None
     timeout_s: float = 600.0
     v2: bool = False  # Model Runner V2 (the Triton "cpu" shim on PYTHONPATH, kernels interpreted)
+    request_params: list[dict[str, Any] | None] | None = None  # each request's kv_transfer_params
 
 
 def _mk(name: str, kind: str, seed: int, lengths: list[int], prefixes: list[int], groups: list[int], **kw: Any) -> Case:
@@ -126,6 +127,27 @@ def cases() -> dict[str, Case]:
             capture="all",
             sink="export",
         ),
+        # Per-request overrides through kv_transfer_params: capture mode, windows (Python slice semantics), an
+        # opt-out (status "skipped", no record) and a window selecting nothing (status "failed", no record).
+        _mk(
+            "overrides",
+            "dense",
+            6,
+            [60, 40, 150, 30, 70, 50, 45],
+            [20],
+            [-1, 0, -1, 0, -1, -1, -1],
+            max_tokens=[3, 8, 2, 10, 6, 4, 4],
+            sink="file",
+            request_params=[
+                None,
+                {"hs_capture": {"capture": "all"}},
+                {"hs_capture": {"window": [-20, None]}},
+                {"hs_capture": {"capture": "output"}},
+                {"hs_capture": {"capture": "all", "window": [10, -2]}},
+                {"hs_capture": {"enabled": False}},
+                {"hs_capture": {"window": [500, None]}},
+            ],
+        ),
     ]
     return {x.name: x for x in c}
 
@@ -158,7 +180,12 @@ def v2_cases() -> dict[str, Case]:
             [0, 0, -1, -1, 0],
             max_tokens=40,
             sink="file",
-            engine={"num_gpu_blocks_override": 8, "max_model_len": 224, "max_num_seqs": 5, "max_num_batched_tokens": 64},
+            engine={
+                "num_gpu_blocks_override": 8,
+                "max_model_len": 224,
+                "max_num_seqs": 5,
+                "max_num_batched_tokens": 64,
+            },
             expect_preemptions=True,
             v2=True,
         ),
@@ -234,6 +261,7 @@ def run_case(
         connector=connector,
         sink=case.sink,
         capture=case.capture,
+        per_request_params=case.request_params,
         **engine,
     )
     spec.save(out / "spec.json")
@@ -262,26 +290,54 @@ def run_case(
 # --------------------------------------------------------------------------------------------------
 # records, as each sink delivers them
 # --------------------------------------------------------------------------------------------------
-def expected_positions(
-    capture: str, prompt_len: int, output_len: int, num_computed: int | None, record_len: int | None
-) -> tuple[int, int]:
-    """The positions a record must hold.  Hidden states exist for the first ``num_computed_tokens`` positions
-    (vLLM's own count at finish, witnessed in-process).  Without the witness (multiprocess engines) it is the
-    prompt plus every generated token but the last -- or all of them, when the final step's accepted draft
-    token was computed and the bonus token cut by ``max_tokens``; the record's own length decides between the
-    two, and the transformers comparison proves that row real."""
+@dataclass(frozen=True)
+class Expected:
+    """What a request's record must be, derived from the case (not from the connector): ``status`` pending /
+    skipped / failed, and for pending ones the positions ``[lo, hi)``."""
+
+    status: str
+    lo: int = 0
+    hi: int = 0
+
+
+def expected_record(
+    capture: str,
+    window: list[int | None] | None,
+    enabled: bool,
+    prompt_len: int,
+    output_len: int,
+    num_computed: int | None,
+    record_len: int | None,
+) -> Expected:
+    """Hidden states exist for the first ``num_computed_tokens`` positions (vLLM's own count at finish, witnessed
+    in-process).  Without the witness (multiprocess engines) that is the prompt plus every generated token but
+    the last -- or all of them, when the final step's accepted draft token was computed and the bonus token cut
+    by ``max_tokens``; the record's own length picks one of the two, and the transformers comparison proves that
+    row real.  ``capture`` selects prompt / all / output positions, ``window`` slices them (Python semantics)."""
+    if not enabled:
+        return Expected("skipped")
     total = prompt_len + output_len
     if num_computed is not None:
         computed = min(num_computed, total)
-    elif record_len in (total - 1, total):
-        computed = record_len
     else:
         computed = total - 1
+        unwindowed_len = {"all": total, "output": output_len}.get(capture)
+        if window is None and record_len is not None and record_len == unwindowed_len:
+            computed = total
     if capture == "prompt":
-        return 0, prompt_len
-    if capture == "all":
-        return 0, computed
-    raise ValueError(f"capture {capture!r} is not checked by these cases")
+        lo, hi = 0, prompt_len
+    elif capture == "all":
+        lo, hi = 0, computed
+    elif capture == "output":
+        lo, hi = prompt_len, max(prompt_len, computed)
+    else:
+        raise ValueError(f"capture {capture!r}")
+    if window is not None:
+        picked = range(lo, hi)[slice(*window)]
+        lo, hi = (picked.start, picked.stop) if len(picked) else (lo, lo)
+    if hi <= lo:
+        return Expected("failed")
+    return Expected("pending", lo, hi)
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -375,6 +431,19 @@ class CheckResult:
     missing: list[int]
     notes: list[str]
     text: str
+    expected_status: list[str] = field(default_factory=list)
+
+
+def _request_capture(run: CaseRun, i: int) -> tuple[str, list[int | None] | None, bool]:
+    """The capture mode, window and opt-in of request ``i``: the engine's config, overridden by the request's
+    own ``hs_capture`` entry."""
+    capture, window, enabled = run.spec.capture, run.spec.window, True
+    params = (run.spec.per_request_params or [None] * len(run.spec.prompts))[i] or {}
+    override = params.get("hs_capture") or {}
+    capture = override.get("capture", capture)
+    window = override.get("window", window)
+    enabled = bool(override.get("enabled", True))
+    return capture, window, enabled
 
 
 def check(run: CaseRun, title: str) -> CheckResult:
@@ -382,32 +451,50 @@ def check(run: CaseRun, title: str) -> CheckResult:
     assert run.result is not None
     recs, notes = records_of(run)
     model_dir = run.spec.model
-    capture = run.spec.capture
     layer_ids = sorted(run.spec.layer_ids)
-    ref_tokens: list[list[int]] = []
+    present: list[e2e_pairing.Record] = []
     refs: list[torch.Tensor] = []
+    contexts: list[list[int]] = []
+    offsets: list[int] = []
+    missing: list[int] = []
+    statuses: list[str] = []
     for r, rec in zip(run.result["requests"], recs, strict=True):
-        full = r["prompt"] + r["output"]
+        i = r["index"]
+        capture, window, enabled = _request_capture(run, i)
         at_finish = r.get("at_finish") or {}
-        lo, hi = expected_positions(
+        exp = expected_record(
             capture,
+            window,
+            enabled,
             len(r["prompt"]),
             len(r["output"]),
             at_finish.get("num_computed_tokens"),
             rec.hidden_states.shape[0] if rec is not None else None,
         )
-        ctx = full[:hi]
-        ref = e2e_reference.reference(model_dir, ctx, layer_ids)
-        refs.append(ref[lo:hi])
-        ref_tokens.append(ctx[lo:hi])
-    missing = [i for i, x in enumerate(recs) if x is None]
+        statuses.append(exp.status)
+        status = ((r["kv_transfer_params"] or {}).get("hs_capture") or {}).get("status")
+        if run.spec.connector == "ours" and status != exp.status:
+            notes.append(f"request {i}: status {status!r}, expected {exp.status!r}")
+            missing.append(i)
+        if exp.status != "pending":
+            if rec is not None:
+                notes.append(f"request {i}: a record exists although none was expected ({exp.status})")
+                missing.append(i)
+            continue
+        if rec is None:
+            missing.append(i)
+            continue
+        ctx = (r["prompt"] + r["output"])[: exp.hi]
+        refs.append(e2e_reference.reference(model_dir, ctx, layer_ids)[exp.lo : exp.hi])
+        contexts.append(ctx)
+        offsets.append(exp.lo)
+        present.append(rec)
     if missing:
-        text = f"{title}: records missing for requests {missing}\n" + "\n".join(notes)
-        return CheckResult(None, missing, notes, text)
-    present = [x for x in recs if x is not None]
-    pairing = e2e_pairing.pair(present, refs, ref_tokens, layer_ids)
+        text = f"{title}: FAIL, wrong or missing records for requests {sorted(set(missing))}\n" + "\n".join(notes)
+        return CheckResult(None, missing, notes, text, statuses)
+    pairing = e2e_pairing.pair(present, refs, contexts, layer_ids, offsets=offsets)
     pairing.notes.extend(notes)
-    return CheckResult(pairing, [], notes, pairing.render(title))
+    return CheckResult(pairing, [], notes, pairing.render(title), statuses)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -417,6 +417,10 @@ def main(spec_path: str) -> int:
         result["hook_timing"] = timer.summary()
     if spec.connector == "ours" and spec.sink == "export" and spec.consume_export:
         result.update(run_consumer(spec, out, requests))
+    # Shut the engine down explicitly (the connector logs its counters then); some releases skip it at exit.
+    t3 = time.monotonic()
+    llm.llm_engine.engine_core.shutdown()
+    result["shutdown_s"] = time.monotonic() - t3
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(f"[e2e] done: {json.dumps({k: v for k, v in result.items() if k != 'requests'})}", flush=True)
     return 0

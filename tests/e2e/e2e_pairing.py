@@ -68,7 +68,7 @@ class Pairing:
         lines.append(
             f"  diagonal min {min(diag):.3f}  off-diagonal max {max(off) if off else 0.0:.3f}  "
             f"full-row matches {sum(self.full_match)}/{n}  lengths {sum(self.length_ok)}/{n}  "
-            f"token ids {sum(self.tokens_ok)}/{n}  layer ids {sum(self.layers_ok)}/{n}"
+            f"token ids+start {sum(self.tokens_ok)}/{n}  layer ids {sum(self.layers_ok)}/{n}"
         )
         header = "  rec\\ref " + " ".join(f"{j:>4}" for j in range(n))
         lines.append(header)
@@ -97,29 +97,36 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def distinguishing_starts(ref_tokens: Sequence[Sequence[int]]) -> list[int]:
-    starts = []
-    for j, tj in enumerate(ref_tokens):
-        u = max((common_prefix(tj, tk) for k, tk in enumerate(ref_tokens) if k != j), default=0)
-        if u >= len(tj):
-            raise ValueError(f"reference {j} is a prefix of another reference: no row can tell them apart")
-        starts.append(u)
-    return starts
+def distinguishing_starts(contexts: Sequence[Sequence[int]]) -> list[int]:
+    """Per context, the longest token prefix it shares with any other context."""
+    return [
+        max((common_prefix(tj, tk) for k, tk in enumerate(contexts) if k != j), default=0)
+        for j, tj in enumerate(contexts)
+    ]
 
 
 def pair(
     records: Sequence[Record],
     refs: Sequence[torch.Tensor],
-    ref_tokens: Sequence[Sequence[int]],
+    contexts: Sequence[Sequence[int]],
     ref_layer_ids: Sequence[int],
+    offsets: Sequence[int] | None = None,
 ) -> Pairing:
-    """``records[i]`` claims to be reference ``i``.  ``refs[j]`` is ``[T_j, P, C]`` with plane ``p`` = layer id
-    ``ref_layer_ids[p]``; each record is compared plane by plane through its OWN ``layer_ids`` (which must be
-    exactly the configured set)."""
+    """``records[i]`` claims to be reference ``i``.  ``refs[j]`` is ``[T_j, P, C]``: positions
+    ``[offsets[j], offsets[j] + T_j)`` of the token context ``contexts[j]``, plane ``p`` = layer id
+    ``ref_layer_ids[p]``.  Each record is compared plane by plane through its OWN ``layer_ids`` (which must be
+    exactly the configured set), and must carry ``contexts[j][offsets[j]:]`` as its token ids and
+    ``offsets[j]`` as its start."""
     if len(records) != len(refs):
         raise ValueError(f"{len(records)} records for {len(refs)} references")
     n = len(refs)
-    starts = distinguishing_starts(ref_tokens)
+    offs = list(offsets) if offsets is not None else [0] * n
+    ref_tokens = [list(c[o:]) for c, o in zip(contexts, offs, strict=True)]
+    # Distinguishing positions are decided on the full contexts (the rows depend on everything before them).
+    starts = [max(0, u - o) for u, o in zip(distinguishing_starts(contexts), offs, strict=True)]
+    for j, (u, ref) in enumerate(zip(starts, refs, strict=True)):
+        if u >= ref.shape[0]:
+            raise ValueError(f"reference {j}: its window lies inside a prefix shared with another reference")
     matrix = [[0.0] * n for _ in range(n)]
     diag_max = 0.0
     off_min = float("inf")
@@ -146,7 +153,7 @@ def pair(
             elif seg.numel():
                 off_min = min(off_min, float(seg.min()))
         length_ok.append(rec.hidden_states.shape[0] == refs[i].shape[0])
-        tokens_ok.append(list(rec.token_ids) == list(ref_tokens[i]))
+        tokens_ok.append(list(rec.token_ids) == list(ref_tokens[i]) and rec.start == offs[i])
     return Pairing(
         matrix=matrix,
         labels=[r.label for r in records],

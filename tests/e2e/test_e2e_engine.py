@@ -94,13 +94,13 @@ def _checked(run: C.CaseRun, name: str, connector: str) -> C.CheckResult:
     return res
 
 
-def _assert_connector_facts(case: C.Case, run: C.CaseRun) -> C.LogFacts:
+def _assert_connector_facts(case: C.Case, run: C.CaseRun, checked: C.CheckResult) -> C.LogFacts:
     result = run.result or {}
     facts = C.log_facts(run.log)
-    n = len(case.prompts)
-    for r in result["requests"]:
+    n = checked.expected_status.count("pending")
+    for r, expected in zip(result["requests"], checked.expected_status, strict=True):
         cap = (r["kv_transfer_params"] or {}).get("hs_capture") or {}
-        assert cap.get("status") == "pending", f"request {r['index']}: {cap}"
+        assert cap.get("status") == expected, f"request {r['index']}: {cap}"
         assert cap.get("sink") == case.sink
     tp = case.engine.get("tensor_parallel_size", 1)
     assert len(facts.workers) == tp, f"expected {tp} worker start-up lines, got {facts.workers}"
@@ -139,8 +139,8 @@ def test_case(name: str, runs: Runs) -> None:
         pytest.skip(why)
     run = runs.get(name)
     result = _engine_ok(run)
-    _checked(run, name, "ours")
-    facts = _assert_connector_facts(case, run)
+    checked = _checked(run, name, "ours")
+    facts = _assert_connector_facts(case, run, checked)
     limit = run.spec.max_num_batched_tokens
     assert any(len(p) > limit for p in case.prompts), "some prompt must be chunked"
     if case.expect_preemptions:
