@@ -115,7 +115,21 @@ def cases() -> dict[str, Case]:
             engine={"num_gpu_blocks_override": 16, "max_model_len": 448, "max_num_seqs": 8},
             expect_preemptions=True,
         ),
-        # Prompt and generated tokens: a record holds prompt + output[:-1] (the last token is never forwarded).
+        # The same squeeze on the hybrid verifier: three KV-cache groups (sliding, full, capture) preempted together.
+        _mk(
+            "hybrid_preempt",
+            "hybrid",
+            4,
+            [100, 130, 90, 120, 140, 110, 70, 125],
+            [64],
+            [0, 0, -1, -1, 0, -1, -1, -1],
+            max_tokens=64,
+            sink="export",
+            engine={"num_gpu_blocks_override": 84, "max_model_len": 448, "max_num_seqs": 8},
+            expect_preemptions=True,
+            expect_own_capture_group=True,
+        ),
+        # Prompt and generated tokens: every position whose hidden state exists (vLLM's num_computed_tokens at finish).
         _mk(
             "prompt_output",
             "dense",
