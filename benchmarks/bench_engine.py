@@ -110,6 +110,7 @@ def throughput(args: argparse.Namespace, model: str, work: Path) -> None:
     prompts = [[rng.randrange(3, 500) for _ in range(args.len)] for _ in range(args.prompts)]
     times: dict[str, list[float]] = {v: [] for v in args.variants}
     cpu: dict[str, list[float]] = {v: [] for v in args.variants}
+    hooks: dict[str, list[float]] = {v: [] for v in args.variants}
     tokens = 0
     for rep in range(args.repeats):
         order = list(args.variants) if rep % 2 == 0 else list(reversed(args.variants))
@@ -129,7 +130,10 @@ def throughput(args: argparse.Namespace, model: str, work: Path) -> None:
                 enable_prefix_caching=False,
             )
             spec.extra_passes = args.passes
+            spec.time_scheduler_hooks = True
             res = _run(spec, out)
+            ht = res["hook_timing"]
+            hooks[v].append(ht["scheduler_hooks_s"] + ht["worker_hooks_s"])
             tokens = res["prompt_tokens"] + res["generated_tokens"]
             walls = [res["generate_s"] + res["drain_s"]] + [p["total_s"] for p in res["extra_passes"]]
             cpus = [res["generate_cpu_s"] + res["drain_cpu_s"]] + [p["cpu_s"] for p in res["extra_passes"]]
@@ -151,6 +155,14 @@ def throughput(args: argparse.Namespace, model: str, work: Path) -> None:
             f"  {v:8s} best {tokens / best[v]:9.0f} tok/s ({best[v]:.2f} s)   median {tokens / med[v]:9.0f} tok/s "
             f"({med[v]:.2f} s)   best per cpu-second {tokens / best_cpu[v]:9.0f} tok/cpu-s"
         )
+    records = args.prompts * (1 + args.passes) + 8
+    for v in ("ours", "example"):
+        if v in hooks:
+            per_engine = statistics.median(hooks[v])
+            print(
+                f"  {v:8s} time inside the connector's hooks (scheduler + worker): {per_engine:.2f} s per engine "
+                f"= {per_engine / records * 1e3:.3f} ms per record ({records} records per engine)"
+            )
     if "ours" in best:
         for base in ("none", "extract", "example"):
             if base in best:
@@ -186,10 +198,12 @@ def sched_cost(args: argparse.Namespace, model: str, work: Path) -> None:
         if not samples:
             raise SystemExit(f"{v}: no step ever had {n} requests running")
         hook_ms = statistics.median(s[1] for s in samples) * 1e3
-        step_ms = statistics.median(s[2] for s in samples) * 1e3
+        worker_ms = statistics.median(s[2] for s in samples) * 1e3
+        step_ms = statistics.median(s[3] for s in samples) * 1e3
         rows[v] = (hook_ms, step_ms, len(samples))
         print(
-            f"  {v:8s} connector hooks {hook_ms:8.3f} ms/step   whole step {step_ms:8.2f} ms   ({len(samples)} steps)"
+            f"  {v:8s} scheduler-side hooks {hook_ms:8.3f} ms/step   worker-side hooks {worker_ms:8.3f} ms/step   "
+            f"whole step {step_ms:8.2f} ms   (median of {len(samples)} steps with >= {n} running)"
         )
     if "ours" in rows and "example" in rows:
         print(f"  ours / example (hook time per step) = {rows['ours'][0] / max(rows['example'][0], 1e-9):.2f}")

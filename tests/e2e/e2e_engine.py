@@ -323,45 +323,74 @@ class FinishWitness:
         return out
 
 
+WORKER_HOOKS = (
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+)
+
+
 class HookTimer:
-    """Wraps the scheduler-side connector's hooks and the engine step; one sample per step:
-    (running requests, seconds in connector hooks, seconds in the whole step)."""
+    """Wraps the connector's hooks (scheduler side, and worker side when the worker is in this process) and the
+    engine step; one sample per step: (running requests, seconds in scheduler hooks, seconds in worker hooks,
+    seconds in the whole step).  Wall time inside vLLM's calls into the connector, nothing else."""
 
     def __init__(self, core: Any) -> None:
         self.core = core
-        self.in_hooks = 0.0
-        self.samples: list[tuple[int, float, float]] = []
+        self.acc = {"scheduler": 0.0, "worker": 0.0}
+        self.samples: list[tuple[int, float, float, float]] = []
         conn = core.scheduler.connector
         if conn is not None:
             for name in SCHEDULER_HOOKS:
                 fn = getattr(conn, name, None)
                 if fn is not None:
-                    setattr(conn, name, self._wrap(fn))
+                    setattr(conn, name, self._wrap(fn, "scheduler"))
+        try:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+            worker_conn = get_kv_transfer_group() if has_kv_transfer_group() else None
+        except ImportError:
+            worker_conn = None
+        if worker_conn is not None and worker_conn is not conn:
+            for name in WORKER_HOOKS:
+                fn = getattr(worker_conn, name, None)
+                if fn is not None:
+                    setattr(worker_conn, name, self._wrap(fn, "worker"))
         step = core.step_fn
 
         def timed_step(*a: Any, **k: Any) -> Any:
             running = len(core.scheduler.running)
-            before = self.in_hooks
+            s0, w0 = self.acc["scheduler"], self.acc["worker"]
             t = time.perf_counter()
             try:
                 return step(*a, **k)
             finally:
-                self.samples.append((running, self.in_hooks - before, time.perf_counter() - t))
+                self.samples.append(
+                    (running, self.acc["scheduler"] - s0, self.acc["worker"] - w0, time.perf_counter() - t)
+                )
 
         core.step_fn = timed_step
 
-    def _wrap(self, fn: Any) -> Any:
+    def _wrap(self, fn: Any, side: str) -> Any:
         def wrapped(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                self.in_hooks += time.perf_counter() - t
+                self.acc[side] += time.perf_counter() - t
 
         return wrapped
 
     def summary(self) -> dict[str, Any]:
-        return {"samples": self.samples}
+        return {"samples": self.samples, **{f"{k}_hooks_s": v for k, v in self.acc.items()}}
 
 
 def main(spec_path: str) -> int:
