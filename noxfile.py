@@ -135,6 +135,7 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
         "HF_HUB_OFFLINE": "1",
         "VLLM_TARGET_DEVICE": "cpu",
         "HS_E2E_REPORT": str(report),
+        "HS_E2E_WORK": str(REPORTS / f"e2e-{release}-runs"),
         **E2E_EXTRAS.get(release, {}),
     }
     try:

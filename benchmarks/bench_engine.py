@@ -50,7 +50,9 @@ def _spec(
     extra: dict[str, Any] = {}
     if variant == "ours":
         # One slot per prompt: every record stays published (nothing dropped) without a trainer pulling.
-        nbytes = max(len(p) for p in prompts) * len(e2e_models.CAPTURE_LAYER_IDS) * kw.pop("hidden") * 2
+        # Slots big enough for the longest prompt and for the 64-token warm-up prompts.
+        tokens = max(64, max(len(p) for p in prompts))
+        nbytes = tokens * len(e2e_models.CAPTURE_LAYER_IDS) * kw.pop("hidden") * 2
         extra = {
             "export": {
                 "backend": "shm",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,16 @@ class Runs:
 
 @pytest.fixture(scope="session")
 def runs(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(models, tmp_path_factory.mktemp("runs"))
+    """Each run's directory (spec, engine log, result, records) lives under ``$HS_E2E_WORK`` when set (the nox
+    sessions keep them in ``reports/`` for inspection), else in pytest's temporary directory."""
+    work = os.environ.get("HS_E2E_WORK")
+    if work:
+        root = Path(work)
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    else:
+        root = tmp_path_factory.mktemp("runs")
+    return Runs(models, root)
 
 
 def _engine_ok(run: C.CaseRun) -> dict[str, Any]:
