@@ -165,8 +165,7 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
             env=env,
         )
     finally:
-        if os.environ.get("VLLM_HS_COMPAT_KEEP_VENV") != "1":
-            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+        _drop_venv(session)
 
 
 @nox.session(python="3.11")

@@ -30,6 +30,10 @@ import e2e_reference  # noqa: E402
 from e2e_engine import EngineSpec  # noqa: E402
 
 FIRST_TOKEN = 3  # 0-2 are the tokenizer's special tokens
+# docs/connector.md: a request overrides capture through kv_transfer_params["hs_capture"]; the finished request's
+# kv_transfer_params carry the record's ticket under "hs_record" (plus the sink's own entry).
+REQUEST_KEY = "hs_capture"
+RESULT_KEY = "hs_record"
 
 
 def prompts_with_shared_prefixes(
@@ -385,9 +389,9 @@ def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]
         return recs, notes
     by_record_id = {}
     for r in reqs:
-        cap = (r["kv_transfer_params"] or {}).get("hs_capture") or {}
+        cap = (r["kv_transfer_params"] or {}).get(RESULT_KEY) or {}
         if cap.get("status") != "pending":
-            notes.append(f"request {r['index']}: hs_capture {cap}")
+            notes.append(f"request {r['index']}: {RESULT_KEY} {cap}")
             continue
         by_record_id[cap["record_id"]] = r["index"]
     if spec.sink == "file":
@@ -453,7 +457,7 @@ def _request_capture(run: CaseRun, i: int) -> tuple[str, list[int | None] | None
     own ``hs_capture`` entry."""
     capture, window, enabled = run.spec.capture, run.spec.window, True
     params = (run.spec.per_request_params or [None] * len(run.spec.prompts))[i] or {}
-    override = params.get("hs_capture") or {}
+    override = params.get(REQUEST_KEY) or {}
     capture = override.get("capture", capture)
     window = override.get("window", window)
     enabled = bool(override.get("enabled", True))
@@ -486,7 +490,7 @@ def check(run: CaseRun, title: str) -> CheckResult:
             rec.hidden_states.shape[0] if rec is not None else None,
         )
         statuses.append(exp.status)
-        status = ((r["kv_transfer_params"] or {}).get("hs_capture") or {}).get("status")
+        status = ((r["kv_transfer_params"] or {}).get(RESULT_KEY) or {}).get("status")
         if run.spec.connector == "ours" and status != exp.status:
             notes.append(f"request {i}: status {status!r}, expected {exp.status!r}")
             missing.append(i)

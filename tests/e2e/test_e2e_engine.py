@@ -109,7 +109,7 @@ def _assert_connector_facts(case: C.Case, run: C.CaseRun, checked: C.CheckResult
     facts = C.log_facts(run.log)
     n = checked.expected_status.count("pending")
     for r, expected in zip(result["requests"], checked.expected_status, strict=True):
-        cap = (r["kv_transfer_params"] or {}).get("hs_capture") or {}
+        cap = (r["kv_transfer_params"] or {}).get(C.RESULT_KEY) or {}
         assert cap.get("status") == expected, f"request {r['index']}: {cap}"
         assert cap.get("sink") == case.sink
     tp = case.engine.get("tensor_parallel_size", 1)
