@@ -300,6 +300,11 @@ def run_case(
         except subprocess.TimeoutExpired:
             rc = -9
     seconds = time.monotonic() - t0
+    # vLLM's CPU TP communicator leaves shared-memory segments named after this run's distributed init file
+    # (its name is in the log) in /dev/shm: remove exactly those.
+    for dist in set(re.findall(r"vllm_dist_[0-9a-f]{16,}", (out / "engine.log").read_text(errors="replace"))):
+        for leftover in Path("/dev/shm").glob(f"{dist}*"):
+            leftover.unlink(missing_ok=True)
     result_path = out / "result.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else None
     return CaseRun(case, spec, out, rc, seconds, result, (out / "engine.log").read_text(errors="replace"))
