@@ -174,27 +174,30 @@ def _expected_files(spec: EngineSpec, out: Path, requests: list[dict[str, Any]])
 
 
 def drain(llm: Any, spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """Step the engine until it holds no finished request any more (the connector has read every held request
-    and reported it done) and every file the sink promised exists.  An in-process engine only steps when asked;
-    a multiprocess engine core keeps stepping by itself while the connector holds blocks."""
+    """Let the connector read every held request and wait for every file the sink promised.
+
+    An in-process engine only steps when asked: the package's own ``flush(llm)`` steps it until the records
+    reached their sink, and the engine must then hold no finished request.  A multiprocess engine core keeps
+    stepping by itself while the connector holds blocks."""
+    from vllm_hs_compat.connector import flush
+
     core = _inproc_core(llm)
     deadline = time.monotonic() + spec.drain_timeout_s
-    steps = 0
     files = _expected_files(spec, out, requests)
+    flushed = False
+    if core is not None:
+        flush(llm, timeout_s=spec.drain_timeout_s)
+        flushed = True
     while time.monotonic() < deadline:
-        busy = core is not None and core.scheduler.has_requests()
-        if busy:
-            llm.llm_engine.step()
-            steps += 1
-            continue
         if all(f.exists() for f in files):
-            return {"drain_steps": steps, "drained": True}
+            break
         time.sleep(0.05)
+    busy = core is not None and core.scheduler.has_requests()
     return {
-        "drain_steps": steps,
-        "drained": False,
+        "flushed": flushed,
+        "drained": all(f.exists() for f in files) and not busy,
         "missing_files": [str(f) for f in files if not f.exists()],
-        "scheduler_busy": core is not None and core.scheduler.has_requests(),
+        "scheduler_busy": busy,
     }
 
 
@@ -416,9 +419,10 @@ def main(spec_path: str) -> int:
     if spec.warmup:
         warm = [{"prompt_token_ids": [3 + (i * 7 + j) % 400 for j in range(64)]} for i in range(8)]
         llm.generate(warm, _sampling_params(spec)[: len(warm)], use_tqdm=False)
-        core = _inproc_core(llm)
-        while core is not None and core.scheduler.has_requests():
-            llm.llm_engine.step()
+        if _inproc_core(llm) is not None:
+            from vllm_hs_compat.connector import flush
+
+            flush(llm)
         result["warmup_s"] = time.monotonic() - t0 - result["init_s"]
     t1, c1 = time.monotonic(), time.process_time()
     outputs = llm.generate(prompts, _sampling_params(spec), use_tqdm=False)
