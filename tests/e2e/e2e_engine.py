@@ -176,26 +176,33 @@ def _expected_files(spec: EngineSpec, out: Path, requests: list[dict[str, Any]])
 def drain(llm: Any, spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
     """Let the connector read every held request and wait for every file the sink promised.
 
-    An in-process engine only steps when asked: the package's own ``flush(llm)`` steps it until the records
-    reached their sink, and the engine must then hold no finished request.  A multiprocess engine core keeps
-    stepping by itself while the connector holds blocks."""
+    An in-process engine only steps when asked: for our connector the package's own ``flush(llm)`` steps it
+    until the records reached their sink (after which the engine must hold no finished request); the in-tree
+    example connector is stepped while vLLM's scheduler has requests.  A multiprocess engine core keeps
+    stepping by itself while a connector holds blocks."""
     from vllm_hs_compat.connector import flush
 
     core = _inproc_core(llm)
     deadline = time.monotonic() + spec.drain_timeout_s
     files = _expected_files(spec, out, requests)
-    flushed = False
-    if core is not None:
+    busy_after_flush = None
+    steps = 0
+    if core is not None and spec.connector == "ours":
         flush(llm, timeout_s=spec.drain_timeout_s)
-        flushed = True
+        busy_after_flush = bool(core.scheduler.has_requests())
     while time.monotonic() < deadline:
+        if core is not None and core.scheduler.has_requests():
+            llm.llm_engine.step()
+            steps += 1
+            continue
         if all(f.exists() for f in files):
             break
         time.sleep(0.05)
     busy = core is not None and core.scheduler.has_requests()
     return {
-        "flushed": flushed,
-        "drained": all(f.exists() for f in files) and not busy,
+        "drain_steps": steps,
+        "busy_after_flush": busy_after_flush,
+        "drained": all(f.exists() for f in files) and not busy and not busy_after_flush,
         "missing_files": [str(f) for f in files if not f.exists()],
         "scheduler_busy": busy,
     }
