@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, request_slots
+from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, manager_slots
 from vllm_hs_compat.core.transfer import copy_rows_async
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     print(f"T={t} P={p} C={c} N={n} cache blocks={nb}: {nbytes / 2**20:.0f} MiB per read")
     gen = torch.Generator().manual_seed(0)
     blocks = (torch.randperm(nb - 1, generator=gen)[: t // n] + 1).tolist()
-    slots = request_slots("bench", blocks, group_block_size=n, num_tokens=t)
+    slots = manager_slots("bench", blocks, group_block_size=n, num_tokens=t)
     contiguous = torch.empty((t, p, c), dtype=torch.bfloat16, device=dev)
     dst = torch.empty_like(contiguous)
     base = timed(lambda: dst.copy_(contiguous), dev, args.reps)

@@ -26,7 +26,7 @@ from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.labels import plane_labels as _plane_labels
 from vllm_hs_compat.core.layout import CaptureView, gather_rows
 from vllm_hs_compat.core.layout import describe_capture_view as _describe
-from vllm_hs_compat.core.slots import slots_for_view
+from vllm_hs_compat.core.slots import request_slots
 from vllm_hs_compat.core.transfer import PendingRows, copy_rows_async
 from vllm_hs_compat.errors import CaptureGroupError
 
@@ -57,21 +57,9 @@ def capture_layer_name(
     With ``vllm_config`` the name is also derived from the verifier's ``num_hidden_layers`` and the two
     must agree.
     """
-    if kv_cache_config is None:
-        raise CaptureGroupError(
-            "no kv_cache_config was given: vLLM passes it to the connector's constructor (required from 0.21.0, "
-            "optional before); declare __init__(self, vllm_config, role, kv_cache_config) and pass it on"
-        )
-    names: list[str] = sorted(
-        {
-            str(n)
-            for g in kv_cache_config.kv_cache_groups
-            for n in g.layer_names
-            if str(n).startswith(CAPTURE_LAYER_PREFIX)
-        }
-    )
-    has_model = vllm_config is not None and getattr(vllm_config, "model_config", None) is not None
-    expected = _adapter(adapter).capture_layer_name(vllm_config) if has_model else None
+    ad = _adapter(adapter)
+    names = ad.capture_layer_names(kv_cache_config)
+    expected = ad.capture_layer_name(vllm_config) if ad.has_model(vllm_config) else None
     if len(names) == 1 and expected in (None, names[0]):
         return names[0]
     if not names and expected is None:
@@ -120,10 +108,6 @@ def describe_capture_view(
     )
 
 
-request_slots = slots_for_view
-"""Manager slots of a request's tokens ``[start, start + num_tokens)``, validated against the view."""
-
-
 def read_request(
     tensor: torch.Tensor,
     view: CaptureView,
@@ -158,7 +142,7 @@ def copy_request_async(
 def plane_labels(vllm_config: Any, *, adapter: VllmAdapter | None = None) -> PlaneLabels:
     """Which verifier layer id each plane holds (ascending), validated for the installed release."""
     ad = _adapter(adapter)
-    n = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+    n = ad.num_hidden_layers(vllm_config)
     lo, hi = ad.layer_id_bounds(n)
     return _plane_labels(ad.configured_layer_ids(vllm_config), num_hidden_layers=n, min_id=lo, max_id=hi)
 

@@ -8,8 +8,8 @@ from vllm_hs_compat.core import (
     ViewOrder,
     check_views_agree,
     describe_capture_view,
+    manager_slots,
     plane_labels,
-    request_slots,
     resolve_capture_group,
 )
 from vllm_hs_compat.errors import (
@@ -85,13 +85,13 @@ def test_wrong_spec_type_for_capture_layer_raises() -> None:
 
 def test_slot_coverage_and_range_errors_name_the_request() -> None:
     with pytest.raises(BlockCoverageError, match="'req-7'"):
-        request_slots("req-7", [3, 4], group_block_size=16, num_tokens=33)
+        manager_slots("req-7", [3, 4], group_block_size=16, num_tokens=33)
     with pytest.raises(BlockRangeError, match="block id 12"):
-        request_slots("req-8", [3, 12], group_block_size=16, num_tokens=20, num_manager_blocks=12)
+        manager_slots("req-8", [3, 12], group_block_size=16, num_tokens=20, num_manager_blocks=12)
     with pytest.raises(BlockRangeError):
-        request_slots("req-9", [-1], group_block_size=16, num_tokens=2)
+        manager_slots("req-9", [-1], group_block_size=16, num_tokens=2)
     # Blocks past the tokens are not checked (vLLM may hand out spare ids).
-    assert request_slots("ok", [1, 99], group_block_size=16, num_tokens=16, num_manager_blocks=4).tolist() == list(
+    assert manager_slots("ok", [1, 99], group_block_size=16, num_tokens=16, num_manager_blocks=4).tolist() == list(
         range(16, 32)
     )
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, request_slots
+from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, manager_slots
 
 
 def make_view(order: ViewOrder, physical: str, nb_k: int, n: int, p: int, c: int, pad: int) -> torch.Tensor:
@@ -94,14 +94,14 @@ def test_reads_return_exactly_each_requests_rows(
     view = describe_capture_view(cache, num_planes=p, group_block_size=bs, order=order, hidden_size=c)
     assert view.kernel_split == ratio and view.num_manager_blocks == num_blocks
     for r in rng.sample(range(len(lengths)), len(lengths)):
-        slots = request_slots(
+        slots = manager_slots(
             f"r{r}", tables[r], group_block_size=bs, num_tokens=lengths[r], num_manager_blocks=num_blocks
         )
         got = gather_rows(cache, view, slots)
         assert torch.equal(got, data[r]), f"request {r} read other rows"
         # A chunk in the middle (chunked prefill / partial reads) reads the same rows.
         start = lengths[r] // 3
-        mid = request_slots(f"r{r}", tables[r], group_block_size=bs, num_tokens=lengths[r] - start, start=start)
+        mid = manager_slots(f"r{r}", tables[r], group_block_size=bs, num_tokens=lengths[r] - start, start=start)
         assert torch.equal(gather_rows(cache, view, mid), data[r][start:])
 
 

@@ -9,8 +9,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_hs_compat.core.records import RecordFormatError, RecordMeta
-from vllm_hs_compat.export import errors as E
+from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.records import RecordMeta
+from vllm_hs_compat.errors import RecordFormatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.consumer import Claim
 from vllm_hs_compat.export.control import ControlClient, ControlServer

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import RecordMeta
-from vllm_hs_compat.export import errors as E
 from vllm_hs_compat.export.pool import LeasePool
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from vllm_hs_compat.export import errors as E
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlClient, ControlServer, parse_endpoint
 

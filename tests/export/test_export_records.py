@@ -10,14 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_hs_compat.core.records import (
-    CaptureRecord,
-    ChecksumMismatchError,
-    RecordFormatError,
-    RecordMeta,
-    compute_checksum,
-    dtype_name,
-)
+from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum, dtype_name
+from vllm_hs_compat.errors import ChecksumMismatchError, RecordFormatError
 
 
 def reference_bsum64(data: bytes) -> int:

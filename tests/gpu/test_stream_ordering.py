@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, request_slots
+from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, manager_slots
 from vllm_hs_compat.core.transfer import copy_rows_async
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
@@ -60,7 +60,7 @@ def run(order: ViewOrder, mode: str, iters: int = 40) -> int:
     for it in range(iters):
         tokens = 256
         blocks = (torch.randperm(NB - 1, generator=gen)[: tokens // N] + 1).tolist()
-        slots = request_slots(f"r{it}", blocks, group_block_size=N, num_tokens=tokens)
+        slots = manager_slots(f"r{it}", blocks, group_block_size=N, num_tokens=tokens)
         value = float(it % 50 + 1)
         side = torch.cuda.Stream()
         # Device copies of the slots made up front: a copy from pageable memory blocks the host until its

@@ -64,6 +64,7 @@ __all__ = [
     "choose_adapter",
     "get_adapter",
     "installed_vllm_version",
+    "register_connector",
     "select_adapter",
 ]
 
@@ -139,3 +140,14 @@ def select_adapter(raw: str, override: str | None) -> VllmAdapter:
 def get_adapter() -> VllmAdapter:
     """The probed adapter for the installed vLLM (computed once per process)."""
     return select_adapter(installed_vllm_version(), os.environ.get(OVERRIDE_ENV) or None)
+
+
+def register_connector(name: str, module_path: str, class_name: str) -> None:
+    """Register a connector class with vLLM's ``KVConnectorFactory`` under ``name`` (lazy import, per process;
+    a name already registered is left as it is)."""
+    import importlib
+
+    factory = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
+    if name in getattr(factory, "_registry", {}):
+        return
+    factory.register_connector(name, module_path, class_name)

@@ -18,15 +18,18 @@ from typing import Any, ClassVar
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from vllm_hs_compat.core.groups import GroupInfo
+from vllm_hs_compat.adapters.reader import CAPTURE_LAYER_PREFIX, Ranks, VllmReader
+from vllm_hs_compat.adapters.shims import Shim
 from vllm_hs_compat.core.layout import ViewOrder
 from vllm_hs_compat.errors import CaptureGroupError
 
-CAPTURE_LAYER_PREFIX = "cache_only_layers."
+__all__ = ["CAPTURE_LAYER_PREFIX", "PROBES", "Probe", "ProbeResult", "Ranks", "VllmAdapter", "ensure_platform"]
 
 
 @dataclass(frozen=True)
 class ProbeResult:
+    """One probe's answer next to the value the adapter declares."""
+
     name: str
     question: str
     expected: object
@@ -39,6 +42,8 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class Probe:
+    """A feature probe: ``observe()`` must equal the adapter attribute named ``name`` (its expected value)."""
+
     name: str
     question: str
     observe: Callable[[], object]
@@ -88,6 +93,17 @@ def _ctor_requires_kv_cache_config() -> bool:
     if param is None:
         return False
     return param.default is inspect.Parameter.empty
+
+
+def _resumed_field() -> str:
+    import dataclasses
+
+    mod = importlib.import_module("vllm.v1.core.sched.output")
+    names = {f.name for f in dataclasses.fields(mod.CachedRequestData)}
+    for candidate in ("resumed_req_ids", "resumed_from_preemption"):
+        if candidate in names:
+            return candidate
+    return "absent"
 
 
 def _handle_preemptions_arg() -> str:
@@ -140,11 +156,30 @@ PROBES: tuple[Probe, ...] = (
         "does KVConnectorBase_V1 have get_transfer_results?",
         lambda: hasattr(_connector_base(), "get_transfer_results"),
     ),
+    Probe(
+        "requires_kv_delivery",
+        "does KVConnectorBase_V1 have the requires_kv_delivery property?",
+        lambda: hasattr(_connector_base(), "requires_kv_delivery"),
+    ),
+    Probe(
+        "handshake_pp_aware",
+        "does KVConnectorBase_V1 have set_xfer_handshake_metadata_pp_aware?",
+        lambda: hasattr(_connector_base(), "set_xfer_handshake_metadata_pp_aware"),
+    ),
+    Probe(
+        "resumed_field",
+        "which CachedRequestData field names the requests resumed after preemption?",
+        _resumed_field,
+    ),
 )
 
 
-class VllmAdapter:
-    """Answers for one era of vLLM releases.  Subclasses set the class attributes."""
+class VllmAdapter(VllmReader):
+    """Answers for one era of vLLM releases.  Subclasses (one per era module) set the class attributes.
+
+    Every fact a probe confirms is an attribute named like the probe; a fact that changed inside an era is a
+    property naming the release that introduced it.
+    """
 
     name: ClassVar[str]
     versions: ClassVar[SpecifierSet]
@@ -158,6 +193,14 @@ class VllmAdapter:
     """The capture layer's spec is ``HiddenStateCacheSpec`` (0.22.0+; before: ``MLAAttentionSpec``)."""
     default_runner: ClassVar[str]
     """Model runner that drives extract_hidden_states by default ("v1"; "v2" from 0.29.0)."""
+    supports_hma: ClassVar[bool]
+    """The connector subclasses ``SupportsHMA`` (0.22.0+), which keeps the hybrid KV-cache manager on."""
+    shims: ClassVar[tuple[Shim, ...]]
+    """Connector hooks of this era's calling conventions (see :mod:`vllm_hs_compat.adapters.shims`)."""
+    uniform_type_specs: ClassVar[bool] = True
+    """``UniformTypeKVCacheSpecs`` exists (every supported release): dense verifiers merge the capture layer."""
+    resumed_field: ClassVar[str] = "resumed_req_ids"
+    """``CachedRequestData`` names resumed requests in ``resumed_req_ids`` (every supported release)."""
 
     def __init__(self, version: Version) -> None:
         self.version = version
@@ -174,7 +217,8 @@ class VllmAdapter:
 
     @property
     def connector_ctor_requires_kv_cache_config(self) -> bool:
-        """0.21.0: out-of-tree connectors must accept ``kv_cache_config`` (2-arg ctor raises)."""
+        """0.21.0: out-of-tree connectors must accept ``kv_cache_config`` (2-arg ctor raises).  The connector
+        always declares ``(vllm_config, role, kv_cache_config)``, so no shim is needed."""
         return self.since("0.21.0")
 
     @property
@@ -199,19 +243,32 @@ class VllmAdapter:
 
     @property
     def get_transfer_results(self) -> bool:
-        """0.30.0: the runner calls ``get_transfer_results`` (the default wraps ``get_finished``)."""
+        """0.30.0: the runner calls ``get_transfer_results``, whose base default wraps ``get_finished``: the
+        connector implements ``get_finished`` only."""
         return self.since("0.30.0")
 
     @property
     def requires_kv_delivery(self) -> bool:
-        """0.27.0: ``requires_kv_delivery`` property (True for producers by default)."""
+        """0.27.0: ``requires_kv_delivery`` property (True for producers by default; the connector says False)."""
         return self.since("0.27.0")
+
+    @property
+    def handshake_pp_aware(self) -> bool:
+        """0.23.0: handshake metadata keyed by ``(pp_rank, tp_rank)`` (``set_xfer_handshake_metadata_pp_aware``)."""
+        return self.since("0.23.0")
 
     @property
     def padding_slots_write(self) -> str:
         """0.25.0: padding slots (-1) are clamped to the null block 0 (before: the last slot of the
         last block, an allocatable block)."""
         return "null-block-0" if self.since("0.25.0") else "last-slot-of-last-block"
+
+    def padding_clobbered_slot(self, num_manager_blocks: int, group_block_size: int) -> int | None:
+        """The manager slot a padded token overwrites, where that slot can belong to a request (before
+        0.25.0: the last slot of the last block); None where padding lands in the never-allocated null block."""
+        if self.padding_slots_write == "null-block-0":
+            return None
+        return num_manager_blocks * group_block_size - 1
 
     @property
     def proposer_uses_group0_slots(self) -> bool:
@@ -230,60 +287,43 @@ class VllmAdapter:
             return 0, num_hidden_layers
         return 1, num_hidden_layers - 1
 
-    # --- probes ----------------------------------------------------------------------------------
-    def expected(self) -> dict[str, object]:
-        return {
-            "backend_get_kv_cache_shape": self.backend_get_kv_cache_shape,
-            "kv_cache_layout_module": self.kv_cache_layout_module,
-            "hidden_state_cache_spec": self.hidden_state_cache_spec,
-            "uniform_type_specs": True,
-            "get_kv_cache_groups_module": self.get_kv_cache_groups_module,
-            "connector_ctor_requires_kv_cache_config": self.connector_ctor_requires_kv_cache_config,
-            "cross_layer_hooks": self.cross_layer_hooks,
-            "handle_preemptions_arg": self.handle_preemptions_arg,
-            "get_transfer_results": self.get_transfer_results,
-        }
+    def capture_owner(self, ranks: Ranks, holds_capture_layer: bool) -> bool:
+        """Whether this worker writes the records: TP rank 0 of the pipeline stage whose KV caches hold the
+        capture layer.  Every TP rank holds the whole capture cache (it is not sharded), so one writer is
+        enough; on stock releases extract_hidden_states runs without PP, and vLLM's PP support (an open PR,
+        vllm#57197) runs the extractor on the last stage -- the stage that registers the capture layer."""
+        return holds_capture_layer and ranks.tp_rank == 0
 
+    # --- the connector's base classes ------------------------------------------------------------------
+    def connector_bases(self) -> tuple[type, ...]:
+        """This era's shims, then vLLM's ``KVConnectorBase_V1`` (and ``SupportsHMA`` from 0.22.0)."""
+        mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        bases: list[type] = [s.mixin for s in self.shims if s.applies(self.version)]
+        bases.append(mod.KVConnectorBase_V1)
+        if self.supports_hma:
+            bases.append(mod.SupportsHMA)
+        return tuple(bases)
+
+    def metadata_base(self) -> type:
+        """vLLM's ``KVConnectorMetadata`` (scheduler -> worker, every release)."""
+        return importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base").KVConnectorMetadata  # type: ignore[no-any-return]
+
+    def handshake_base(self) -> type:
+        """vLLM's ``KVConnectorHandshakeMetadata`` (worker -> scheduler at start-up, every release)."""
+        mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        return mod.KVConnectorHandshakeMetadata  # type: ignore[no-any-return]
+
+    # --- probes ----------------------------------------------------------------------------------------
     def run_probes(self) -> list[ProbeResult]:
-        expected = self.expected()
+        """Every probe, observed against the installed vLLM, next to this adapter's declared value."""
         results = []
         for probe in PROBES:
             try:
                 observed = probe.observe()
             except Exception as exc:  # a probe that cannot run is an observation too
                 observed = f"error: {type(exc).__name__}: {exc}"
-            results.append(ProbeResult(probe.name, probe.question, expected[probe.name], observed))
+            results.append(ProbeResult(probe.name, probe.question, getattr(self, probe.name), observed))
         return results
-
-    # --- reading vLLM objects ---------------------------------------------------------------------
-    def _spec_name(self, spec: object) -> str:
-        """Class name of a spec; a vendor subclass of a capture spec reports the capture spec's name."""
-        for klass in type(spec).__mro__:
-            if klass.__name__ in self.capture_spec_types:
-                return klass.__name__
-        return type(spec).__name__
-
-    def group_infos(self, kv_cache_config: Any) -> list[GroupInfo]:
-        """Describe ``kv_cache_config.kv_cache_groups`` as neutral :class:`GroupInfo` records."""
-        iface = _kv_iface()
-        uniform = iface.UniformTypeKVCacheSpecs
-        infos = []
-        for index, group in enumerate(kv_cache_config.kv_cache_groups):
-            spec = group.kv_cache_spec
-            merged = isinstance(spec, uniform)
-            per_layer = {name: self._spec_name(s) for name, s in spec.kv_cache_specs.items()} if merged else {}
-            infos.append(
-                GroupInfo(
-                    index=index,
-                    layer_names=tuple(group.layer_names),
-                    spec_type=type(spec).__name__ if merged else self._spec_name(spec),
-                    block_size=int(spec.block_size),
-                    merged=merged,
-                    layer_spec_types=per_layer,
-                    page_size_padded=getattr(spec, "page_size_padded", None),
-                )
-            )
-        return infos
 
     def check_capture_group(self, group_index: int) -> None:
         """Refuse capture-group shapes this release writes incorrectly."""
@@ -294,30 +334,6 @@ class VllmAdapter:
                 "group 0's slot mapping, so the captured rows would belong to other tokens. Drop "
                 "--no-disable-hybrid-kv-cache-manager, or upgrade to vLLM >= 0.22.0."
             )
-
-    def kv_cache_layout(self, vllm_config: Any, kv_cache_config: Any) -> str | None:
-        """Name of the resolved KV-cache layout (0.29.0+); None before 0.29 (layout is the shape)."""
-        if not self.kv_cache_layout_module:
-            return None
-        name = getattr(kv_cache_config, "kv_cache_layout", None)
-        if name is None and vllm_config is not None:
-            name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
-        return None if name is None else str(getattr(name, "name", name))
-
-    def capture_layer_name(self, vllm_config: Any) -> str:
-        """``cache_only_layers.<num_hidden_layers of the verifier>`` (0.17+)."""
-        return f"{CAPTURE_LAYER_PREFIX}{vllm_config.model_config.hf_text_config.num_hidden_layers}"
-
-    def configured_layer_ids(self, vllm_config: Any) -> list[int]:
-        spec = vllm_config.speculative_config
-        if spec is None or getattr(spec, "method", None) != "extract_hidden_states":
-            raise CaptureGroupError(
-                "speculative_config.method is not 'extract_hidden_states'; start vLLM with "
-                '--speculative-config \'{"method": "extract_hidden_states", "num_speculative_tokens": 1, '
-                '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}\''
-            )
-        hf = spec.draft_model_config.hf_config
-        return [int(i) for i in getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or []]
 
     def describe(self) -> str:
         return f"{self.name} (vLLM {self.versions}) for installed vLLM {self.version}"

@@ -2,7 +2,9 @@
 
 0.22.0 introduced ``HiddenStateCacheSpec`` and gives the capture layer a group of its own on hybrid
 verifiers with HMA on (block size ``page // (P*C*dtype)``, padded page; 0.28.0: largest divisor of the
-groups' gcd).  Removable when the supported floor reaches 0.29.0.
+groups' gcd); HMA stays on iff the connector is ``SupportsHMA``, so the connector is from here on.
+Deltas inside the era: 0.23.0 PP-aware handshake; 0.25.0 padding slots clamped to block 0; 0.27.0
+``requires_kv_delivery``.  Removable when the supported floor reaches 0.29.0.
 """
 
 from __future__ import annotations
@@ -10,6 +12,13 @@ from __future__ import annotations
 from packaging.specifiers import SpecifierSet
 
 from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.adapters.shims import (
+    CrossLayerHooksOff,
+    NoKvDelivery,
+    PpAwareHandshake,
+    PreemptionsByMetadata,
+    Shim,
+)
 from vllm_hs_compat.core.layout import ViewOrder
 
 
@@ -25,3 +34,10 @@ class Adapter(VllmAdapter):
     backend_get_kv_cache_shape = True
     kv_cache_layout_module = False
     cross_layer_hooks = True
+    supports_hma = True
+    shims = (
+        Shim(CrossLayerHooksOff),
+        Shim(PreemptionsByMetadata),
+        Shim(PpAwareHandshake, since="0.23.0"),
+        Shim(NoKvDelivery, since="0.27.0"),
+    )

@@ -1,9 +1,11 @@
 """vLLM 0.29.0 - 0.33.x: logical view ``[nb, P, N, C]``, strided into one shared backing buffer.
 
 0.29.0 (KV-cache layout refactor) deleted ``AttentionBackend.get_kv_cache_shape``, added
-``vllm.v1.kv_cache_layout`` (default LBNHC, token-major; LBHNC and block-outermost BL* layouts exist) and
-removed the cross-layer hooks.  0.30.0: ``get_transfer_results``.  0.33.0: ``get_kv_cache_groups`` moved
-to ``kv_cache_planning``.
+``vllm.v1.kv_cache_layout`` (default LBNHC, token-major; LBHNC and block-outermost BL* layouts exist),
+removed the cross-layer hooks (the connector defines neither) and made Model Runner V2 the default (its hook
+order differs, and it hands resumed requests back as new ones with their full block list).
+0.30.0: the runner calls ``get_transfer_results`` (its base default wraps ``get_finished``, which the
+connector implements: no shim).  0.33.0: ``get_kv_cache_groups`` moved to ``kv_cache_planning``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from packaging.specifiers import SpecifierSet
 
 from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.adapters.shims import NoKvDelivery, PpAwareHandshake, PreemptionsByMetadata, Shim
 from vllm_hs_compat.core.layout import ViewOrder
 
 
@@ -25,3 +28,5 @@ class Adapter(VllmAdapter):
     backend_get_kv_cache_shape = False
     kv_cache_layout_module = True
     cross_layer_hooks = False
+    supports_hma = True
+    shims = (Shim(PreemptionsByMetadata), Shim(PpAwareHandshake), Shim(NoKvDelivery))

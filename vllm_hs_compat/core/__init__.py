@@ -3,7 +3,7 @@
 from .groups import CaptureGroup, GroupInfo, check_views_agree, resolve_capture_group
 from .labels import PlaneLabels, plane_labels
 from .layout import CaptureView, ViewOrder, describe_capture_view, gather_rows
-from .slots import request_slots, slots_for_view
+from .slots import manager_slots, request_slots
 
 __all__ = [
     "CaptureGroup",
@@ -15,7 +15,7 @@ __all__ = [
     "describe_capture_view",
     "gather_rows",
     "plane_labels",
-    "request_slots",
+    "manager_slots",
     "resolve_capture_group",
-    "slots_for_view",
+    "request_slots",
 ]

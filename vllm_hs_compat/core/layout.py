@@ -172,7 +172,7 @@ def describe_capture_view(
 def gather_rows(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor) -> torch.Tensor:
     """Read the rows at manager ``slots`` from the capture tensor: returns ``[len(slots), P, C]``.
 
-    ``slots`` must already be validated (see :func:`vllm_hs_compat.core.slots.request_slots`) and live on
+    ``slots`` must already be validated (see :func:`vllm_hs_compat.core.slots.manager_slots`) and live on
     ``tensor``'s device.  The index tensors are made on the caller's current stream; a caller reading on a
     side stream must call this under that stream (and make the stream wait for the compute stream).
     """

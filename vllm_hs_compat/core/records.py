@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import torch
 
-from ..errors import HsCompatError
+from ..errors import ChecksumMismatchError, RecordFormatError
 
 SCHEMA_VERSION: Final = 1
 CHECKSUM_ALGORITHMS: Final = ("bsum64", "crc32")
@@ -59,14 +59,6 @@ DTYPES: Final[Mapping[str, torch.dtype]] = {
 _ITEMSIZE: Final[Mapping[str, int]] = {
     name: int(torch.empty((), dtype=dt).element_size()) for name, dt in DTYPES.items()
 }
-
-
-class RecordFormatError(HsCompatError):
-    """Record metadata is malformed or contradicts itself (e.g. shape against token ids)."""
-
-
-class ChecksumMismatchError(RecordFormatError):
-    """The bytes of a record do not match the checksum in its metadata."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -242,6 +234,10 @@ class RecordMeta:
     checksum_algorithm: str = DEFAULT_CHECKSUM
     vllm_version: str = ""
     adapter: str = ""
+    start: int = 0
+    """Position of row 0 in the request's sequence (rows are positions ``start .. start + tokens``)."""
+    num_prompt_tokens: int = 0
+    """Prompt length of the request (positions at or past it are generated tokens); 0 when unknown."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -302,6 +298,8 @@ class RecordMeta:
             _int(self.checksum, "checksum", 0, 0xFFFFFFFF)
         _str(self.vllm_version, "vllm_version", 64, allow_empty=True)
         _str(self.adapter, "adapter", 128, allow_empty=True)
+        _int(self.start, "start", 0, _MAX_TOKENS)
+        _int(self.num_prompt_tokens, "num_prompt_tokens", 0, _MAX_TOKENS)
 
     def with_checksum(self, checksum: int, algorithm: str | None = None) -> RecordMeta:
         """A copy carrying ``checksum`` (only the changed fields are re-validated: this runs per record)."""
@@ -331,6 +329,8 @@ class RecordMeta:
             "checksum_algorithm": self.checksum_algorithm,
             "vllm_version": self.vllm_version,
             "adapter": self.adapter,
+            "start": self.start,
+            "num_prompt_tokens": self.num_prompt_tokens,
         }
 
     @classmethod
@@ -359,6 +359,8 @@ class RecordMeta:
             checksum_algorithm=_str(_field(d, "checksum_algorithm"), "checksum_algorithm", 32),
             vllm_version=_str(d.get("vllm_version", ""), "vllm_version", 64, allow_empty=True),
             adapter=_str(d.get("adapter", ""), "adapter", 128, allow_empty=True),
+            start=_int(d.get("start", 0), "start", 0, _MAX_TOKENS),
+            num_prompt_tokens=_int(d.get("num_prompt_tokens", 0), "num_prompt_tokens", 0, _MAX_TOKENS),
             schema_version=_int(_field(d, "schema_version"), "schema_version", 0, 1 << 16),
         )
 
@@ -373,6 +375,8 @@ class RecordMeta:
         vllm_version: str = "",
         adapter: str = "",
         checksum_algorithm: str = DEFAULT_CHECKSUM,
+        start: int = 0,
+        num_prompt_tokens: int = 0,
     ) -> RecordMeta:
         """Metadata describing ``rows`` (``[tokens, planes, hidden]``); the checksum is left for the
         producer."""
@@ -390,6 +394,8 @@ class RecordMeta:
             checksum_algorithm=checksum_algorithm,
             vllm_version=vllm_version,
             adapter=adapter,
+            start=start,
+            num_prompt_tokens=num_prompt_tokens,
         )
 
 

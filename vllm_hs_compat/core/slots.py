@@ -16,7 +16,7 @@ from ..errors import BlockCoverageError, BlockRangeError, SlotError
 from .layout import CaptureView
 
 
-def request_slots(
+def manager_slots(
     req_id: str,
     block_ids: Sequence[int],
     *,
@@ -62,7 +62,7 @@ def request_slots(
     return slots if device is None else slots.to(device)
 
 
-def slots_for_view(
+def request_slots(
     req_id: str,
     block_ids: Sequence[int],
     view: CaptureView,
@@ -71,8 +71,8 @@ def slots_for_view(
     start: int = 0,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """:func:`request_slots` bounded by the capture view's size."""
-    return request_slots(
+    """:func:`manager_slots` bounded by the capture view's size."""
+    return manager_slots(
         req_id,
         block_ids,
         group_block_size=view.group_block_size,

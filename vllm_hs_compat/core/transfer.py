@@ -22,13 +22,8 @@ from typing import Any
 
 import torch
 
-from ..errors import HsCompatError
+from ..errors import TransferError
 from .layout import CaptureView, gather_rows
-
-
-class TransferError(HsCompatError):
-    """A rows copy was misused (wrong destination shape or dtype, waited past its deadline)."""
-
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
 _streams: dict[int, Any] = {}
@@ -82,11 +77,13 @@ def copy_rows_async(
     *,
     out: torch.Tensor | None = None,
     stream: Any = None,
+    after: Any = None,
 ) -> PendingRows:
     """Copy the rows at ``slots`` (CPU int64, validated) into ``out`` (default: a new host tensor).
 
-    Call it on the compute stream right after the hidden states were written (e.g. in ``wait_for_save``);
-    it returns at once on CUDA.
+    The side stream waits for ``after`` (a CUDA event recorded right after the last write of the rows, on
+    the stream that wrote them) or, without it, for everything queued so far on the current stream: call it
+    on the compute stream once the hidden states were written.  Returns at once on CUDA.
     """
     shape = (int(slots.numel()), view.num_planes, view.hidden_size)
     if out is not None:
@@ -102,8 +99,10 @@ def copy_rows_async(
         # A copy from pageable memory would block this (the engine's) thread until the side stream -- and
         # through the event below, the compute stream -- reached it.
         slots = slots.pin_memory()
-    written = _cuda.Event()
-    written.record(torch.cuda.current_stream(cache.device))
+    written = after
+    if written is None:
+        written = _cuda.Event()
+        written.record(torch.cuda.current_stream(cache.device))
     with torch.cuda.stream(side):
         side.wait_event(written)
         # Rule 2: the index tensor is born on the side stream and lives until the copy is done.

@@ -17,8 +17,7 @@ See docs/export.md for the wire format, the security model, UCX settings and fau
 """
 
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
-from vllm_hs_compat.export.consumer import Claim, ExportConsumer
-from vllm_hs_compat.export.errors import (
+from vllm_hs_compat.errors import (
     AuthError,
     ChecksumMismatchError,
     ControlPlaneError,
@@ -32,6 +31,7 @@ from vllm_hs_compat.export.errors import (
     LeaseExpiredError,
     PoolFullError,
     ProtocolError,
+    RecordFailedError,
     RecordFormatError,
     RecordTooLargeError,
     RemoteDisconnectedError,
@@ -41,6 +41,7 @@ from vllm_hs_compat.export.errors import (
     TransportUnavailableError,
     UnknownRecordError,
 )
+from vllm_hs_compat.export.consumer import Claim, ExportConsumer
 from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
 from vllm_hs_compat.export.producer import ExportProducer
 from vllm_hs_compat.export.protocol import PARAMS_KEY, ExportTicket
@@ -65,6 +66,7 @@ __all__ = [
     "LeaseExpiredError",
     "PoolFullError",
     "ProtocolError",
+    "RecordFailedError",
     "RecordFormatError",
     "RecordMeta",
     "RecordTooLargeError",

@@ -22,11 +22,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
 from vllm_hs_compat.errors import HsCompatError
-from vllm_hs_compat.export import errors as E
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.control import ControlClient
+from vllm_hs_compat.export.control import ControlClient, read_token
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings
 from vllm_hs_compat.export.producer import MAX_BATCH
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmConsumerTransport
@@ -150,9 +150,11 @@ class ExportConsumer:
             raise
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any], **kw: Any) -> ExportConsumer:
+    def from_params(cls, params: Mapping[str, Any], token: str | None = None, **kw: Any) -> ExportConsumer:
+        """A consumer of the producer a ticket names.  ``token`` is the trainer credential (never part of the
+        ticket); without it, :func:`~vllm_hs_compat.export.control.read_token` finds it."""
         p = P.ExportTicket.parse(params)
-        return cls(p.endpoint, p.token, **kw)
+        return cls(p.endpoint, token if token is not None else read_token(), **kw)
 
     # --- connection -----------------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -220,14 +222,26 @@ class ExportConsumer:
         raise E.ControlPlaneError("unreachable")  # pragma: no cover
 
     # --- claims ---------------------------------------------------------------------------------------------
-    def claim(self, record_id: str, timeout_s: float | None = None) -> Claim:
-        """Lease one record by id (raises :class:`UnknownRecordError` if the producer does not hold it)."""
-        ans = self._call({"op": "claim", "ids": [record_id]}, timeout_s or self.timeout_s)
-        errs = P.get_list(ans, "errors", MAX_BATCH)
-        if errs:
-            e0 = errs[0]
-            msg = e0.get("message") if isinstance(e0, dict) else None
-            raise E.UnknownRecordError(msg if isinstance(msg, str) else f"record {record_id!r} unknown")
+    def claim(self, record_id: str, timeout_s: float | None = None, wait_s: float = 0.0) -> Claim:
+        """Lease one record by id.  A record not yet published is asked for again until ``wait_s`` has passed
+        (the capture connector returns the ticket before the worker publishes the record); then
+        :class:`UnknownRecordError`.  A record the producer knows failed raises :class:`RecordFailedError`."""
+        deadline = time.monotonic() + wait_s
+        pause = 0.005
+        while True:
+            ans = self._call({"op": "claim", "ids": [record_id]}, timeout_s or self.timeout_s)
+            errs = P.get_list(ans, "errors", MAX_BATCH)
+            if not errs:
+                break
+            e0 = errs[0] if isinstance(errs[0], dict) else {}
+            msg = e0.get("message")
+            text = msg if isinstance(msg, str) else f"record {record_id!r} unknown"
+            if e0.get("error") == "failed_record":
+                raise E.RecordFailedError(f"record {record_id!r} will not be published: {text}")
+            if time.monotonic() + pause > deadline:
+                raise E.UnknownRecordError(text)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
         recs = P.get_list(ans, "records", MAX_BATCH)
         if len(recs) != 1:
             raise E.ProtocolError(f"claim of one record answered with {len(recs)} descriptors")
@@ -367,9 +381,12 @@ class ExportConsumer:
         if held is not None:
             self._landing.free(held[1], held[2])
 
-    def fetch(self, record_id: str, copy: bool = True, timeout_s: float | None = None) -> CaptureRecord:
-        """Claim, read, verify and release one record; raises the named error that failed it."""
-        (res,) = self.read([self.claim(record_id, timeout_s)], copy, timeout_s)
+    def fetch(
+        self, record_id: str, copy: bool = True, timeout_s: float | None = None, wait_s: float = 0.0
+    ) -> CaptureRecord:
+        """Claim, read, verify and release one record; raises the named error that failed it.  ``wait_s``: how
+        long to wait for a record that is not published yet (see :meth:`claim`)."""
+        (res,) = self.read([self.claim(record_id, timeout_s, wait_s)], copy, timeout_s)
         if isinstance(res, HsCompatError):
             raise res
         return res

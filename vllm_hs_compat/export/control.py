@@ -19,14 +19,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
-from vllm_hs_compat.export import errors as E
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,53 @@ def error_code(exc: BaseException) -> str:
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+#: The trainer credential: the token itself, or the file holding it.
+TOKEN_ENV = "VLLM_HS_COMPAT_EXPORT_TOKEN"
+TOKEN_FILE_ENV = "VLLM_HS_COMPAT_EXPORT_TOKEN_FILE"
+
+
+def default_token_file() -> Path:
+    """``$VLLM_HS_COMPAT_EXPORT_TOKEN_FILE``, else ``~/.cache/vllm-hs-compat/export.token``."""
+    env = os.environ.get(TOKEN_FILE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "vllm-hs-compat" / "export.token"
+
+
+def load_or_create_token(path: str | os.PathLike[str] | None = None) -> tuple[str, Path | None]:
+    """The producer's token: ``$VLLM_HS_COMPAT_EXPORT_TOKEN`` if set, else the token file (created ``0600``
+    with a fresh token when absent, so every producer of one deployment and its trainers share it).  Returns
+    the token and the file it lives in (None when it came from the environment)."""
+    env = os.environ.get(TOKEN_ENV)
+    if env:
+        return check_token(env), None
+    file = Path(path) if path is not None else default_token_file()
+    file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token(file), file
+    with os.fdopen(fd, "w") as f:
+        token = new_token()
+        f.write(token + "\n")
+    return token, file
+
+
+def read_token(path: str | os.PathLike[str] | None = None) -> str:
+    """The trainer credential: ``$VLLM_HS_COMPAT_EXPORT_TOKEN``, else the token file (``path``, or
+    :func:`default_token_file`).  Raises :class:`ExportConfigError` naming both when neither exists."""
+    env = os.environ.get(TOKEN_ENV)
+    if env and path is None:
+        return check_token(env)
+    file = Path(path) if path is not None else default_token_file()
+    try:
+        text = file.read_text().strip()
+    except FileNotFoundError:
+        raise E.ExportConfigError(
+            f"no export token: set {TOKEN_ENV}, or point {TOKEN_FILE_ENV} (or token_file=) at the token file the "
+            f"serving worker writes (default {default_token_file()}; its path is logged at start-up)"
+        ) from None
+    return check_token(text)
 
 
 def check_token(token: str) -> str:

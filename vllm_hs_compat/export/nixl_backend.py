@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_hs_compat.export import errors as E
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.transport import host_buffer
 

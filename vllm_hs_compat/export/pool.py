@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import RecordMeta
-from vllm_hs_compat.export import errors as E
 
 FULL_POLICIES: Final = ("drop", "wait")
 

@@ -11,6 +11,7 @@ Caller: the capture connector's worker process, once per finished request::
 
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import socket
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, RecordMeta, compute_checksum
-from vllm_hs_compat.export import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "shm", "nixl")
 MAX_BATCH = 1024
+#: Failed record ids remembered so a consumer waiting for one learns why (oldest forgotten first).
+MAX_FAILED = 4096
 
 
 def lease_descriptor(lease: Lease, instance: str) -> dict[str, Any]:
@@ -82,8 +85,15 @@ class ExportProducer:
         self._poll_s = poll_interval_s
         self._idle_poll_s = idle_poll_interval_s
         self._expiry_interval_s = 0.02
-        self._counters = {"bad_records": 0, "bad_notifications": 0, "pump_errors": 0, "control_releases": 0}
+        self._counters = {
+            "bad_records": 0,
+            "bad_notifications": 0,
+            "pump_errors": 0,
+            "control_releases": 0,
+            "failed_records": 0,
+        }
         self._counter_lock = threading.Lock()
+        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._last_activity = 0.0
         if backend == "auto":
             backend = "nixl" if nixl_available() else "shm"
@@ -158,6 +168,16 @@ class ExportProducer:
             raise
         return P.ExportTicket(meta.request_id, self.endpoint, self.token, self.instance, self.backend, nbytes)
 
+    def fail(self, record_id: str, reason: str, message: str) -> None:
+        """Record that ``record_id`` will never be published, so a consumer asking for it is told why
+        (:class:`RecordFailedError`) instead of waiting.  Counted in ``stats()["failed_records"]``."""
+        with self._counter_lock:
+            self._counters["failed_records"] += 1
+            self._failed[record_id] = (reason, message[:1000])
+            self._failed.move_to_end(record_id)
+            while len(self._failed) > MAX_FAILED:
+                self._failed.popitem(last=False)
+
     def stats(self) -> dict[str, Any]:
         return {
             **self.pool.stats(),
@@ -225,6 +245,11 @@ class ExportProducer:
             for rid in ids:
                 if not isinstance(rid, str) or not 0 < len(rid) <= 512:
                     raise E.ProtocolError(f"record ids must be non-empty str, found {rid!r}")
+                with self._counter_lock:
+                    failed = self._failed.get(rid)
+                if failed is not None:
+                    errors.append({"record_id": rid, "error": "failed_record", "message": f"{failed[0]}: {failed[1]}"})
+                    continue
                 try:
                     out.append(lease_descriptor(self.pool.claim(rid), self.instance))
                 except E.UnknownRecordError as e:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-from vllm_hs_compat.export.errors import ExportConfigError, ExportTimeoutError, ProtocolError, UnknownRecordError
+from vllm_hs_compat.errors import ExportConfigError, ExportTimeoutError, ProtocolError, UnknownRecordError
 
 try:  # msgpack is an optional extra; JSON is always available.
     import msgpack as _msgpack
@@ -195,11 +195,17 @@ PARAMS_KEY: Final = "hs_export"
 
 @dataclasses.dataclass(frozen=True)
 class ExportTicket:
-    """What a consumer needs to fetch one record: the ``kv_transfer_params["hs_export"]`` entry (version 1)."""
+    """Where one record can be fetched: the ``kv_transfer_params["hs_export"]`` entry (version 1).
+
+    The entry names the record and the producer, never a credential: ``kv_transfer_params`` reach whoever sent
+    the request.  ``token`` (the producer's trainer credential) is kept for in-process use only and is not part
+    of :meth:`kv_transfer_params`; a consumer brings its own (``ExportConsumer.from_params(params, token=...)``
+    or the token file, see :func:`vllm_hs_compat.export.control.read_token`).
+    """
 
     record_id: str
     endpoint: str
-    token: str
+    token: str | None
     producer: str
     backend: str
     nbytes: int
@@ -210,7 +216,6 @@ class ExportTicket:
                 "v": 1,
                 "record_id": self.record_id,
                 "endpoint": self.endpoint,
-                "token": self.token,
                 "producer": self.producer,
                 "backend": self.backend,
                 "nbytes": self.nbytes,
@@ -219,7 +224,8 @@ class ExportTicket:
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> ExportTicket:
-        """Read a ticket from ``kv_transfer_params`` (or from its ``hs_export`` entry), validating every field."""
+        """Read a ticket from ``kv_transfer_params`` (or from its ``hs_export`` entry), validating every field.
+        The returned ticket carries no token."""
         if not isinstance(params, Mapping):
             raise ExportConfigError(f"kv_transfer_params must be a mapping, found {type(params).__name__}")
         entry = params.get(PARAMS_KEY, params)
@@ -238,7 +244,7 @@ class ExportTicket:
         return cls(
             record_id=get_str(d, "record_id", 512),
             endpoint=get_str(d, "endpoint", 300),
-            token=get_str(d, "token", 512),
+            token=None,
             producer=get_str(d, "producer", 64),
             backend=get_str(d, "backend", 16),
             nbytes=get_int(d, "nbytes"),

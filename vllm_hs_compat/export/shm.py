@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import torch
 
-from vllm_hs_compat.export import errors as E
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.transport import host_buffer
 

@@ -1,0 +1,238 @@
+"""The connector's scheduler half: which records to make, holding their blocks, tickets, slot checks.
+
+Lives in vLLM's scheduler (engine-core) process.  It never touches tensors: at ``request_finished`` it decides
+the positions of the record, checks that the request's capture-group blocks cover them, holds the blocks
+(returns True) and queues a :class:`~vllm_hs_compat.core.capture.SaveRequest` for the next step's metadata;
+the worker half reads and publishes, then reports the request finished so vLLM frees the blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm_hs_compat import api
+from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.core.capture import (
+    REASON_ABORTED,
+    REASON_BAD_PARAMS,
+    REASON_BLOCKS,
+    REQUEST_KEY,
+    BlockTracker,
+    CaptureSpec,
+    FinishedRequest,
+    NoRecord,
+    SaveRequest,
+    SlotCheck,
+    StepPlan,
+)
+from vllm_hs_compat.errors import CaptureConfigError
+
+from .config import ConnectorConfig
+from .sinks import sink_ticket
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.vllm_hs_compat.connector")
+
+REASON_PADDING = "padding_slot"
+
+
+class CaptureScheduler:
+    """Scheduler-side state of the capture connector."""
+
+    def __init__(
+        self,
+        adapter: VllmAdapter,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        config: ConnectorConfig,
+    ) -> None:
+        self.adapter = adapter
+        self.config = config
+        self.group = api.resolve_capture_group(
+            kv_cache_config, view="scheduler", vllm_config=vllm_config, adapter=adapter
+        )
+        self.labels = api.plane_labels(vllm_config, adapter=adapter)
+        if kv_cache_config is None:  # resolve_capture_group raised already; keep mypy and readers informed
+            raise CaptureConfigError("no kv_cache_config")
+        self.num_blocks = adapter.num_blocks(kv_cache_config)
+        itemsize = adapter.model_dtype(vllm_config).itemsize
+        self.bytes_per_token = self.labels.num_planes * adapter.hidden_size(vllm_config) * itemsize
+        padding = adapter.cuda_graph_padding(vllm_config)
+        self._clobbered = adapter.padding_clobbered_slot(self.num_blocks, self.group.block_size) if padding else None
+        self._step = 0
+        self._pending: list[SaveRequest] = []
+        self._held: set[str] = set()
+        self._tracker = BlockTracker(self.group.index)
+        self._checks_left = config.check_requests
+        self._locator: dict[str, Any] | None = None
+        self.counters = {"records_scheduled": 0, "records_refused": 0, "slot_checks_sent": 0, "tracking_mismatch": 0}
+        log.info(
+            "vllm-hs-compat scheduler: %s; %d planes %s; %d blocks; capture=%s window=%s sink=%s",
+            self.group.describe(),
+            self.labels.num_planes,
+            list(self.labels.layer_ids),
+            self.num_blocks,
+            config.capture.mode,
+            list(config.capture.window) if config.capture.window else None,
+            config.sink,
+        )
+
+    # --- start-up ---------------------------------------------------------------------------------------
+    def on_handshake(self, infos: Sequence[Mapping[str, Any]]) -> None:
+        """The capture owner's sink locator, sent by the workers once their caches are registered."""
+        owners = [i for i in infos if i.get("owner")]
+        if len(owners) != 1:
+            log.warning("vllm-hs-compat: expected one capture owner in the worker handshake, got %d", len(owners))
+        if owners:
+            info = owners[0]
+            if (info.get("group_index"), info.get("group_block_size")) != (self.group.index, self.group.block_size):
+                raise CaptureConfigError(
+                    f"the worker resolved the capture group as index {info.get('group_index')} block size "
+                    f"{info.get('group_block_size')}, the scheduler as {self.group.describe()}: block ids from "
+                    "the scheduler would address the wrong cache rows"
+                )
+            self._locator = dict(info.get("locator") or {})
+            log.info("vllm-hs-compat scheduler: capture owner %s, sink %s", info.get("ranks"), self._locator)
+
+    # --- every step -------------------------------------------------------------------------------------
+    def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        """This step's metadata payload: the saves queued since the last step, and slot checks."""
+        plan = StepPlan(self._step, self.group.index, self.group.block_size, self._pending)
+        self._pending = []
+        self._step += 1
+        if self._checks_left or len(self._tracker):
+            # Only while some of the first `check_requests` requests are alive: afterwards a step costs O(saves).
+            step = self.adapter.read_step(scheduler_output)
+            for new in step.new:
+                if self._checks_left and new.req_id not in self._tracker:
+                    self._tracker.watch(new)
+                    self._checks_left -= 1
+            self._tracker.apply(step)
+            starts = {r.req_id: r.num_computed_tokens for r in step.new}
+            starts.update({r.req_id: r.num_computed_tokens for r in step.cached})
+            for rid, start in starts.items():
+                n = step.num_scheduled_tokens.get(rid, 0)
+                if rid in self._tracker and n > 0:
+                    plan.checks.append(SlotCheck(rid, self._tracker.blocks(rid), start, n))
+            self.counters["slot_checks_sent"] += len(plan.checks)
+        return plan
+
+    # --- request end ------------------------------------------------------------------------------------
+    def _spec_for(self, fr: FinishedRequest) -> CaptureSpec:
+        override = (fr.params or {}).get(REQUEST_KEY)
+        if override is None:
+            return self.config.capture
+        return CaptureSpec.parse(override, base=self.config.capture, what=f"request {fr.req_id!r} {REQUEST_KEY}")
+
+    def _params(self, fr: FinishedRequest, status: str, **fields: Any) -> dict[str, Any]:
+        entry = {"v": 1, "record_id": fr.req_id, "status": status, "sink": self.config.sink, **fields}
+        return {REQUEST_KEY: entry}
+
+    def _refuse(self, fr: FinishedRequest, reason: str, message: str) -> tuple[bool, dict[str, Any]]:
+        self.counters["records_refused"] += 1
+        status = "skipped" if reason == "disabled" else "failed"
+        if status == "failed" and reason != REASON_ABORTED:
+            log.warning("vllm-hs-compat: no record for request %r: %s: %s", fr.req_id, reason, message)
+        return False, self._params(fr, status, reason=reason, message=message)
+
+    def request_finished(self, request: Request, block_ids: Sequence[Any]) -> tuple[bool, dict[str, Any] | None]:
+        """Decide the request's record; hold its blocks (True) when one will be made.
+
+        ``block_ids``: the capture group's list (vLLM without HMA passes its only group) or one list per group
+        (``request_finished_all_groups``)."""
+        fr = self.adapter.read_finished(request)
+        watched = self._tracker.blocks(fr.req_id) if fr.req_id in self._tracker else None
+        self._tracker.forget(fr.req_id)
+        if fr.aborted:
+            return self._refuse(fr, REASON_ABORTED, "the request was aborted")
+        try:
+            spec = self._spec_for(fr)
+        except CaptureConfigError as e:
+            return self._refuse(fr, REASON_BAD_PARAMS, str(e))
+        try:
+            start, stop = spec.positions(num_prompt_tokens=fr.num_prompt_tokens, num_valid=fr.num_valid)
+        except NoRecord as e:
+            return self._refuse(fr, e.reason, e.message)
+        try:
+            blocks = _group_blocks(block_ids, self.group.index)
+        except CaptureConfigError as e:
+            return self._refuse(fr, REASON_BLOCKS, str(e))
+        bs = self.group.block_size
+        need = -(-stop // bs)
+        if len(blocks) < need:
+            return self._refuse(
+                fr,
+                REASON_BLOCKS,
+                f"{len(blocks)} capture-group blocks of {bs} tokens cannot hold positions up to {stop}",
+            )
+        used = blocks[:need]
+        if any(b < 0 or b >= self.num_blocks for b in used[start // bs :]):
+            return self._refuse(fr, REASON_BLOCKS, f"block ids {used} run outside the cache [0, {self.num_blocks})")
+        if watched is not None and tuple(watched[:need]) != used:
+            self.counters["tracking_mismatch"] += 1
+            log.warning(
+                "vllm-hs-compat: request %r: blocks followed through the steps %s differ from the blocks at finish "
+                "%s; using the latter",
+                fr.req_id,
+                list(watched[:need]),
+                list(used),
+            )
+        if self._clobbered is not None:
+            block, offset = divmod(self._clobbered, bs)
+            hit = [p * bs + offset for p, b in enumerate(used) if b == block and start <= p * bs + offset < stop]
+            if hit:
+                return self._refuse(
+                    fr,
+                    REASON_PADDING,
+                    f"position {hit[0]} lives in the last slot of the last block, which padded CUDA-graph tokens "
+                    f"overwrite on vLLM {self.adapter.version} (fixed in 0.25.0); run with --enforce-eager or upgrade",
+                )
+        save = SaveRequest(
+            record_id=fr.req_id,
+            req_id=fr.req_id,
+            block_ids=used,
+            start=start,
+            stop=stop,
+            token_ids=fr.token_ids[start:stop],
+            num_prompt_tokens=fr.num_prompt_tokens,
+        )
+        self._pending.append(save)
+        self._held.add(fr.req_id)
+        self.counters["records_scheduled"] += 1
+        params = self._params(
+            fr, "pending", start=start, num_tokens=stop - start, num_prompt_tokens=fr.num_prompt_tokens
+        )
+        params.update(sink_ticket(self.config.sink, self._locator, fr.req_id, (stop - start) * self.bytes_per_token))
+        return True, params
+
+    def on_finished_sending(self, req_ids: set[str]) -> None:
+        """The workers reported these held requests done (vLLM frees their blocks)."""
+        self._held.difference_update(req_ids)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+
+def _group_blocks(block_ids: Sequence[Any], group_index: int) -> tuple[int, ...]:
+    """The capture group's block ids from what ``request_finished[_all_groups]`` received."""
+    if block_ids and not isinstance(block_ids[0], int):
+        if group_index >= len(block_ids):
+            raise CaptureConfigError(
+                f"request_finished received block ids of {len(block_ids)} group(s); the capture layer is in "
+                f"group {group_index}"
+            )
+        return tuple(int(b) for b in block_ids[group_index])
+    if group_index != 0:
+        raise CaptureConfigError(
+            f"request_finished received one block list, but the capture layer is in group {group_index}: vLLM "
+            "called the non-HMA path with the hybrid KV-cache manager on"
+        )
+    return tuple(int(b) for b in block_ids)

@@ -1,0 +1,165 @@
+"""Where finished records go.  A sink lives in the capture owner's worker process; the scheduler half only knows
+its locator (from the start-up handshake) to write the ticket a client gets back.
+
+* :class:`ExportSink` -- the export producer: trainers pull records over NIXL or ``/dev/shm``.
+* :class:`FileSink` -- ``<dir>/<record>.safetensors`` + ``<record>.json`` (see :mod:`vllm_hs_compat.export.files`).
+* :class:`CallbackSink` -- a ``module:function`` called with each :class:`CaptureRecord` or :class:`RecordFailure`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vllm_hs_compat.core.capture import RecordFailure
+from vllm_hs_compat.core.records import CaptureRecord
+from vllm_hs_compat.errors import CaptureConfigError
+from vllm_hs_compat.export import files
+from vllm_hs_compat.export.protocol import PARAMS_KEY as EXPORT_KEY
+
+from .config import ConnectorConfig
+
+log = logging.getLogger("vllm.vllm_hs_compat.connector")
+
+
+class Sink(ABC):
+    """Receives the capture owner's records, one call per record, from the connector's publisher thread."""
+
+    kind: ClassVar[str]
+
+    def locator(self) -> dict[str, Any]:
+        """What the scheduler half needs to write tickets (sent in the start-up handshake)."""
+        return {}
+
+    @abstractmethod
+    def write(self, record: CaptureRecord) -> None:
+        """Take a finished record.  Raising fails this record only (counted and reported)."""
+
+    @abstractmethod
+    def fail(self, failure: RecordFailure) -> None:
+        """Note that a record whose ticket was handed out will not exist, and why."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook: most sinks hold nothing to release
+        """Release resources (the publisher has drained)."""
+
+
+class ExportSink(Sink):
+    """Publish into an :class:`~vllm_hs_compat.export.ExportProducer` pool."""
+
+    kind = "export"
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        from vllm_hs_compat.export.control import load_or_create_token
+        from vllm_hs_compat.export.producer import ExportProducer
+
+        opts = dict(options)
+        token, self.token_file = load_or_create_token(opts.pop("token_file", None))
+        self.producer = ExportProducer(token=token, **opts)
+
+    def locator(self) -> dict[str, Any]:
+        p = self.producer
+        return {"endpoint": p.endpoint, "producer": p.instance, "backend": p.backend}
+
+    def write(self, record: CaptureRecord) -> None:
+        self.producer.publish(record.meta, record.hidden_states)
+
+    def fail(self, failure: RecordFailure) -> None:
+        self.producer.fail(failure.record_id, failure.reason, failure.message)
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+class FileSink(Sink):
+    """One safetensors file and one JSON manifest per record in a directory."""
+
+    kind = "file"
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.path, os.W_OK):
+            raise CaptureConfigError(f"file sink directory {self.path} is not writable")
+
+    def locator(self) -> dict[str, Any]:
+        return {"path": str(self.path.resolve())}
+
+    def write(self, record: CaptureRecord) -> None:
+        files.write_record(self.path, record)
+
+    def fail(self, failure: RecordFailure) -> None:
+        files.write_failure(self.path, failure.record_id, failure.reason, failure.message)
+
+
+class CallbackSink(Sink):
+    """Call ``module:function`` with each record (and each :class:`RecordFailure`) in the worker process."""
+
+    kind = "callback"
+
+    def __init__(self, target: str) -> None:
+        module, _, name = target.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise CaptureConfigError(f"callback {target!r} cannot be imported in the worker: {e}") from None
+        if not callable(fn):
+            raise CaptureConfigError(f"callback {target!r} is not callable")
+        self.fn: Callable[[CaptureRecord | RecordFailure], Any] = fn
+        self.target = target
+
+    def locator(self) -> dict[str, Any]:
+        return {"callback": self.target}
+
+    def write(self, record: CaptureRecord) -> None:
+        self.fn(record)
+
+    def fail(self, failure: RecordFailure) -> None:
+        self.fn(failure)
+
+
+def make_sink(config: ConnectorConfig) -> Sink:
+    """The sink ``config`` names (in the capture owner's worker)."""
+    if config.sink == "export":
+        return ExportSink(config.export)
+    if config.sink == "file":
+        if config.file_path is None:  # config validation guarantees it; keep the error named anyway
+            raise CaptureConfigError('sink "file" needs "file": {"path": "<directory>"}')
+        return FileSink(config.file_path)
+    if config.callback is None:
+        raise CaptureConfigError('sink "callback" needs "callback": "module:function"')
+    return CallbackSink(config.callback)
+
+
+def sink_ticket(kind: str, locator: Mapping[str, Any] | None, record_id: str, nbytes: int) -> dict[str, Any]:
+    """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_capture``).  Never a
+    credential: these params reach whoever sent the request."""
+    if not locator:
+        return {}
+    if kind == "export":
+        return {
+            EXPORT_KEY: {
+                "v": 1,
+                "record_id": record_id,
+                "endpoint": locator["endpoint"],
+                "producer": locator["producer"],
+                "backend": locator["backend"],
+                "nbytes": nbytes,
+            }
+        }
+    if kind == "file":
+        tensors, manifest, error = files.record_paths(locator["path"], record_id)
+        return {
+            files.PARAMS_KEY: {
+                "v": 1,
+                "record_id": record_id,
+                "manifest": str(manifest),
+                "tensors": str(tensors),
+                "error": str(error),
+            }
+        }
+    return {}

@@ -1,0 +1,326 @@
+"""The connector's worker half: the capture view, reading held requests' rows, publishing records.
+
+Lives in every worker process (one per TP rank and PP stage).  Only the capture owner (an adapter question:
+TP rank 0 of the stage that holds the capture layer) reads and publishes; every rank reports each save
+finished exactly once so vLLM's aggregation frees the blocks when the owner is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_hs_compat import api
+from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.core.capture import (
+    REASON_BLOCKS,
+    REASON_SINK,
+    RecordFailure,
+    SaveRequest,
+    StepPlan,
+)
+from vllm_hs_compat.core.layout import CaptureView
+from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
+from vllm_hs_compat.core.transfer import PendingRows, copy_rows_async
+from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatError
+
+from .config import ConnectorConfig
+from .sinks import Sink, make_sink
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("vllm.vllm_hs_compat.connector")
+
+REASON_SLOT_CHECK = "slot_check"
+REASON_BACKLOG = "backlog"
+#: Host bytes of records waiting for the sink beyond which new records fail (counted) instead of piling up.
+MAX_BACKLOG_BYTES = 4 << 30
+_cuda: Any = torch.cuda
+
+
+class CaptureWorker:
+    """Worker-side state of the capture connector."""
+
+    def __init__(
+        self,
+        adapter: VllmAdapter,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        config: ConnectorConfig,
+        *,
+        vllm_version: str = "",
+    ) -> None:
+        self.adapter = adapter
+        self.vllm_config = vllm_config
+        self.config = config
+        self.vllm_version = vllm_version
+        self.group = api.resolve_capture_group(kv_cache_config, view="worker", vllm_config=vllm_config, adapter=adapter)
+        self.labels = api.plane_labels(vllm_config, adapter=adapter)
+        self.hidden_size = adapter.hidden_size(vllm_config)
+        self.layout = adapter.kv_cache_layout(vllm_config, kv_cache_config)
+        self.owner = False
+        self.cache: torch.Tensor | None = None
+        self.view: CaptureView | None = None
+        self.sink: Sink | None = None
+        self._issued_step = -1
+        self._checked_step = -1
+        self._group_checked = False
+        self._inflight: list[tuple[SaveRequest, PendingRows]] = []
+        self._report: set[str] = set()
+        self._bad: dict[str, str] = {}
+        self._last_write: Any = None
+        self._queue: queue.Queue[tuple[SaveRequest, torch.Tensor] | None] = queue.Queue()
+        self._backlog = 0
+        self._backlog_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.counters = {
+            "saves": 0,
+            "records": 0,
+            "records_failed": 0,
+            "bytes": 0,
+            "slot_checks": 0,
+            "slot_checks_failed": 0,
+            "slot_checks_unavailable": 0,
+        }
+        self._counter_lock = threading.Lock()
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counter_lock:
+            self.counters[key] += n
+
+    # --- start-up ---------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Resolve and check the capture view; the owner starts its sink.  Logs once."""
+        tensor = kv_caches.get(self.group.layer_name)
+        ranks = self.adapter.parallel_ranks(self.vllm_config)
+        self.owner = self.adapter.capture_owner(ranks, tensor is not None)
+        if tensor is not None:
+            self.cache = tensor
+            self.view = api.describe_capture_view(
+                tensor,
+                self.group,
+                num_planes=self.labels.num_planes,
+                hidden_size=self.hidden_size,
+                adapter=self.adapter,
+            )
+        if self.owner:
+            self.sink = make_sink(self.config)
+            self._thread = threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True)
+            self._thread.start()
+        view = self.view.describe() if self.view is not None else "none (this stage does not hold the capture layer)"
+        log.info(
+            "vllm-hs-compat worker (%s): vLLM %s, adapter %s; %s; view %s shape=%s layout=%s; planes = layer ids %s "
+            "(pre-norm); owner=%s sink=%s %s",
+            ranks.describe(),
+            self.vllm_version or self.adapter.version,
+            self.adapter.name,
+            self.group.describe(),
+            view,
+            list(tensor.shape) if tensor is not None else None,
+            self.layout or "shape-defined",
+            list(self.labels.layer_ids),
+            self.owner,
+            self.config.sink if self.owner else "-",
+            self.sink.locator() if self.sink is not None else "",
+        )
+        token_file = getattr(self.sink, "token_file", None)
+        if token_file is not None:
+            log.info("vllm-hs-compat: export token (the trainer credential) is in %s", token_file)
+
+    def handshake_info(self) -> dict[str, Any] | None:
+        """What the scheduler half needs from the capture owner (None on other ranks)."""
+        if not self.owner or self.sink is None:
+            return None
+        return {
+            "owner": True,
+            "ranks": self.adapter.parallel_ranks(self.vllm_config).describe(),
+            "group_index": self.group.index,
+            "group_block_size": self.group.block_size,
+            "sink": self.sink.kind,
+            "locator": self.sink.locator(),
+        }
+
+    # --- every step -------------------------------------------------------------------------------------
+    def _check_group(self, plan: StepPlan) -> None:
+        if self._group_checked:
+            return
+        if (plan.group_index, plan.group_block_size) != (self.group.index, self.group.block_size):
+            raise CaptureGroupError(
+                f"the scheduler addresses the capture layer as group {plan.group_index} with block size "
+                f"{plan.group_block_size}, this worker resolved {self.group.describe()}: the scheduler's block "
+                "ids would address other rows. The scheduler and the worker see different KV-cache configs."
+            )
+        self._group_checked = True
+
+    def on_step(self, plan: StepPlan | None) -> None:
+        """Issue the reads of this step's saves (once per step: 0.17 binds the metadata twice)."""
+        if plan is None or plan.step <= self._issued_step:
+            return
+        self._issued_step = plan.step
+        self._check_group(plan)
+        for save in plan.saves:
+            self._count("saves")
+            if not self.owner:
+                self._report.add(save.req_id)
+                continue
+            try:
+                self._issue(save)
+            except HsCompatError as e:
+                self._fail(save, REASON_BLOCKS, str(e))
+                self._report.add(save.req_id)
+
+    def _issue(self, save: SaveRequest) -> None:
+        if self.cache is None or self.view is None:
+            raise CaptureViewError("the capture owner has no registered capture view")
+        bad = self._bad.pop(save.req_id, None)
+        if bad is not None:
+            self._fail(save, REASON_SLOT_CHECK, bad)
+            self._report.add(save.req_id)
+            return
+        nbytes = save.num_tokens * self.labels.num_planes * self.hidden_size * self.cache.element_size()
+        with self._backlog_lock:
+            over = self._backlog + nbytes > MAX_BACKLOG_BYTES
+            if not over:
+                self._backlog += nbytes
+        if over:
+            self._fail(save, REASON_BACKLOG, f"{self._backlog} bytes of records wait for the sink already")
+            self._report.add(save.req_id)
+            return
+        slots = api.request_slots(save.req_id, save.block_ids, self.view, num_tokens=save.num_tokens, start=save.start)
+        self._inflight.append((save, copy_rows_async(self.cache, self.view, slots, after=self._last_write)))
+
+    def finished(self) -> set[str]:
+        """Held requests whose rows are read (their blocks may be freed): each reported exactly once."""
+        still = []
+        for save, pending in self._inflight:
+            if pending.done():
+                self._queue.put((save, pending.rows))
+                self._report.add(save.req_id)
+            else:
+                still.append((save, pending))
+        self._inflight = still
+        done, self._report = self._report, set()
+        return done
+
+    def on_capture_written(self, layer_name: str, attn_metadata: Any, plan: StepPlan | None) -> None:
+        """``save_kv_layer`` of the capture layer: its rows for this step are written.  Remember the point on
+        the writing stream (side-stream reads wait for it) and run this step's slot checks."""
+        if layer_name != self.group.layer_name:
+            return
+        if self.cache is not None and self.cache.device.type == "cuda":
+            event = _cuda.Event()
+            event.record(torch.cuda.current_stream(self.cache.device))
+            self._last_write = event
+        if plan is None or not plan.checks or plan.step <= self._checked_step or self.view is None:
+            return
+        self._checked_step = plan.step
+        mapping = self.adapter.layer_slot_mapping(layer_name, attn_metadata)
+        if mapping is None:
+            self._count("slot_checks_unavailable", len(plan.checks))
+            return
+        written = mapping.to(torch.int64)
+        for check in plan.checks:
+            self._count("slot_checks")
+            try:
+                ours = api.request_slots(
+                    check.req_id,
+                    check.block_ids,
+                    self.view,
+                    num_tokens=check.num_tokens,
+                    start=check.start,
+                    device=written.device,
+                )
+            except HsCompatError as e:
+                self._slot_check_failed(check.req_id, str(e))
+                continue
+            missing = ~torch.isin(ours, written)
+            if bool(missing.any()):
+                first = int(missing.nonzero()[0, 0])
+                self._slot_check_failed(
+                    check.req_id,
+                    f"position {check.start + first} maps to slot {int(ours[first])}, which vLLM did not write in "
+                    f"this step ({int(missing.sum())} of {check.num_tokens} positions missing)",
+                )
+
+    def _slot_check_failed(self, req_id: str, message: str) -> None:
+        self._count("slot_checks_failed")
+        self._bad[req_id] = message
+        log.error("vllm-hs-compat: slot check failed for request %r: %s", req_id, message)
+
+    # --- publishing (background thread) -----------------------------------------------------------------
+    def _fail(self, save: SaveRequest, reason: str, message: str) -> None:
+        self._count("records_failed")
+        log.warning("vllm-hs-compat: record %r failed: %s: %s", save.record_id, reason, message)
+        if self.sink is None:
+            return
+        try:
+            self.sink.fail(RecordFailure(save.record_id, save.req_id, reason, message))
+        except Exception:
+            log.exception("vllm-hs-compat: the sink could not record the failure of %r", save.record_id)
+
+    def _record(self, save: SaveRequest, rows: torch.Tensor) -> CaptureRecord:
+        meta = RecordMeta.for_tensor(
+            save.record_id,
+            rows,
+            save.token_ids,
+            self.labels.layer_ids,
+            pre_norm=self.labels.pre_norm,
+            vllm_version=self.vllm_version,
+            adapter=self.adapter.name,
+            start=save.start,
+            num_prompt_tokens=save.num_prompt_tokens,
+        )
+        return CaptureRecord(meta, rows)
+
+    def _publish_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            save, rows = item
+            try:
+                if self.sink is None:
+                    raise CaptureViewError("no sink")
+                self.sink.write(self._record(save, rows))
+                self._count("records")
+                self._count("bytes", rows.numel() * rows.element_size())
+            except Exception as e:
+                self._fail(save, REASON_SINK, f"{type(e).__name__}: {e}")
+            finally:
+                with self._backlog_lock:
+                    self._backlog -= rows.numel() * rows.element_size()
+                self._queue.task_done()
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every read record has reached the sink (True) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._inflight and self._queue.unfinished_tasks == 0:
+                return True
+            time.sleep(0.005)
+        return False
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Publish what is read, stop the publisher, close the sink; log the counters."""
+        for _, pending in self._inflight:
+            pending.wait()
+        self.finished()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+        if self.sink is not None:
+            try:
+                self.sink.close()
+            finally:
+                self.sink = None
+        if self.owner:
+            log.info("vllm-hs-compat worker: %s", self.counters)

@@ -1,0 +1,278 @@
+"""What a capture record holds, and the neutral request/step types the connector works on.
+
+The adapters read vLLM's objects (``SchedulerOutput``, ``Request``) into the types here; the connector's
+scheduler half decides from them, without touching vLLM attributes itself.
+
+Positions: at finish, a request's first ``num_computed_tokens`` positions hold hidden states (later slots may
+hold rejected draft tokens), paired with ``all_token_ids[:n]``.  A :class:`CaptureSpec` picks the positions of
+the record out of those: the prompt, everything, or the generated part, optionally narrowed by a window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from ..errors import CaptureConfigError
+
+CaptureMode = Literal["prompt", "all", "output"]
+MODES: Final[tuple[CaptureMode, ...]] = ("prompt", "all", "output")
+#: Key of a request's own ``kv_transfer_params`` entry that overrides the capture settings.
+REQUEST_KEY: Final = "hs_capture"
+
+# Why a record will not exist (``kv_transfer_params["hs_capture"]["reason"]``).
+REASON_ABORTED: Final = "aborted"
+REASON_PROMPT_INCOMPLETE: Final = "prompt_incomplete"
+REASON_EMPTY: Final = "empty_selection"
+REASON_DISABLED: Final = "disabled"
+REASON_BAD_PARAMS: Final = "bad_params"
+REASON_BLOCKS: Final = "blocks"
+REASON_NOT_CAPTURED: Final = "not_captured"
+REASON_SINK: Final = "sink"
+
+
+class NoRecord(Exception):  # noqa: N818 - a decision, not an error: the request simply has no record
+    """Raised by :meth:`CaptureSpec.positions` when a request yields no record; carries the reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _window_bound(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CaptureConfigError(f"{what} must be an int or null, found {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """Which positions of a finished request form its record."""
+
+    mode: CaptureMode = "prompt"
+    """``prompt``: the prompt tokens; ``all``: every position with a hidden state; ``output``: generated ones."""
+    window: tuple[int | None, int | None] | None = None
+    """``(start, stop)`` slice over the positions ``mode`` selects (Python semantics, negatives from the end)."""
+    enabled: bool = True
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any], *, base: CaptureSpec | None = None, what: str) -> CaptureSpec:
+        """Settings from a config map (``capture``/``window``/``enabled`` keys) over ``base``.
+
+        Raises :class:`CaptureConfigError` naming ``what`` (the config or request the map came from)."""
+        if not isinstance(raw, Mapping):
+            raise CaptureConfigError(f"{what} must be a map, found {type(raw).__name__}")
+        known = {"capture", "window", "enabled"}
+        extra = sorted(str(k) for k in raw if k not in known)
+        if extra:
+            raise CaptureConfigError(f"{what} has unknown keys {extra}; expected any of {sorted(known)}")
+        spec = base or cls()
+        mode = raw.get("capture", spec.mode)
+        if mode not in MODES:
+            raise CaptureConfigError(f"{what}: capture must be one of {list(MODES)}, found {mode!r}")
+        window = spec.window
+        if "window" in raw:
+            w = raw["window"]
+            if w is None:
+                window = None
+            elif isinstance(w, Sequence) and not isinstance(w, str | bytes) and len(w) == 2:
+                window = (_window_bound(w[0], f"{what}: window[0]"), _window_bound(w[1], f"{what}: window[1]"))
+            else:
+                raise CaptureConfigError(f"{what}: window must be [start, stop] (ints or null), found {w!r}")
+        enabled = raw.get("enabled", spec.enabled)
+        if not isinstance(enabled, bool):
+            raise CaptureConfigError(f"{what}: enabled must be true or false, found {enabled!r}")
+        return cls(mode=mode, window=window, enabled=enabled)
+
+    def positions(self, *, num_prompt_tokens: int, num_valid: int) -> tuple[int, int]:
+        """``[start, stop)`` of the record, given the prompt length and the number of positions whose hidden
+        states exist.  Raises :class:`NoRecord` when the selection is empty or the prompt is incomplete."""
+        if not self.enabled:
+            raise NoRecord(REASON_DISABLED, "capture is disabled for this request")
+        if self.mode == "prompt":
+            if num_valid < num_prompt_tokens:
+                raise NoRecord(
+                    REASON_PROMPT_INCOMPLETE,
+                    f"only {num_valid} of the {num_prompt_tokens} prompt positions were computed before the "
+                    "request finished (aborted or capped during prefill)",
+                )
+            lo, hi = 0, num_prompt_tokens
+        elif self.mode == "all":
+            lo, hi = 0, num_valid
+        else:
+            lo, hi = num_prompt_tokens, max(num_prompt_tokens, num_valid)
+        if self.window is not None:
+            picked = range(lo, hi)[slice(*self.window)]
+            lo, hi = (picked.start, picked.stop) if len(picked) else (lo, lo)
+        if hi <= lo:
+            raise NoRecord(
+                REASON_EMPTY,
+                f"capture={self.mode!r} window={list(self.window) if self.window else None} selects no position "
+                f"(prompt {num_prompt_tokens} tokens, {num_valid} positions computed)",
+            )
+        return lo, hi
+
+
+# --- neutral views of vLLM's objects (filled by the adapters) --------------------------------------------------
+@dataclass(frozen=True)
+class ScheduledNew:
+    """A request scheduled for the first time (or, under Model Runner V2, resumed with its full block list)."""
+
+    req_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    """Per KV-cache group."""
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledCached:
+    """A request scheduled again: new blocks appended, or (resumed after preemption) the full list replaced."""
+
+    req_id: str
+    new_block_ids: tuple[tuple[int, ...], ...] | None
+    resumed: bool
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One scheduler step, as far as the connector cares."""
+
+    new: tuple[ScheduledNew, ...]
+    cached: tuple[ScheduledCached, ...]
+    num_scheduled_tokens: Mapping[str, int]
+    preempted: frozenset[str] = frozenset()
+    finished: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request handed to ``request_finished``."""
+
+    req_id: str
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    token_ids: tuple[int, ...]
+    """``all_token_ids``: prompt then generated tokens."""
+    aborted: bool
+    status: str
+    params: Mapping[str, Any] | None = None
+    """The request's own ``kv_transfer_params``."""
+
+    @property
+    def num_valid(self) -> int:
+        """Positions whose hidden states exist."""
+        return max(0, min(self.num_computed_tokens, len(self.token_ids)))
+
+
+# --- what the scheduler half sends the worker half -------------------------------------------------------------
+@dataclass(frozen=True)
+class SaveRequest:
+    """Read positions ``[start, stop)`` of a finished request whose blocks are held, and publish the record."""
+
+    record_id: str
+    req_id: str
+    block_ids: tuple[int, ...]
+    """Capture-group block ids covering positions ``[0, stop)``."""
+    start: int
+    stop: int
+    token_ids: tuple[int, ...]
+    """Token ids of positions ``[start, stop)``."""
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class SlotCheck:
+    """Positions ``[start, start + num_tokens)`` of a request are written in this step; every slot derived from
+    its block ids must be one the step's slot mapping writes."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    start: int
+    num_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """The connector metadata's payload for one step."""
+
+    step: int
+    group_index: int
+    group_block_size: int
+    saves: list[SaveRequest] = field(default_factory=list)
+    checks: list[SlotCheck] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RecordFailure:
+    """A record that will not exist, with the reason (handed to the sink so a waiting reader learns why)."""
+
+    record_id: str
+    req_id: str
+    reason: str
+    message: str
+
+
+class BlockTracker:
+    """Capture-group block ids of a set of watched requests, followed through scheduler steps.
+
+    New requests (and, under Model Runner V2, resumed ones) bring their full list; cached ones append new blocks;
+    a request resumed after preemption (V1) brings its full list again; a preempted one holds no blocks until it
+    resumes; a finished one is no longer watched.
+    """
+
+    def __init__(self, group_index: int) -> None:
+        self.group_index = group_index
+        self._blocks: dict[str, list[int]] = {}
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def blocks(self, req_id: str) -> tuple[int, ...]:
+        return tuple(self._blocks.get(req_id, ()))
+
+    def _group(self, per_group: tuple[tuple[int, ...], ...]) -> list[int]:
+        if self.group_index >= len(per_group):
+            raise CaptureConfigError(
+                f"the scheduler sent block ids for {len(per_group)} KV-cache group(s), but the capture layer is in "
+                f"group {self.group_index}; the scheduler's KV-cache config differs from the one the connector "
+                "resolved"
+            )
+        return list(per_group[self.group_index])
+
+    def watch(self, new: ScheduledNew) -> None:
+        """Start following ``new`` (a request scheduled for the first time)."""
+        self._blocks[new.req_id] = self._group(new.block_ids)
+
+    def apply(self, step: StepInfo) -> None:
+        """Follow the watched requests through one step (others are ignored)."""
+        for rid in step.preempted:
+            if rid in self._blocks:
+                self._blocks[rid] = []  # its blocks were freed; it recomputes from scratch when resumed
+        for new in step.new:
+            if new.req_id in self._blocks:
+                self._blocks[new.req_id] = self._group(new.block_ids)  # V2: resumed as new, full list
+        for c in step.cached:
+            held = self._blocks.get(c.req_id)
+            if held is None:
+                continue
+            if c.resumed:
+                self._blocks[c.req_id] = self._group(c.new_block_ids) if c.new_block_ids is not None else []
+            elif c.new_block_ids is not None:
+                held.extend(self._group(c.new_block_ids))
+        for rid in step.finished:
+            self._blocks.pop(rid, None)
+
+    def forget(self, req_id: str) -> None:
+        self._blocks.pop(req_id, None)
