@@ -50,7 +50,7 @@ import torch
 
 VOCAB = 512  # the tiny model config's vocab_size
 NUM_SPEC_TOKENS = 1  # extract_hidden_states requires exactly one
-AUX_LAYER_IDS = [0, 2, 3]  # P = 3 planes (harness.NUM_PLANES)
+AUX_LAYER_IDS = [3, 1, 2]  # P = 3 planes (harness.NUM_PLANES), valid on every release (0.17 captures 1 .. N-1), unsorted
 CONNECTOR = "HiddenStatesCaptureConnector"
 CONNECTOR_MODULE = "vllm_hs_compat.connector"
 CALLBACK = "sched_harness:receive_record"
@@ -135,8 +135,13 @@ def take_records() -> list[Any]:
 # feature detection
 # --------------------------------------------------------------------------------------------------
 def _kw(fn: Callable[..., Any], candidates: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(fn).parameters
+    params = _params(fn)
     return {k: v for k, v in candidates.items() if k in params}
+
+
+@functools.lru_cache(maxsize=None)
+def _params(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _fields(cls: type, candidates: dict[str, Any]) -> dict[str, Any]:
@@ -301,8 +306,10 @@ class Engine:
         from vllm.distributed.kv_transfer import kv_transfer_state
 
         try:
-            if self.scheduler.connector is not None:
-                self.scheduler.connector.shutdown() if hasattr(self.scheduler.connector, "shutdown") else None
+            # EngineCore.shutdown: the scheduler (its connector) and the workers (ensure_kv_transfer_shutdown:
+            # the worker-role connector's shutdown publishes what it has read and stops its publisher).
+            if hasattr(self.scheduler, "shutdown"):
+                self.scheduler.shutdown()
             if kv_transfer_state.has_kv_transfer_group():
                 kv_transfer_state.ensure_kv_transfer_shutdown()
         finally:
@@ -338,6 +345,7 @@ def build_engine(spec: EngineSpec) -> Engine:
         if kv_transfer_state.has_kv_transfer_group():
             kv_transfer_state.ensure_kv_transfer_shutdown()
         with set_current_vllm_config(cfg):
+            _init_worker_distributed()
             if connector:
                 kv_transfer_state.ensure_kv_transfer_initialized(
                     cfg, **_kw(kv_transfer_state.ensure_kv_transfer_initialized, {"kv_cache_config": kv.worker})
@@ -392,6 +400,7 @@ def build_engine(spec: EngineSpec) -> Engine:
         engine.pads_to_null_block = _pads_land_in_null_block(engine)
         engine.initial_free_blocks = engine.free_blocks()
         if scheduler.connector is not None:
+            _handshake(scheduler.connector)
             _spy_request_finished(engine)
         return engine
     except BaseException:
@@ -413,6 +422,37 @@ def _pads_land_in_null_block(engine: Engine) -> bool:
     view.zero_()
     kernel_per_block = engine.block_size // engine.kernel_block_size
     return blocks == [0] or (kernel_per_block > 1 and blocks and blocks[0] < kernel_per_block)
+
+
+def _init_worker_distributed() -> None:
+    """A one-process world (TP = PP = 1, gloo), as the CPU worker's ``init_worker_distributed_environment``
+    builds it; once per process (the connector's engine-id sync broadcasts over the TP group)."""
+    import tempfile
+
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    init_file = os.path.join(tempfile.mkdtemp(prefix="hs-compat-dist-"), "init")
+    ps.init_distributed_environment(
+        world_size=1, rank=0, distributed_init_method=f"file://{init_file}", local_rank=0, backend="gloo"
+    )
+    ps.ensure_model_parallel_initialized(1, 1)
+
+
+def _handshake(scheduler_connector: Any) -> None:
+    """EngineCore.__init__: the workers' ``get_handshake_metadata`` (keyed by ``(pp_rank, tp_rank)`` where the
+    connector API is PP-aware, 0.23+, else by ``tp_rank``) handed to the scheduler-role connector.  One worker,
+    rank 0."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    metadata = get_kv_transfer_group().get_handshake_metadata()
+    if metadata is None:
+        return
+    if hasattr(scheduler_connector, "set_xfer_handshake_metadata_pp_aware"):
+        scheduler_connector.set_xfer_handshake_metadata_pp_aware({(0, 0): metadata})
+    else:
+        scheduler_connector.set_xfer_handshake_metadata({0: metadata})
 
 
 def _spy_request_finished(engine: Engine) -> None:
@@ -655,6 +695,16 @@ class RunnerV1(Runner):
                 },
             )
         )
+        # GPUModelRunner.initialize_kv_cache: register the views (the cross-layer path, 0.12-0.28, only for
+        # connectors that prefer cross-layer blocks -- the capture connector must not).
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+
+        if has_kv_transfer_group():
+            group = get_kv_transfer_group()
+            assert not getattr(group, "prefer_cross_layer_blocks", False)
+            group.register_kv_caches(views)
+            group.set_host_xfer_buffer_ops(copy_kv_blocks)
 
     def _update_states(self, so: Any) -> None:
         ib = self.input_batch
@@ -732,8 +782,9 @@ class RunnerV1(Runner):
         order = [rid for rid in self.input_batch.req_ids[:num_reqs]]
         assert sorted(order) == sorted(so.num_scheduled_tokens), (order, so.num_scheduled_tokens)
         slots, to_cache, _ = self._prepare(order, so)
-        params = inspect.signature(Mixin.maybe_get_kv_connector_output).parameters
-        defer = {"defer_finalize": True} if "defer_finalize" in params else {"clear_metadata": False}
+        defer = {"defer_finalize": True} if "defer_finalize" in _params(Mixin.maybe_get_kv_connector_output) else {
+            "clear_metadata": False
+        }
         with self._target_context(slots), Mixin.maybe_get_kv_connector_output(so, **defer) as kv_out:
             pass  # the verifier's own layers are not modelled
         sampled = self._sample(order, so)
@@ -842,7 +893,7 @@ class RunnerV2(Runner):
             self.kv.finish_forward()
         sampled = self._sample(order, so)
         finished = so.finished_req_ids
-        if "defer_finalize" in inspect.signature(self.kv.post_forward).parameters:
+        if "defer_finalize" in _params(type(self.kv).post_forward):
             kv_out = self.kv.post_forward(finished, defer_finalize=True)
             self._write(slots, to_cache)
             self.kv.finalize_step()
@@ -898,6 +949,7 @@ class Trace:
     requests: dict[str, RequestTrace]
     steps: int = 0
     held_only_steps: int = 0  # steps taken while has_requests() was False but finished requests still held blocks
+    stalled_steps: int = 0  # no-forward steps with requests waiting (KV cache full of held or running blocks)
     preemptions: int = 0
     resumed_as_new: int = 0
     resumed_cached: int = 0
@@ -1038,6 +1090,8 @@ def run_schedule(
         assert step < max_steps, f"no progress after {max_steps} steps: {len(s.requests)} requests left"
         so = s.schedule()
         _note_schedule(trace, so)
+        if not so.total_num_scheduled_tokens and (s.waiting or s.running):
+            trace.stalled_steps += 1
         out = engine.runner.execute(so)
         for rid in so.num_scheduled_tokens:
             t = traces[rid]

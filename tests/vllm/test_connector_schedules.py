@@ -1,0 +1,326 @@
+"""Random schedules through vLLM's OWN ``Scheduler`` with the capture connector on both sides.
+
+vLLM schedules (chunked prefill, prefix caching, preemption under a tiny KV budget, speculative decode of
+``extract_hidden_states``), its scheduler creates the scheduler-role connector, the worker-role connector is created
+and registered as the worker and runner do, the hooks run in the release runner's order through vLLM's own helpers,
+and the capture layer's own forward writes the rows.  Only the model is the test's: hidden states and tokens are
+deterministic functions of the token prefix (``sched_harness``), so every record has one right answer.
+
+Properties, per schedule:
+
+* every record the sink receives is exactly (bit for bit) the hidden states of the positions its ticket names,
+  paired with the right token ids; records exist exactly for the requests whose ticket says ``pending``;
+* aborted requests get a ``failed``/``aborted`` ticket and no record; finished requests get the positions the
+  capture mode and window select, or a ``failed``/``skipped`` ticket naming why there are none;
+* at every step, every running request's computed positions hold its prefix's hidden states (no contamination);
+* every held block is freed: the KV cache manager's free-block count returns to its initial value;
+* the generated tokens are the model's greedy continuation, whatever the schedule.
+
+``VLLM_HS_COMPAT_SCHEDULES`` sets the number of schedules per scheduler mode (default 200; ``nox -s vllm_long``
+runs 10,000).  Releases with Model Runner V2 (0.29+) run both modes: V1, and V2 with resumed requests handed back
+as new requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import harness as h
+import pytest
+import sched_harness as sh
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_hs_compat.core.capture import RecordFailure
+
+pytestmark = pytest.mark.vllm
+
+NUM_SCHEDULES = int(os.environ.get("VLLM_HS_COMPAT_SCHEDULES", "200"))
+MODES = ["v1", "v2"] if sh.has_v2_runner() else ["v1"]
+MAX_MODEL_LEN = h.MAX_MODEL_LEN
+REPORTS = Path(__file__).resolve().parents[2] / "reports"
+
+
+# --------------------------------------------------------------------------------------------------
+# schedules
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule:
+    spec: sh.EngineSpec
+    plans: tuple[sh.RequestPlan, ...]
+    seed: int
+
+
+windows = st.one_of(
+    st.none(),
+    st.tuples(st.one_of(st.none(), st.integers(-64, 64)), st.one_of(st.none(), st.integers(-64, 64))).map(list),
+)
+capture_specs = st.fixed_dictionaries({"capture": st.sampled_from(["prompt", "all", "output"]), "window": windows})
+overrides = st.one_of(
+    st.none(),
+    st.none(),
+    st.none(),
+    capture_specs,
+    st.just({"enabled": False}),
+    st.just({"capture": "bogus"}),
+)
+
+
+@st.composite
+def schedules(draw: st.DrawFn, v2: bool) -> Schedule:
+    """A KV budget from vLLM's minimum (one max-length request) up, batch limits, requests sharing prefixes
+    (some identical, some longer than the token budget), staggered arrivals and abort points.  A third of the
+    schedules are "pressure" schedules: several mid-length requests with long outputs arriving together into the
+    smallest cache vLLM accepts, which is what makes vLLM preempt."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = random.Random(seed)
+    pressure = draw(st.sampled_from([False, False, True]))
+    num_bases = draw(st.integers(1, 3))
+    bases = [[rng.randrange(sh.VOCAB) for _ in range(MAX_MODEL_LEN)] for _ in range(num_bases)]
+    mnbt = draw(st.sampled_from([16, 24, 32, 48, 64, 128]))
+    capture = draw(capture_specs)
+    spec = sh.EngineSpec(
+        # mostly near vLLM's minimum (one max-length request), so that requests compete for blocks
+        num_blocks=draw(st.sampled_from([17, 18]) if pressure else st.sampled_from([17, 18, 19, 20, 22, 24, 32, 48])),
+        max_num_batched_tokens=mnbt,
+        max_num_seqs=draw(st.sampled_from([3, 4, 6]) if pressure else st.sampled_from([1, 2, 3, 4, 4, 6])),
+        v2=v2,
+        extra_config={"capture": capture["capture"], "window": capture["window"]},
+        pad_tokens=draw(st.sampled_from([0, 0, 1, 5])),
+        reorder=draw(st.booleans()),
+    )
+    n = draw(st.sampled_from([3, 4, 5, 6]) if pressure else st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8]))
+    plans = []
+    for i in range(n):
+        base = draw(st.integers(0, num_bases - 1))
+        shared = draw(st.sampled_from([0, 0, 8, 16, 17, 31, 32, 40, 64, 100]))
+        own = draw(st.sampled_from(range(40, 120) if pressure else range(0 if shared else 1, 240)))
+        prompt = bases[base][:shared] + [rng.randrange(sh.VOCAB) for _ in range(own)]
+        prompt = prompt[: MAX_MODEL_LEN - 1]
+        plans.append(
+            sh.RequestPlan(
+                req_id=f"req-{i}",
+                prompt=tuple(prompt),
+                max_tokens=draw(st.sampled_from(range(24, 65) if pressure else range(1, 65))),
+                arrival=draw(st.sampled_from([0, 0, 1]) if pressure else st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8, 12])),
+                abort=draw(st.sampled_from([*([None] * 12), *sh.ABORT_POINTS])),
+                hs_capture=draw(overrides),
+            )
+        )
+    return Schedule(spec, tuple(plans), seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# what the contract (docs/connector.md) says a finished request's record is
+# --------------------------------------------------------------------------------------------------
+def expected_positions(t: sh.RequestTrace, base: dict[str, Any]) -> tuple[str, Any]:
+    """``("pending", (start, stop))`` or ``(status, reason)`` for a finished request, from docs/connector.md:
+    rows ``[0, num_computed_tokens)`` exist at finish; ``capture`` picks the prompt, everything, or the generated
+    part; ``window`` slices that (Python semantics); a request's own ``hs_capture`` overrides both or opts out."""
+    if t.aborted:
+        return "failed", "aborted"
+    cfg = dict(base)
+    if t.plan.hs_capture is not None:
+        if t.plan.hs_capture.get("capture", "prompt") not in ("prompt", "all", "output"):
+            return "failed", "bad_params"
+        if t.plan.hs_capture.get("enabled") is False:
+            return "skipped", "disabled"
+        cfg.update(t.plan.hs_capture)
+    assert t.token_ids_at_finish is not None and t.num_computed_at_finish is not None
+    valid = min(t.num_computed_at_finish, len(t.token_ids_at_finish))
+    prompt = t.num_prompt_tokens
+    mode = cfg.get("capture", "prompt")
+    if mode == "prompt":
+        if valid < prompt:
+            return "failed", "prompt_incomplete"
+        lo, hi = 0, prompt
+    elif mode == "all":
+        lo, hi = 0, valid
+    else:
+        lo, hi = prompt, max(prompt, valid)
+    window = cfg.get("window")
+    if window is not None:
+        picked = range(lo, hi)[slice(*window)]
+        lo, hi = (picked.start, picked.stop) if len(picked) else (lo, lo)
+    if hi <= lo:
+        return "failed", "empty_selection"
+    return "pending", (lo, hi)
+
+
+def greedy(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    hashes = sh.prefix_hashes(tokens)
+    limit = min(max_tokens, MAX_MODEL_LEN - len(tokens))
+    for _ in range(limit):
+        t = sh.next_token(hashes[-1], tokens[-1])
+        tokens.append(t)
+        hashes.append(sh.hash_after(hashes[-1], t))
+    return tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# one schedule
+# --------------------------------------------------------------------------------------------------
+def run_and_check(schedule: Schedule, coverage: Counter[str]) -> None:
+    sh.take_records()  # nothing left over from an earlier schedule
+    engine = sh.build_engine(schedule.spec)
+    try:
+        trace = sh.run_schedule(engine, list(schedule.plans))
+        free_at_end = engine.free_blocks()
+        initial = engine.initial_free_blocks
+        finished = dict(engine.finished_params)
+    finally:
+        engine.close()  # the worker connector publishes what it has read and stops its publisher
+    records = sh.take_records()
+
+    assert free_at_end == initial, f"{initial - free_at_end} KV blocks still held after every request left"
+    failures = [r for r in records if isinstance(r, RecordFailure)]
+    assert not failures, f"the connector failed records: {failures}"
+    by_id: dict[str, list[Any]] = {}
+    for r in records:
+        by_id.setdefault(r.meta.request_id, []).append(r)
+
+    base = schedule.spec.connector_config()
+    for rid, t in trace.requests.items():
+        ticket_pair = finished.get(rid)
+        assert ticket_pair is not None, f"{rid}: request_finished was never called"
+        held, params = ticket_pair
+        entry = (params or {}).get("hs_capture")
+        assert entry is not None and entry["record_id"] == rid, (rid, params)
+        status, detail = expected_positions(t, base)
+        got = by_id.pop(rid, [])
+        if not t.aborted:
+            assert t.output_params == params, f"{rid}: the client's kv_transfer_params differ from the connector's"
+            expect_tokens = greedy(t.plan.prompt, t.plan.max_tokens)
+            assert t.token_ids_at_finish == expect_tokens, f"{rid}: generated tokens are not the greedy continuation"
+        assert entry["status"] == status, (rid, entry, status, detail)
+        if status != "pending":
+            assert entry["reason"] == detail, (rid, entry, detail)
+            assert held is False
+            assert not got, f"{rid}: a record exists although the ticket says {entry}"
+            coverage[f"no_record_{detail}"] += 1
+            continue
+        start, stop = detail
+        assert held is True
+        assert (entry["start"], entry["num_tokens"], entry["num_prompt_tokens"]) == (
+            start,
+            stop - start,
+            t.num_prompt_tokens,
+        ), (rid, entry, detail)
+        assert len(got) == 1, f"{rid}: {len(got)} records for one request"
+        rec = got[0]
+        tokens = t.token_ids_at_finish
+        assert tokens is not None
+        assert rec.meta.token_ids == tuple(tokens[start:stop]), f"{rid}: token ids are not paired with the rows"
+        assert (rec.meta.start, rec.meta.num_prompt_tokens) == (start, t.num_prompt_tokens)
+        assert rec.meta.layer_ids == tuple(sorted(sh.AUX_LAYER_IDS))
+        expect = sh.rows_for(sh.prefix_hashes(tokens[:stop]))[start:]
+        rows = rec.hidden_states
+        assert rows.shape == expect.shape and rows.dtype == expect.dtype, (rid, rows.shape, expect.shape)
+        if not torch.equal(rows.view(torch.int16), expect.view(torch.int16)):
+            bad = (rows.view(torch.int16) != expect.view(torch.int16)).flatten(1).any(-1).nonzero().flatten()
+            raise AssertionError(f"{rid}: record rows at positions {(bad + start)[:8].tolist()} are not its own")
+        coverage["records"] += 1
+        coverage["record_rows"] += stop - start
+    assert not by_id, f"records for requests that never had one: {sorted(by_id)}"
+
+    coverage["schedules"] += 1
+    coverage["requests"] += len(trace.requests)
+    coverage["steps"] += trace.steps
+    coverage["preemptions"] += trace.preemptions
+    coverage["resumed_as_new"] += trace.resumed_as_new
+    coverage["resumed_cached"] += trace.resumed_cached
+    coverage["cache_checks"] += trace.cache_checks
+    coverage["held_only_steps"] += trace.held_only_steps
+    coverage["stalled_steps"] += trace.stalled_steps
+    for name in ("forward_steps", "no_forward_steps", "spec_accepted", "spec_rejected", "pad_rows", "reordered_steps"):
+        coverage[name] += getattr(trace.stats, name)
+    for t in trace.requests.values():
+        if t.aborted:
+            coverage[f"aborted_{t.aborted}"] += 1
+        if t.prefix_hit_tokens:
+            coverage["prefix_hits"] += 1
+        if t.times_scheduled and len(t.plan.prompt) > schedule.spec.max_num_batched_tokens:
+            coverage["prompts_over_token_budget"] += 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the tests
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """Tiny tensors: torch's thread pool only costs time on the shared 2-core machines."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _write_report(mode: str, coverage: Counter[str]) -> None:
+    release = os.environ.get("VLLM_HS_COMPAT_RELEASE")
+    if not release:
+        return
+    REPORTS.mkdir(exist_ok=True)
+    path = REPORTS / f"schedules-{release}-{mode}.json"
+    path.write_text(json.dumps(dict(sorted(coverage.items())), indent=1) + "\n")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_schedules(mode: str) -> None:
+    coverage: Counter[str] = Counter()
+
+    @settings(
+        max_examples=NUM_SCHEDULES,
+        deadline=None,
+        derandomize="VLLM_HS_COMPAT_SCHEDULE_RANDOM" not in os.environ,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(schedules(v2=mode == "v2"))
+    def check(schedule: Schedule) -> None:
+        run_and_check(schedule, coverage)
+
+    check()
+    _write_report(mode, coverage)
+    print(f"[vllm-hs-compat] schedules ({mode}): {dict(sorted(coverage.items()))}")
+    # The schedules reached the situations they exist for.
+    assert coverage["schedules"] >= NUM_SCHEDULES
+    for what in ("preemptions", "prefix_hits", "records", "no_forward_steps", "spec_accepted", "spec_rejected"):
+        assert coverage[what] > 0, f"no schedule produced any {what}: {dict(coverage)}"
+    for point in sh.ABORT_POINTS:
+        assert coverage[f"aborted_{point}"] > 0, f"no request was aborted in state {point!r}: {dict(coverage)}"
+    if mode == "v2":
+        assert coverage["resumed_as_new"] > 0 and coverage["resumed_cached"] == 0
+    else:
+        assert coverage["resumed_cached"] > 0 and coverage["resumed_as_new"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_schedules_without_connector(mode: str) -> None:
+    """The harness alone (no kv_transfer_config): vLLM's scheduler, the runner's order and vLLM's writer keep every
+    running request's rows equal to its prefix's hidden states, blocks return, tokens are the greedy ones."""
+    coverage: Counter[str] = Counter()
+
+    @settings(max_examples=max(20, NUM_SCHEDULES // 5), deadline=None, derandomize=True, database=None)
+    @given(schedules(v2=mode == "v2"))
+    def check(schedule: Schedule) -> None:
+        spec = sh.EngineSpec(**{**schedule.spec.__dict__, "extra_config": None})
+        with sh.engine_for(spec) as engine:
+            trace = sh.run_schedule(engine, list(schedule.plans))
+            assert engine.free_blocks() == engine.initial_free_blocks
+            assert engine.connector is None
+        for t in trace.requests.values():
+            if not t.aborted:
+                assert t.token_ids_at_finish == greedy(t.plan.prompt, t.plan.max_tokens), t.plan.req_id
+        coverage["cache_checks"] += trace.cache_checks
+        coverage["preemptions"] += trace.preemptions
+
+    check()
+    assert coverage["cache_checks"] > 0, dict(coverage)
