@@ -5,6 +5,7 @@
     nox -s vllm         every supported vLLM release, one session each (the full matrix, 17 sessions)
     nox -t boundary     the era boundaries only: 0.17.1 0.21.0 0.22.1 0.28.0 0.29.0 0.33.0
     nox -s "vllm(release='0.29.0')"   one release
+    nox -s "vllm_long(release='0.29.0')"   one release, 10,000 random schedules per scheduler mode
     nox -s compat_report              write docs/compatibility.md from the reports of the last vllm runs
 
 vLLM is installed from its upstream wheel WITHOUT its CUDA stack, onto the CPU torch 2.13.0 wheel (see
@@ -64,7 +65,13 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "tests", "--ignore=tests/vllm", "-q", "-p", "no:cacheprovider", *session.posargs)
 
 
-def _vllm_session(session: nox.Session, release: str) -> None:
+def _vllm_session(
+    session: nox.Session,
+    release: str,
+    extra_env: dict[str, str] | None = None,
+    pytest_args: tuple[str, ...] = (),
+    report: str = "junit",
+) -> None:
     overrides = ROOT / "ci" / "vllm-overrides.txt"
     if CPU_TORCH != "torch==2.13.0+cpu":
         overrides = Path(session.create_tmp()) / "overrides.txt"
@@ -82,7 +89,7 @@ def _vllm_session(session: nox.Session, release: str) -> None:
     )
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release}
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release, **(extra_env or {})}
     try:
         with open(REPORTS / f"doctor-{release}.json", "w") as out:
             session.run("vllm-hs-compat", "doctor", "--json", stdout=out, env=env)
@@ -92,7 +99,8 @@ def _vllm_session(session: nox.Session, release: str) -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            f"--junitxml={REPORTS / f'junit-{release}.xml'}",
+            f"--junitxml={REPORTS / f'{report}-{release}.xml'}",
+            *pytest_args,
             *session.posargs,
             env=env,
         )
@@ -106,6 +114,17 @@ def _vllm_session(session: nox.Session, release: str) -> None:
 def vllm(session: nox.Session, release: str) -> None:
     """One supported vLLM release: adapters proven against vLLM's own code."""
     _vllm_session(session, release)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("release", RELEASES)
+def vllm_long(session: nox.Session, release: str) -> None:
+    """One release, the long schedule run: VLLM_HS_COMPAT_SCHEDULES (default 10000) random schedules per scheduler
+    mode through vLLM's own Scheduler with the capture connector (fresh hypothesis seeds each run), e.g.
+    ``nox -s "vllm_long(release='0.29.0')"``.  Extra arguments go to pytest."""
+    schedules = os.environ.get("VLLM_HS_COMPAT_SCHEDULES", "10000")
+    env = {"VLLM_HS_COMPAT_SCHEDULES": schedules, "VLLM_HS_COMPAT_SCHEDULE_RANDOM": "1"}
+    _vllm_session(session, release, env, ("-k", "test_random_schedules", "-s"), report="long")
 
 
 @nox.session(python=False)

@@ -98,8 +98,13 @@ def has_layout_module() -> bool:
 
 
 def _kwargs_for(fn: Callable[..., Any], candidates: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(fn).parameters
+    params = _parameter_names(fn)
     return {k: v for k, v in candidates.items() if k in params}
+
+
+@functools.cache
+def _parameter_names(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _dataclass_kwargs(cls: type, candidates: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,11 @@ import torch
 
 VOCAB = 512  # the tiny model config's vocab_size
 NUM_SPEC_TOKENS = 1  # extract_hidden_states requires exactly one
-AUX_LAYER_IDS = [3, 1, 2]  # P = 3 planes (harness.NUM_PLANES), valid on every release (0.17 captures 1 .. N-1), unsorted
+AUX_LAYER_IDS = [
+    3,
+    1,
+    2,
+]  # P = 3 planes (harness.NUM_PLANES), valid on every release (0.17 captures 1 .. N-1), unsorted
 CONNECTOR = "HiddenStatesCaptureConnector"
 CONNECTOR_MODULE = "vllm_hs_compat.connector"
 CALLBACK = "sched_harness:receive_record"
@@ -139,7 +143,7 @@ def _kw(fn: Callable[..., Any], candidates: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in candidates.items() if k in params}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(fn: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
@@ -546,7 +550,7 @@ class Runner:
         ``pad_tokens`` padding rows go to ``PAD_SLOT_ID`` where vLLM's writer sends them to the null block."""
         e = self.engine
         batch: list[h.ScheduledRequest] = []
-        rows: list[torch.Tensor] = []
+        step_hashes: list[int] = []
         for rid in order:
             st = self.requests[rid]
             n = so.num_scheduled_tokens[rid]
@@ -562,12 +566,12 @@ class Runner:
                 prev = hash_after(prev, d)
                 pos_hashes.append(prev)
             assert len(pos_hashes) == n
-            rows.append(rows_for(pos_hashes))
+            step_hashes.extend(pos_hashes)
             batch.append(h.ScheduledRequest(rid, list(st.block_ids[e.gid]), start, n))
         slots = h.compute_slot_mapping(
             batch, block_size=e.block_size, kernel_block_size=e.kernel_block_size, path=h.slot_mapping_path()
         )
-        to_cache = torch.cat(rows)
+        to_cache = rows_for(step_hashes)
         pads = e.spec.pad_tokens if e.pads_to_null_block else 0
         if pads:
             from vllm.v1.attention.backends.utils import PAD_SLOT_ID
@@ -782,9 +786,11 @@ class RunnerV1(Runner):
         order = [rid for rid in self.input_batch.req_ids[:num_reqs]]
         assert sorted(order) == sorted(so.num_scheduled_tokens), (order, so.num_scheduled_tokens)
         slots, to_cache, _ = self._prepare(order, so)
-        defer = {"defer_finalize": True} if "defer_finalize" in _params(Mixin.maybe_get_kv_connector_output) else {
-            "clear_metadata": False
-        }
+        defer = (
+            {"defer_finalize": True}
+            if "defer_finalize" in _params(Mixin.maybe_get_kv_connector_output)
+            else {"clear_metadata": False}
+        )
         with self._target_context(slots), Mixin.maybe_get_kv_connector_output(so, **defer) as kv_out:
             pass  # the verifier's own layers are not modelled
         sampled = self._sample(order, so)
