@@ -191,6 +191,7 @@ class EngineSpec:
     extra_config: dict[str, Any] | None = None  # None: no connector
     pad_tokens: int = 0  # CUDA-graph style padding rows written to PAD_SLOT_ID (only where pads hit the null block)
     reorder: bool = False  # V1: a decode-first attention backend reorders the persistent batch
+    verifier: str = "dense"  # harness.verifier_specs kind: dense, or hybrid (full + sliding-window layers)
 
     def connector_config(self) -> dict[str, Any]:
         cfg = dict(self.extra_config or {})
@@ -261,6 +262,46 @@ def make_vllm_config(spec: EngineSpec, *, connector: bool) -> Any:
             speculative_config=spec_cfg,
             kv_transfer_config=kv_transfer,
         )
+
+
+@functools.cache
+def min_num_blocks(
+    verifier: str = "dense",
+    connector: bool = True,
+    v2: bool = False,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 4,
+) -> int:
+    """The smallest KV budget vLLM accepts for this engine: its own start-up check that one request of
+    ``max_model_len`` tokens fits (``get_kv_cache_configs`` raises below it; with sliding-window layers the need
+    depends on the token budget).  Found by bisection."""
+
+    def fits(n: int) -> bool:
+        spec = EngineSpec(
+            num_blocks=n,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            verifier=verifier,
+            extra_config={} if connector else None,
+        )
+        cfg = make_vllm_config(spec, connector=connector)
+        layer = h.make_capture_layer(cfg)
+        try:
+            with _env(V2_ENV, ("1" if v2 else "0") if has_v2_module() else None):
+                h.build_kv_cache_configs(cfg, layer, verifier)
+        except ValueError:
+            return False
+        return True
+
+    lo, hi = 1, 16
+    while not fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    # Up to 0.2x the start-up check does not count the null block: at its minimum a max-length request can never
+    # be scheduled (vLLM waits forever).  One more block is the smallest cache in which every request can run.
+    return hi + 1
 
 
 def has_v2_module() -> bool:
@@ -337,7 +378,7 @@ def build_engine(spec: EngineSpec) -> Engine:
     exit_stack.enter_context(_env(V2_ENV, ("1" if spec.v2 else "0") if has_v2_module() else None))
     try:
         layer = h.make_capture_layer(cfg)
-        kv = h.build_kv_cache_configs(cfg, layer, "dense")
+        kv = h.build_kv_cache_configs(cfg, layer, spec.verifier)
         assert kv.scheduler.num_blocks == spec.num_blocks, (kv.scheduler.num_blocks, spec.num_blocks)
         # EngineCore._initialize_kv_caches: the cache config learns the block count (and, 0.18+, the block size).
         cfg.cache_config.num_gpu_blocks = kv.scheduler.num_blocks
@@ -356,7 +397,8 @@ def build_engine(spec: EngineSpec) -> Engine:
                 )
             views = h.allocate_views(cfg, kv.worker, layer, kbs)
             bind_kv_cache({h.CAPTURE_LAYER: views[h.CAPTURE_LAYER]}, cfg.compilation_config.static_forward_context, [])
-            runner: Runner = RunnerV2(cfg, views) if spec.v2 else RunnerV1(cfg, views)
+            group_bs = [h.group_block_size(kv.worker, i) for i in range(len(kv.worker.kv_cache_groups))]
+            runner: Runner = RunnerV2(cfg, views) if spec.v2 else RunnerV1(cfg, views, group_bs, kbs)
 
         # ---- scheduler (EngineCore.__init__)
         resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
@@ -675,12 +717,14 @@ class RunnerV1(Runner):
     """``GPUModelRunner`` (V1): persistent ``InputBatch``; target forward inside ``maybe_get_kv_connector_output``
     (its exit calls ``get_finished``), then the drafter writes the capture layer, then ``finalize_kv_connector``."""
 
-    def __init__(self, cfg: Any, views: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, cfg: Any, views: dict[str, torch.Tensor], block_sizes: list[int], kernel_block_sizes: list[int]
+    ) -> None:
         super().__init__(cfg, views)
         from vllm.v1.worker.gpu_input_batch import InputBatch
 
         sc = cfg.scheduler_config
-        nbpr = -(-cfg.model_config.max_model_len // h.BLOCK_SIZE) + 1
+        max_len = cfg.model_config.max_model_len
         self.input_batch = InputBatch(
             **_kw(
                 InputBatch.__init__,
@@ -691,9 +735,9 @@ class RunnerV1(Runner):
                     "device": torch.device("cpu"),
                     "pin_memory": False,
                     "vocab_size": VOCAB,
-                    "block_sizes": [h.BLOCK_SIZE],
-                    "kernel_block_sizes": [h.BLOCK_SIZE],
-                    "max_num_blocks_per_req": [nbpr],
+                    "block_sizes": list(block_sizes),
+                    "kernel_block_sizes": list(kernel_block_sizes),
+                    "max_num_blocks_per_req": [-(-max_len // bs) + 1 for bs in block_sizes],
                     "is_spec_decode": True,
                     "num_spec_tokens": NUM_SPEC_TOKENS,
                 },
@@ -1072,6 +1116,7 @@ def run_schedule(
     arrivals = sorted(plans, key=lambda p: p.arrival)
     ai = 0
     step = 0
+    idle = 0  # consecutive steps that scheduled nothing and finished nothing
     while True:
         while ai < len(arrivals) and arrivals[ai].arrival <= step:
             p = arrivals[ai]
@@ -1093,7 +1138,14 @@ def run_schedule(
             continue
         if not live:
             trace.held_only_steps += 1
-        assert step < max_steps, f"no progress after {max_steps} steps: {len(s.requests)} requests left"
+        assert step < max_steps and idle < 200, (
+            f"no progress at step {step} ({idle} steps without any): {len(s.requests)} requests left: "
+            + "; ".join(
+                f"{r.request_id} {r.status.name} computed {r.num_computed_tokens}/{r.num_tokens}"
+                for r in s.requests.values()
+            )
+        )
+        num_left = len(s.requests)
         so = s.schedule()
         _note_schedule(trace, so)
         if not so.total_num_scheduled_tokens and (s.waiting or s.running):
@@ -1119,6 +1171,7 @@ def run_schedule(
             s.update_draft_token_ids(drafts)
         if check_every_step:
             trace.cache_checks += check_cache(engine)
+        idle = 0 if so.total_num_scheduled_tokens or len(s.requests) < num_left else idle + 1
         step += 1
     trace.steps = step
     trace.stats = engine.runner.stats
