@@ -236,7 +236,7 @@ class KvConfigs:
     specs: dict[str, Any]
 
 
-def build_kv_cache_configs(cfg: Any, layer: Any, kind: str) -> KvConfigs:
+def build_kv_cache_configs(cfg: Any, layer: Any, kind: str, *, available_memory: int | None = None) -> KvConfigs:
     """Specs -> ``get_kv_cache_configs`` -> per-worker config; ``generate_scheduler_kv_cache_config`` ->
     the scheduler's flattened copy."""
     from vllm.v1.core import kv_cache_utils
@@ -248,7 +248,7 @@ def build_kv_cache_configs(cfg: Any, layer: Any, kind: str) -> KvConfigs:
         _resolve_layout(cfg, layer, specs)
     planning = _planning_module()
     kv_cache_specs = [specs]
-    mem = [_available_memory(specs)]
+    mem = [_available_memory(specs) if available_memory is None else available_memory]
     kwargs: dict[str, Any] = {}
     if "global_kv_cache_groups" in inspect.signature(planning.get_kv_cache_configs).parameters:
         kwargs["global_kv_cache_groups"] = planning.get_global_kv_cache_groups(cfg, kv_cache_specs)

@@ -272,36 +272,38 @@ def min_num_blocks(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 4,
 ) -> int:
-    """The smallest KV budget vLLM accepts for this engine: its own start-up check that one request of
-    ``max_model_len`` tokens fits (``get_kv_cache_configs`` raises below it; with sliding-window layers the need
-    depends on the token budget).  Found by bisection."""
+    """The smallest KV budget vLLM accepts for this engine: the blocks vLLM itself sizes from the least memory its
+    start-up check accepts (one request of ``max_model_len`` tokens must fit; with sliding-window layers the need
+    depends on the token budget).  Found by bisecting the memory handed to ``get_kv_cache_configs``."""
 
-    def fits(n: int) -> bool:
+    def blocks(mem: int) -> int | None:
         spec = EngineSpec(
-            num_blocks=n,
+            num_blocks=0,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             verifier=verifier,
             extra_config={} if connector else None,
         )
         cfg = make_vllm_config(spec, connector=connector)
+        cfg.cache_config.num_gpu_blocks_override = None
         layer = h.make_capture_layer(cfg)
         try:
             with _env(V2_ENV, ("1" if v2 else "0") if has_v2_module() else None):
-                h.build_kv_cache_configs(cfg, layer, verifier)
+                return int(h.build_kv_cache_configs(cfg, layer, verifier, available_memory=mem).scheduler.num_blocks)
         except ValueError:
-            return False
-        return True
+            return None
 
-    lo, hi = 1, 16
-    while not fits(hi):
+    lo, hi = 1, 1 << 16
+    while blocks(hi) is None:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        lo, hi = (lo, mid) if blocks(mid) is not None else (mid, hi)
+    least = blocks(hi)
+    assert least is not None
     # Up to 0.2x the start-up check does not count the null block: at its minimum a max-length request can never
     # be scheduled (vLLM waits forever).  One more block is the smallest cache in which every request can run.
-    return hi + 1
+    return least + 1
 
 
 def has_v2_module() -> bool:
@@ -332,6 +334,7 @@ class Engine:
     runner: Runner
     initial_free_blocks: int
     pads_to_null_block: bool = False
+    worker_connector: Any = None  # the worker-role connector (ensure_kv_transfer_initialized made it)
     finished_params: dict[str, Any] = field(default_factory=dict)  # req_id -> what request_finished returned
     expected: dict[str, tuple[list[int], list[int], torch.Tensor]] = field(default_factory=dict)
     _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -343,6 +346,16 @@ class Engine:
     @property
     def connector(self) -> Any:
         return self.scheduler.connector
+
+    def connector_counters(self) -> dict[str, int]:
+        """The capture connector's own counters (scheduler and worker half), e.g. ``slot_checks_failed``: what its
+        self-checks against vLLM's slot mapping and block lists found."""
+        out: dict[str, int] = {}
+        halves = [getattr(self.scheduler.connector, "_hs_scheduler", None)]
+        halves.append(getattr(self.worker_connector, "_hs_worker", None))
+        for half in halves:
+            out.update(getattr(half, "counters", None) or {})
+        return out
 
     def free_blocks(self) -> int:
         return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
@@ -443,6 +456,8 @@ def build_engine(spec: EngineSpec) -> Engine:
             _exit=exit_stack,
         )
         runner.engine = engine
+        if kv_transfer_state.has_kv_transfer_group():
+            engine.worker_connector = kv_transfer_state.get_kv_transfer_group()
         engine.pads_to_null_block = _pads_land_in_null_block(engine)
         engine.initial_free_blocks = engine.free_blocks()
         if scheduler.connector is not None:

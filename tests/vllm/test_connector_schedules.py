@@ -183,7 +183,11 @@ def run_and_check(schedule: Schedule, coverage: Counter[str]) -> None:
         finished = dict(engine.finished_params)
     finally:
         engine.close()  # the worker connector publishes what it has read and stops its publisher
+        counters = engine.connector_counters()
     records = sh.take_records()
+    for bad in ("slot_checks_failed", "tracking_mismatch", "records_failed"):
+        assert counters.get(bad, 0) == 0, f"the connector's own check counted {bad}: {counters}"
+    coverage["connector_slot_checks"] += counters.get("slot_checks", 0)
 
     assert free_at_end == initial, f"{initial - free_at_end} KV blocks still held after every request left"
     failures = [r for r in records if isinstance(r, RecordFailure)]
