@@ -119,6 +119,9 @@ def next_token(prefix_hash: int, last_token: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # the callback sink (``"sink": "callback"``; called in the worker, maybe from a thread)
 # --------------------------------------------------------------------------------------------------
+#: One line per schedule test that ran (printed in the pytest terminal summary by conftest).
+SUMMARY: list[str] = []
+
 _RECEIVED: list[Any] = []
 _RECEIVED_LOCK = threading.Lock()
 
