@@ -23,6 +23,7 @@ as new requests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -364,3 +365,73 @@ def test_schedules_without_connector(mode: str) -> None:
 
     check()
     assert coverage["cache_checks"] > 0, dict(coverage)
+
+
+# --------------------------------------------------------------------------------------------------
+# the property can fail: negative controls
+# --------------------------------------------------------------------------------------------------
+def _fixed_schedule(v2: bool) -> Schedule:
+    """Three requests sharing a prefix, one preempted under the smallest cache, capture ``all``."""
+    rng = random.Random(7)
+    base = [rng.randrange(sh.VOCAB) for _ in range(64)]
+    plans = tuple(
+        sh.RequestPlan(f"req-{i}", tuple(base[: 16 * (i + 1)] + [rng.randrange(sh.VOCAB) for _ in range(40)]), 40, 0)
+        for i in range(3)
+    )
+    spec = sh.EngineSpec(
+        num_blocks=floor("dense", True, v2), max_num_batched_tokens=32, max_num_seqs=3, v2=v2,
+        extra_config={"capture": "all", "window": None},
+    )  # fmt: skip
+    return Schedule(spec, plans, 7)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fixed_schedule_passes(mode: str) -> None:
+    coverage: Counter[str] = Counter()
+    run_and_check(_fixed_schedule(mode == "v2"), coverage)
+    assert coverage["records"] == 3 and coverage["prefix_hits"] >= 1, dict(coverage)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_negative_control_wrong_blocks(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that reads a request's blocks in the wrong order is caught (rows of other positions)."""
+    from vllm_hs_compat.connector import worker
+
+    original = worker.CaptureWorker._issue
+
+    def rotated(self: Any, save: Any) -> None:
+        ids = tuple(save.block_ids)
+        original(self, dataclasses.replace(save, block_ids=ids[1:] + ids[:1]) if len(ids) > 1 else save)
+
+    monkeypatch.setattr(worker.CaptureWorker, "_issue", rotated)
+    with pytest.raises(AssertionError, match="are not its own"):
+        run_and_check(_fixed_schedule(mode == "v2"), Counter())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_negative_control_blocks_never_freed(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that never reports a held request finished leaks its blocks: caught by the free-block count."""
+    from vllm_hs_compat.connector import worker
+
+    monkeypatch.setattr(worker.CaptureWorker, "finished", lambda self: set())
+    with pytest.raises(AssertionError, match="no progress|still held"):
+        run_and_check(_fixed_schedule(mode == "v2"), Counter())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_negative_control_stale_rows(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows overwritten between the step that computed them and the read (another request's values) are caught
+    by the per-step cache check."""
+    real_write = sh.Runner._write
+
+    def clobbering(self: Any, slots: torch.Tensor, to_cache: torch.Tensor, cycle: Any = None) -> Any:
+        out = real_write(self, slots, to_cache, cycle)
+        if slots.numel() > 1:
+            view = self.engine.view
+            junk = torch.full((1, h.NUM_PLANES, h.HIDDEN), 3.0, dtype=h.DTYPE)
+            h.write_hidden_states(self.engine.layer, view, junk, slots[:1].clone())
+        return out
+
+    monkeypatch.setattr(sh.Runner, "_write", clobbering)
+    with pytest.raises(AssertionError, match="differ from the hidden states of its prefix"):
+        run_and_check(_fixed_schedule(mode == "v2"), Counter())
