@@ -566,6 +566,7 @@ class Runner:
         self.drafts: tuple[list[str], list[list[int]]] | None = None
         self.stats = StepStats()
         self.order_log: list[list[str]] = []
+        self.block_table: Any = None  # the release's BlockTable for the capture group, persistent like the runner's
 
     # ---- helpers shared by both runners ------------------------------------------------------------
     def _new_state(self, nr: Any, tokens: list[int]) -> Any:
@@ -628,8 +629,21 @@ class Runner:
             assert len(pos_hashes) == n
             step_hashes.extend(pos_hashes)
             batch.append(h.ScheduledRequest(rid, list(st.block_ids[e.gid]), start, n))
+        if self.block_table is None:
+            sc = self.cfg.scheduler_config
+            self.block_table = h.make_block_table(
+                block_size=e.block_size,
+                kernel_block_size=e.kernel_block_size,
+                max_num_reqs=sc.max_num_seqs,
+                max_num_blocks_per_req=-(-self.cfg.model_config.max_model_len // e.block_size) + 2,
+                max_num_batched_tokens=sc.max_num_batched_tokens + (1 + NUM_SPEC_TOKENS) * sc.max_num_seqs + 8,
+            )
         slots = h.compute_slot_mapping(
-            batch, block_size=e.block_size, kernel_block_size=e.kernel_block_size, path=h.slot_mapping_path()
+            batch,
+            block_size=e.block_size,
+            kernel_block_size=e.kernel_block_size,
+            path=h.slot_mapping_path(),
+            block_table=self.block_table,
         )
         to_cache = rows_for(step_hashes)
         pads = e.spec.pad_tokens if e.pads_to_null_block else 0
@@ -1078,9 +1092,9 @@ def _state(req: Any) -> str | None:
     return None
 
 
-def check_cache(engine: Engine) -> int:
+def check_cache(engine: Engine, only: set[str] | None = None) -> int:
     """Every running request's computed positions hold exactly the hidden states of its token prefix, read through
-    its own capture-group block ids (the scheduler's) -- prefix-cache hits included."""
+    its own capture-group block ids (the scheduler's) -- prefix-cache hits included.  ``only``: just these."""
     from vllm.v1.request import RequestStatus
 
     from vllm_hs_compat import api
@@ -1091,6 +1105,8 @@ def check_cache(engine: Engine) -> int:
     checked = 0
     for req in list(e.scheduler.running):
         if req.status != RequestStatus.RUNNING or req.num_computed_tokens == 0:
+            continue
+        if only is not None and req.request_id not in only:
             continue
         n = req.num_computed_tokens
         blocks = e.scheduler.kv_cache_manager.get_block_ids(req.request_id)[e.gid]
@@ -1188,7 +1204,9 @@ def run_schedule(
         if drafts is not None and so.total_num_scheduled_tokens:
             s.update_draft_token_ids(drafts)
         if check_every_step:
-            trace.cache_checks += check_cache(engine)
+            # the requests written in this step, and every running request every 8th step
+            only = None if step % 8 == 0 else set(so.num_scheduled_tokens)
+            trace.cache_checks += check_cache(engine, only)
         idle = 0 if so.total_num_scheduled_tokens or len(s.requests) < num_left else idle + 1
         step += 1
     trace.steps = step
