@@ -50,11 +50,8 @@ import torch
 
 VOCAB = 512  # the tiny model config's vocab_size
 NUM_SPEC_TOKENS = 1  # extract_hidden_states requires exactly one
-AUX_LAYER_IDS = [
-    3,
-    1,
-    2,
-]  # P = 3 planes (harness.NUM_PLANES), valid on every release (0.17 captures 1 .. N-1), unsorted
+# P = 3 planes (harness.NUM_PLANES); valid on every release (0.17 captures 1 .. N-1); deliberately unsorted
+AUX_LAYER_IDS = [3, 1, 2]
 CONNECTOR = "HiddenStatesCaptureConnector"
 CONNECTOR_MODULE = "vllm_hs_compat.connector"
 CALLBACK = "sched_harness:receive_record"
