@@ -45,14 +45,21 @@ def _install_cpu_torch(session: nox.Session) -> None:
     session.install(*_find_links(), CPU_TORCH)
 
 
+#: The release mypy checks the package against (vLLM's own types behind the adapters' TYPE_CHECKING imports).
+TYPECHECK_RELEASE = RELEASES[-1]
+
+
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """ruff and mypy --strict over the package."""
-    _install_cpu_torch(session)
+    """ruff, and mypy --strict over the package with the newest supported vLLM installed (its types)."""
+    _install_vllm(session, TYPECHECK_RELEASE, "mypy")
     session.install(*_find_links(), "-e", ".[test,dev]")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", "vllm_hs_compat", "tests", "noxfile.py")
-    session.run("mypy")
+    try:
+        session.run("ruff", "check", ".")
+        session.run("ruff", "format", "--check", "vllm_hs_compat", "tests", "noxfile.py")
+        session.run("mypy")
+    finally:
+        _drop_venv(session)
 
 
 @nox.session(python="3.11")
@@ -65,13 +72,8 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "tests", "--ignore=tests/vllm", "-q", "-p", "no:cacheprovider", *session.posargs)
 
 
-def _vllm_session(
-    session: nox.Session,
-    release: str,
-    extra_env: dict[str, str] | None = None,
-    pytest_args: tuple[str, ...] = (),
-    report: str = "junit",
-) -> None:
+def _install_vllm(session: nox.Session, release: str, *extra: str) -> None:
+    """vLLM's upstream wheel without its CUDA stack, onto the CPU torch (plus ``extra`` packages)."""
     overrides = ROOT / "ci" / "vllm-overrides.txt"
     if CPU_TORCH != "torch==2.13.0+cpu":
         overrides = Path(session.create_tmp()) / "overrides.txt"
@@ -83,10 +85,24 @@ def _vllm_session(
         "--excludes",
         str(ROOT / "ci" / "vllm-excludes.txt"),
         f"vllm=={release}",
-        "pytest",
-        "hypothesis",
-        "msgpack",
+        *extra,
     )
+
+
+def _drop_venv(session: nox.Session) -> None:
+    """vLLM venvs are 2.5-3.5 GB: delete them when the session ends (``VLLM_HS_COMPAT_KEEP_VENV=1`` keeps)."""
+    if os.environ.get("VLLM_HS_COMPAT_KEEP_VENV") != "1":
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
+def _vllm_session(
+    session: nox.Session,
+    release: str,
+    extra_env: dict[str, str] | None = None,
+    pytest_args: tuple[str, ...] = (),
+    report: str = "junit",
+) -> None:
+    _install_vllm(session, release, "pytest", "hypothesis", "msgpack", "safetensors")
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release, **(extra_env or {})}
@@ -105,8 +121,7 @@ def _vllm_session(
             env=env,
         )
     finally:
-        if os.environ.get("VLLM_HS_COMPAT_KEEP_VENV") != "1":
-            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+        _drop_venv(session)
 
 
 @nox.session(python="3.11")

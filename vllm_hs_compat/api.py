@@ -59,7 +59,7 @@ def capture_layer_name(
     """
     ad = _adapter(adapter)
     names = ad.capture_layer_names(kv_cache_config)
-    expected = ad.capture_layer_name(vllm_config) if ad.has_model(vllm_config) else None
+    expected = ad.capture_layer_name(vllm_config) if vllm_config is not None and ad.has_model(vllm_config) else None
     if len(names) == 1 and expected in (None, names[0]):
         return names[0]
     if not names and expected is None:

@@ -624,3 +624,50 @@ def test_record_larger_than_the_landing_buffer_fails_alone_in_a_stream(backend: 
         rec = next(stream)  # the stream survives the failed record
         assert rec.meta.request_id == "fits" and digest(rec.hidden_states) == h
     wait_until(drained(p), 5.0, "the refused record's lease to be given back")
+
+
+def test_pending_record_is_waited_for_and_a_failed_one_names_its_reason(backend: str, make_producer: Make) -> None:
+    """The connector hands out a ticket before the worker publishes: fetch(wait_s=) waits for the record, and a
+    record the producer marked failed raises RecordFailedError with the reason instead of waiting."""
+    from vllm_hs_compat.export import RecordFailedError
+
+    p = make_producer()
+    rows = make_rows(3, 5, 2, 64)
+    timer = threading.Timer(0.3, lambda: p.publish(make_meta("late", rows, 7), rows))
+    timer.start()
+    try:
+        with ExportConsumer(p.endpoint, p.token) as c:
+            t0 = time.monotonic()
+            rec = c.fetch("late", wait_s=10)
+            assert time.monotonic() - t0 >= 0.25
+            assert torch.equal(rec.hidden_states.view(torch.int16), rows.view(torch.int16))
+            with pytest.raises(UnknownRecordError):
+                c.fetch("never", wait_s=0.2)
+            p.fail("gone", "blocks", "block ids ran past the cache")
+            t0 = time.monotonic()
+            with pytest.raises(RecordFailedError, match="blocks: block ids ran past the cache"):
+                c.fetch("gone", wait_s=10)
+            assert time.monotonic() - t0 < 5
+    finally:
+        timer.cancel()
+    assert p.stats()["failed_records"] == 1
+
+
+def test_ticket_names_no_credential_and_the_consumer_finds_the_token_file(
+    backend: str, make_producer: Make, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_hs_compat.export.control import TOKEN_ENV, TOKEN_FILE_ENV, load_or_create_token, read_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "tok"))
+    with pytest.raises(ExportConfigError, match=TOKEN_ENV):
+        read_token()
+    token, path = load_or_create_token()
+    assert path == tmp_path / "tok" and (path.stat().st_mode & 0o777) == 0o600
+    assert load_or_create_token() == (token, path)  # a second producer of the deployment shares it
+    p = make_producer(token=token)
+    rows = make_rows(4, 3, 2, 64)
+    params = p.publish(make_meta("t", rows, 7), rows).kv_transfer_params()
+    assert token not in json.dumps(params)
+    with ExportConsumer.from_params(params) as c:  # token from the file named by the environment
+        assert torch.equal(c.fetch("t").hidden_states.view(torch.int16), rows.view(torch.int16))

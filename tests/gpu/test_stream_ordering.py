@@ -9,38 +9,21 @@ which proves the harness can see the bug class at all.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, manager_slots
 from vllm_hs_compat.core.transfer import copy_rows_async
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_views import NB, N, P, expected, make_cache, write  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 
-NB, N, P, C = 512, 16, 4, 1024
 SPIN = 2_000_000  # cycles the side stream is held back
-
-
-def make_cache(order: ViewOrder) -> torch.Tensor:
-    if order is ViewOrder.BLOCK_TOKEN_PLANE:
-        return torch.zeros(NB, N, P, C, dtype=torch.bfloat16, device="cuda")
-    # LBNHC: token-major physical layout behind a logical [nb, P, N, C] view.
-    return torch.zeros(NB, N, P, C, dtype=torch.bfloat16, device="cuda").permute(0, 2, 1, 3)
-
-
-def write(cache: torch.Tensor, order: ViewOrder, slots: torch.Tensor, value: float) -> None:
-    blk, off = slots // N, slots % N
-    rows = torch.full((slots.numel(), P, C), value, dtype=torch.bfloat16, device="cuda")
-    rows += torch.arange(P, device="cuda", dtype=torch.bfloat16).view(1, P, 1)
-    if order is ViewOrder.BLOCK_TOKEN_PLANE:
-        cache[blk, off] = rows
-    else:
-        cache[blk, :, off] = rows
-
-
-def expected(value: float, tokens: int) -> torch.Tensor:
-    base = torch.full((tokens, P, C), value, dtype=torch.bfloat16)
-    return base + torch.arange(P, dtype=torch.bfloat16).view(1, P, 1)
 
 
 def churn(numel: int) -> None:

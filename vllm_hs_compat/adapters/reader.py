@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
@@ -20,7 +20,7 @@ from vllm_hs_compat.errors import CaptureConfigError, CaptureGroupError
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
     from vllm.v1.request import Request
 
 CAPTURE_LAYER_PREFIX = "cache_only_layers."
@@ -71,7 +71,8 @@ class VllmReader:
         for index, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             merged = isinstance(spec, uniform)
-            per_layer = {name: self._spec_name(s) for name, s in spec.kv_cache_specs.items()} if merged else {}
+            specs = cast("UniformTypeKVCacheSpecs", spec).kv_cache_specs if merged else {}
+            per_layer = {name: self._spec_name(s) for name, s in specs.items()}
             infos.append(
                 GroupInfo(
                     index=index,
@@ -203,7 +204,7 @@ class VllmReader:
             num_computed_tokens=int(request.num_computed_tokens),
             num_prompt_tokens=int(request.num_prompt_tokens),
             token_ids=tuple(int(t) for t in request.all_token_ids),
-            aborted=name == "FINISHED_ABORTED",
+            aborted=name in ("FINISHED_ABORTED", "FINISHED_ERROR"),
             status=name,
             params=params if isinstance(params, Mapping) else None,
         )

@@ -19,6 +19,7 @@ from vllm_hs_compat.core.capture import (
     REASON_BAD_PARAMS,
     REASON_BLOCKS,
     REQUEST_KEY,
+    RESULT_KEY,
     BlockTracker,
     CaptureSpec,
     FinishedRequest,
@@ -133,7 +134,7 @@ class CaptureScheduler:
 
     def _params(self, fr: FinishedRequest, status: str, **fields: Any) -> dict[str, Any]:
         entry = {"v": 1, "record_id": fr.req_id, "status": status, "sink": self.config.sink, **fields}
-        return {REQUEST_KEY: entry}
+        return {RESULT_KEY: entry}
 
     def _refuse(self, fr: FinishedRequest, reason: str, message: str) -> tuple[bool, dict[str, Any]]:
         self.counters["records_refused"] += 1
@@ -151,7 +152,7 @@ class CaptureScheduler:
         watched = self._tracker.blocks(fr.req_id) if fr.req_id in self._tracker else None
         self._tracker.forget(fr.req_id)
         if fr.aborted:
-            return self._refuse(fr, REASON_ABORTED, "the request was aborted")
+            return self._refuse(fr, REASON_ABORTED, f"the request did not finish normally ({fr.status})")
         try:
             spec = self._spec_for(fr)
         except CaptureConfigError as e:

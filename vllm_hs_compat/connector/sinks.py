@@ -122,10 +122,14 @@ class CallbackSink(Sink):
         self.fn(failure)
 
 
-def make_sink(config: ConnectorConfig) -> Sink:
-    """The sink ``config`` names (in the capture owner's worker)."""
+def make_sink(config: ConnectorConfig, dp_rank: int = 0) -> Sink:
+    """The sink ``config`` names (in the capture owner's worker).  A fixed export ``port`` is offset by the
+    data-parallel rank, so the DP engines of one host listen on distinct endpoints."""
     if config.sink == "export":
-        return ExportSink(config.export)
+        opts = dict(config.export)
+        if int(opts.get("port", 0) or 0) > 0:
+            opts["port"] = int(opts["port"]) + dp_rank
+        return ExportSink(opts)
     if config.sink == "file":
         if config.file_path is None:  # config validation guarantees it; keep the error named anyway
             raise CaptureConfigError('sink "file" needs "file": {"path": "<directory>"}')
@@ -136,7 +140,7 @@ def make_sink(config: ConnectorConfig) -> Sink:
 
 
 def sink_ticket(kind: str, locator: Mapping[str, Any] | None, record_id: str, nbytes: int) -> dict[str, Any]:
-    """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_capture``).  Never a
+    """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_record``).  Never a
     credential: these params reach whoever sent the request."""
     if not locator:
         return {}

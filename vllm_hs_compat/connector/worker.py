@@ -26,7 +26,7 @@ from vllm_hs_compat.core.capture import (
 )
 from vllm_hs_compat.core.layout import CaptureView
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
-from vllm_hs_compat.core.transfer import PendingRows, copy_rows_async
+from vllm_hs_compat.core.transfer import PendingRows, RowReader
 from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatError
 
 from .config import ConnectorConfig
@@ -42,7 +42,6 @@ REASON_SLOT_CHECK = "slot_check"
 REASON_BACKLOG = "backlog"
 #: Host bytes of records waiting for the sink beyond which new records fail (counted) instead of piling up.
 MAX_BACKLOG_BYTES = 4 << 30
-_cuda: Any = torch.cuda
 
 
 class CaptureWorker:
@@ -66,8 +65,8 @@ class CaptureWorker:
         self.hidden_size = adapter.hidden_size(vllm_config)
         self.layout = adapter.kv_cache_layout(vllm_config, kv_cache_config)
         self.owner = False
-        self.cache: torch.Tensor | None = None
         self.view: CaptureView | None = None
+        self.reader: RowReader | None = None
         self.sink: Sink | None = None
         self._issued_step = -1
         self._checked_step = -1
@@ -75,7 +74,6 @@ class CaptureWorker:
         self._inflight: list[tuple[SaveRequest, PendingRows]] = []
         self._report: set[str] = set()
         self._bad: dict[str, str] = {}
-        self._last_write: Any = None
         self._queue: queue.Queue[tuple[SaveRequest, torch.Tensor] | None] = queue.Queue()
         self._backlog = 0
         self._backlog_lock = threading.Lock()
@@ -102,7 +100,6 @@ class CaptureWorker:
         ranks = self.adapter.parallel_ranks(self.vllm_config)
         self.owner = self.adapter.capture_owner(ranks, tensor is not None)
         if tensor is not None:
-            self.cache = tensor
             self.view = api.describe_capture_view(
                 tensor,
                 self.group,
@@ -110,8 +107,9 @@ class CaptureWorker:
                 hidden_size=self.hidden_size,
                 adapter=self.adapter,
             )
+            self.reader = RowReader(tensor, self.view)
         if self.owner:
-            self.sink = make_sink(self.config)
+            self.sink = make_sink(self.config, ranks.dp_rank)
             self._thread = threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True)
             self._thread.start()
         view = self.view.describe() if self.view is not None else "none (this stage does not hold the capture layer)"
@@ -177,24 +175,24 @@ class CaptureWorker:
                 self._report.add(save.req_id)
 
     def _issue(self, save: SaveRequest) -> None:
-        if self.cache is None or self.view is None:
+        if self.reader is None:
             raise CaptureViewError("the capture owner has no registered capture view")
         bad = self._bad.pop(save.req_id, None)
         if bad is not None:
             self._fail(save, REASON_SLOT_CHECK, bad)
             self._report.add(save.req_id)
             return
-        nbytes = save.num_tokens * self.labels.num_planes * self.hidden_size * self.cache.element_size()
+        nbytes = save.num_tokens * self.labels.num_planes * self.hidden_size * self.reader.cache.element_size()
         with self._backlog_lock:
             over = self._backlog + nbytes > MAX_BACKLOG_BYTES
-            if not over:
-                self._backlog += nbytes
         if over:
             self._fail(save, REASON_BACKLOG, f"{self._backlog} bytes of records wait for the sink already")
             self._report.add(save.req_id)
             return
-        slots = api.request_slots(save.req_id, save.block_ids, self.view, num_tokens=save.num_tokens, start=save.start)
-        self._inflight.append((save, copy_rows_async(self.cache, self.view, slots, after=self._last_write)))
+        pending = self.reader.read(save.req_id, save.block_ids, start=save.start, num_tokens=save.num_tokens)
+        with self._backlog_lock:
+            self._backlog += nbytes
+        self._inflight.append((save, pending))
 
     def finished(self) -> set[str]:
         """Held requests whose rows are read (their blocks may be freed): each reported exactly once."""
@@ -214,11 +212,9 @@ class CaptureWorker:
         the writing stream (side-stream reads wait for it) and run this step's slot checks."""
         if layer_name != self.group.layer_name:
             return
-        if self.cache is not None and self.cache.device.type == "cuda":
-            event = _cuda.Event()
-            event.record(torch.cuda.current_stream(self.cache.device))
-            self._last_write = event
-        if plan is None or not plan.checks or plan.step <= self._checked_step or self.view is None:
+        if self.reader is not None:
+            self.reader.mark_written()
+        if not self.owner or plan is None or not plan.checks or plan.step <= self._checked_step or self.view is None:
             return
         self._checked_step = plan.step
         mapping = self.adapter.layer_slot_mapping(layer_name, attn_metadata)

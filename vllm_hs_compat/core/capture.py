@@ -20,8 +20,11 @@ CaptureMode = Literal["prompt", "all", "output"]
 MODES: Final[tuple[CaptureMode, ...]] = ("prompt", "all", "output")
 #: Key of a request's own ``kv_transfer_params`` entry that overrides the capture settings.
 REQUEST_KEY: Final = "hs_capture"
+#: Key of the returned ``kv_transfer_params`` entry saying what became of the request's record (a different key,
+#: so params fed back into a new request are not mistaken for settings).
+RESULT_KEY: Final = "hs_record"
 
-# Why a record will not exist (``kv_transfer_params["hs_capture"]["reason"]``).
+# Why a record will not exist (``kv_transfer_params["hs_record"]["reason"]``).
 REASON_ABORTED: Final = "aborted"
 REASON_PROMPT_INCOMPLETE: Final = "prompt_incomplete"
 REASON_EMPTY: Final = "empty_selection"

@@ -17,6 +17,7 @@ On CPU the copy is synchronous and the handle is complete at once.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 
 from ..errors import TransferError
 from .layout import CaptureView, gather_rows
+from .slots import request_slots
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
 _streams: dict[int, Any] = {}
@@ -114,3 +116,39 @@ def copy_rows_async(
         finished = _cuda.Event()
         finished.record(side)
     return PendingRows(out, finished, (idx, rows, slots))
+
+
+class RowReader:
+    """Reads requests' rows out of one capture cache, ordered after the cache's last write.
+
+    The connector calls :meth:`mark_written` right after vLLM writes the capture layer (``save_kv_layer``, on
+    the stream that wrote), and :meth:`read` later (a following step), from whatever stream is current then:
+    the side-stream copy waits for the marked write, not for the work queued on the current stream -- which
+    may be another stream than the writer's, and would also make the copy wait for this step's forward.
+    """
+
+    def __init__(self, cache: torch.Tensor, view: CaptureView) -> None:
+        self.cache = cache
+        self.view = view
+        self._written: Any = None
+
+    def mark_written(self) -> None:
+        """Record the point after the latest capture write on the current (writing) stream (CUDA only)."""
+        if self.cache.device.type == "cuda":
+            event = _cuda.Event()
+            event.record(torch.cuda.current_stream(self.cache.device))
+            self._written = event
+
+    def read(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        *,
+        start: int,
+        num_tokens: int,
+        out: torch.Tensor | None = None,
+    ) -> PendingRows:
+        """Copy positions ``[start, start + num_tokens)`` of ``req_id`` to host; raises the named
+        :class:`~vllm_hs_compat.errors.SlotError` when its blocks cannot address them."""
+        slots = request_slots(req_id, block_ids, self.view, num_tokens=num_tokens, start=start)
+        return copy_rows_async(self.cache, self.view, slots, out=out, after=self._written)
