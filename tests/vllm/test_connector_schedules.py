@@ -212,7 +212,7 @@ def run_and_check(schedule: Schedule, coverage: Counter[str]) -> None:
         ticket_pair = finished.get(rid)
         assert ticket_pair is not None, f"{rid}: request_finished was never called"
         held, params = ticket_pair
-        entry = (params or {}).get("hs_capture")
+        entry = (params or {}).get("hs_record")  # the ticket (docs/connector.md, "What the client gets back")
         assert entry is not None and entry["record_id"] == rid, (rid, params)
         status, detail = expected_positions(t, base)
         got = by_id.pop(rid, [])
@@ -331,16 +331,18 @@ def test_random_schedules(mode: str, verifier: str) -> None:
         f"({c['stalled_steps']} with requests waiting), drafts accepted/rejected {c['spec_accepted']}/"
         f"{c['spec_rejected']}, {c['connector_slot_checks']} connector slot checks"
     )
-    # The schedules reached the situations they exist for.
     assert coverage["schedules"] >= count
+    if coverage["preemptions"]:  # V2's scheduler hands resumed requests back as new requests, V1 as cached ones
+        resumed, never = ("resumed_as_new", "resumed_cached") if mode == "v2" else ("resumed_cached", "resumed_as_new")
+        assert coverage[resumed] > 0 and coverage[never] == 0, dict(coverage)
+    # The schedules reached the situations they exist for (asserted from 100 schedules on: fewer may miss some).
+    if count < 100:
+        return
     musts = ["records", "no_forward_steps", "spec_accepted", "spec_rejected"]
     if verifier == "dense":  # hybrid prefix hits need every group to hit (rare with sliding windows, some releases)
         musts += ["preemptions", "prefix_hits", *(f"aborted_{point}" for point in sh.ABORT_POINTS)]
     for what in musts:
         assert coverage[what] > 0, f"no schedule produced any {what}: {dict(coverage)}"
-    if coverage["preemptions"]:
-        resumed, never = ("resumed_as_new", "resumed_cached") if mode == "v2" else ("resumed_cached", "resumed_as_new")
-        assert coverage[resumed] > 0 and coverage[never] == 0, dict(coverage)
 
 
 @pytest.mark.parametrize("mode", MODES)
