@@ -70,6 +70,7 @@ overrides = st.one_of(
     st.none(),
     st.none(),
     capture_specs,
+    st.fixed_dictionaries({"window": windows}),  # over the engine's capture mode
     st.just({"enabled": False}),
     st.just({"capture": "bogus"}),
 )
