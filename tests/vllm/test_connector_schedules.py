@@ -237,6 +237,7 @@ def run_and_check(schedule: Schedule, coverage: Counter[str]) -> None:
         ), (rid, entry, detail)
         assert len(got) == 1, f"{rid}: {len(got)} records for one request"
         rec = got[0]
+        rec.check()  # the record's own consistency (shape, dtype, checksum when it carries one)
         tokens = t.token_ids_at_finish
         assert tokens is not None
         assert rec.meta.token_ids == tuple(tokens[start:stop]), f"{rid}: token ids are not paired with the rows"
