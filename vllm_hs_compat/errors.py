@@ -130,8 +130,21 @@ class AuthError(ControlPlaneError):
     """Authentication failed (wrong or missing token, or the server could not prove it knows the token)."""
 
 
+class CapabilityError(AuthError):
+    """The credential presented does not open what was asked: a ticket's capability opens its own record only,
+    and streaming, listing and stats need the trainer token."""
+
+
+class ProducerUnreachableError(ControlPlaneError, ExportTimeoutError):
+    """No answer from the producer's control plane before the deadline, and no connection was ever made."""
+
+
 class ProtocolError(ControlPlaneError):
     """A control message is malformed, truncated, oversized or of an unknown kind."""
+
+
+class WireVersionError(ProtocolError):
+    """The peer speaks another version of the control-plane wire format."""
 
 
 class RemoteError(ControlPlaneError):

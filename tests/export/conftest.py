@@ -14,21 +14,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hsx_harness import BACKENDS, Peer  # noqa: E402
 
+from vllm_hs_compat.export.control import TOKEN_ENV, TOKEN_FILE_ENV  # noqa: E402
+
+NO_TOKEN_ENV: dict[str, str | None] = {TOKEN_ENV: None, TOKEN_FILE_ENV: "/nonexistent/hsx-no-token"}
+
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def peers() -> Iterator[dict[str, Peer]]:
-    """Long-lived peer processes for the module, created on first use by name.  A peer is transport-neutral:
-    each test points its consumer at the test's own producer."""
+    """Long-lived peer processes for the session (a peer costs seconds to start), created on first use by name.  A
+    peer is transport-neutral: each test points its consumer at the test's own producer."""
     made: dict[str, Peer] = {}
 
     class _Lazy(dict[str, Peer]):
         def __missing__(self, key: str) -> Peer:
-            p = Peer()
+            # "no-token": a process that holds no trainer credential (no token variable, no token file)
+            p = Peer(env=NO_TOKEN_ENV) if key == "no-token" else Peer()
             made[key] = p
             self[key] = p
             return p

@@ -39,22 +39,30 @@ BACKENDS = [
 class Peer:
     """A second Python process (tests/export/hsx_peer.py) driven by JSON lines; every wait has a deadline."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: list[str] | None = None, env: dict[str, str | None] | None = None) -> None:
+        """``prefix``: a command the peer runs under (``unshare --pid --fork ...``); ``env``: overrides (None
+        removes a variable)."""
         self._log = tempfile.NamedTemporaryFile(prefix="hsx-peer-", suffix=".log", delete=False)
+        penv = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        for k, v in (env or {}).items():
+            if v is None:
+                penv.pop(k, None)
+            else:
+                penv[k] = v
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", os.path.join(HERE, "hsx_peer.py")],
+            [*(prefix or []), sys.executable, "-u", os.path.join(HERE, "hsx_peer.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            env=penv,
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         ready = self.next_line(PEER_START_TIMEOUT_S)
         if "ready" not in ready:
             raise RuntimeError(f"peer did not start: {ready}")
-        self.pid: int = ready["ready"]
+        self.pid: int = ready["ready"]  # in the peer's own pid namespace
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -118,6 +126,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def process_memory(pid: int) -> tuple[float, int]:
+    """``(resident MiB, threads)`` of a process, from ``/proc/<pid>/status``."""
+    rss, threads = 0.0, 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("Threads:"):
+                threads = int(line.split()[1])
+    return rss, threads
+
+
+def ledger_balanced(st: dict[str, Any]) -> None:
+    """The export ledger at a quiescent point: every published record ended exactly once, every offered record
+    was published or refused by name."""
+    ended = ("delivered", "checksum_failed", "abandoned", "expired_ready", "expired_claimed", "discarded_at_close")
+    in_flight = st["leases_ready"] + st["leases_claimed"]
+    assert st["published"] == sum(st[k] for k in ended) + in_flight, {k: st[k] for k in (*ended, "published")}
+    assert st["unaccounted"] == 0
+    refused = ("dropped_full", "too_large", "duplicate", "aborted", "bad_records")
+    assert st["offered"] == st["published"] + st["leases_writing"] + sum(st[k] for k in refused), st
+    assert st["released"] == st["delivered"] + st["checksum_failed"] + st["abandoned"]
 
 
 def wait_until(pred: Any, timeout_s: float, what: str) -> None:

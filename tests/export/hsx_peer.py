@@ -6,12 +6,15 @@ pipe (nothing is unpickled).
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 import os
 import sys
 import time
 import traceback
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # The JSON channel is the original stdout; everything else printed to fd 1 (NIXL's log lines) goes to stderr.
@@ -30,7 +33,14 @@ consumer: ExportConsumer | None = None
 claims: list[Claim] = []
 
 
-def summary(res: CaptureRecord | HsCompatError) -> dict[str, Any]:
+def summary(res: CaptureRecord | HsCompatError, brief: bool = False) -> dict[str, Any]:
+    if isinstance(res, CaptureRecord) and brief:  # long records: digests instead of the token ids
+        return {
+            "ok": True,
+            "record_id": res.meta.request_id,
+            "sha256": digest(res.hidden_states),
+            "ids_sha256": hashlib.sha256(array.array("I", res.meta.token_ids).tobytes()).hexdigest(),
+        }
     if isinstance(res, CaptureRecord):
         return {
             "ok": True,
@@ -46,8 +56,23 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
     global producer, consumer
     op = cmd.pop("cmd")
     if op == "producer":
-        producer = ExportProducer(**cmd)
-        return {"endpoint": producer.endpoint, "token": producer.token, "instance": producer.instance}
+        fake_pid = cmd.pop("fake_pid", None)
+        if fake_pid is None:
+            producer = ExportProducer(**cmd)
+        else:  # as if this process had pid ``fake_pid`` in its own namespace (names its pool file with it)
+            with mock.patch("os.getpid", return_value=fake_pid):
+                producer = ExportProducer(**cmd)
+        path = producer.transport.describe().get("path")
+        return {"endpoint": producer.endpoint, "token": producer.token, "instance": producer.instance, "path": path}
+    if op == "close_producer":
+        if producer is not None:
+            producer.close()
+            producer = None
+        return {}
+    if op == "rss":
+        with open("/proc/self/status") as f:
+            st = dict(line.split(":", 1) for line in f if ":" in line)
+        return {"rss_mib": int(st["VmRSS"].split()[0]) / 1024, "threads": int(st["Threads"])}
     if op == "publish":
         if producer is None:
             raise RuntimeError("no producer")
@@ -57,12 +82,17 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "pstats":
         if producer is None:
             raise RuntimeError("no producer")
-        return {"stats": producer.stats()}
+        return {"stats": producer.stats(), "endpoint": producer.endpoint}
     if op == "consumer":
         if consumer is not None:
             consumer.close()
         consumer = ExportConsumer(**cmd)
         return {"producer": consumer.producer}
+    if op == "ticket_consumer":  # a client holding only its ticket (no token in this process's environment)
+        if consumer is not None:
+            consumer.close()
+        consumer = ExportConsumer.from_params(cmd.pop("params"), **cmd)
+        return {"producer": consumer.producer, "principal": consumer.principal, "hello": consumer.hello}
     if consumer is None:
         raise RuntimeError("no consumer")
     if op == "fetch":
@@ -75,17 +105,27 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
         return {"results": out}
     if op == "iter":
         out = []
-        stream = consumer.iter_records(batch=cmd.get("batch", 16), wait_s=0.2, idle_timeout_s=cmd["idle_s"])
+        kw = {"batch": cmd["batch"]} if "batch" in cmd else {"batch": 16} if not cmd.get("default_batch") else {}
+        stream = consumer.iter_records(wait_s=cmd.get("wait_s", 0.2), idle_timeout_s=cmd["idle_s"], **kw)
         while len(out) < cmd.get("max", 1 << 30):
             try:
-                out.append(summary(next(stream)))
+                out.append(summary(next(stream), cmd.get("brief", False)))
             except StopIteration:
                 break
             except HsCompatError as e:
                 out.append(summary(e))
         return {"results": out}
+    if op == "remote_stats":
+        try:
+            return {"stats": consumer.remote_stats()}
+        except HsCompatError as e:
+            return summary(e)
     if op == "claim":
         new = [consumer.claim(rid) for rid in cmd["ids"]]
+        claims.extend(new)
+        return {"n": len(new)}
+    if op == "claim_next":  # lease a batch and hold it (a trainer about to be killed)
+        new = consumer.claim_next(cmd["n"], wait_s=cmd.get("wait_s", 0.5))
         claims.extend(new)
         return {"n": len(new)}
     if op == "read_slowly":  # read held claims one at a time, pausing between them (a slow trainer)

@@ -6,6 +6,7 @@ import socket
 import time
 from typing import Any
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,24 +15,40 @@ from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.errors import RecordFormatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.consumer import Claim
-from vllm_hs_compat.export.control import ControlClient, ControlServer
-from vllm_hs_compat.export.transport import decode_release
+from vllm_hs_compat.export.control import Call, ControlClient, ControlServer
 
 plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
     lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=10), kids, max_size=5),
     max_leaves=30,
 )
+OPS = ["hello", "ping", "claim", "claim_next", "release", "read", "stats", "x"]
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([b"m", b"j", b"x"]), st.binary(max_size=200))
-def test_decode_of_random_bytes_raises_only_protocol_error(codec: bytes, body: bytes) -> None:
+@given(st.binary(max_size=200))
+def test_decode_of_random_bytes_raises_only_protocol_error(body: bytes) -> None:
+    for decode in (P.decode_request, P.decode_reply, P.decode_descriptor):
+        try:
+            decode(body)
+        except E.ProtocolError:
+            pass
+    assert P.decode_lease_ref(body) is None or isinstance(P.decode_lease_ref(body), P.LeaseRef)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(OPS), st.dictionaries(st.text(max_size=12), plain, max_size=6))
+def test_random_requests_decode_to_a_valid_struct_or_a_protocol_error(op: str, fields: dict[str, Any]) -> None:
     try:
-        out = P.decode(codec, body)
+        req = P.decode_request(msgspec.msgpack.encode({"op": op, **fields}))
     except E.ProtocolError:
         return
-    assert isinstance(out, dict)
+    assert P.decode_request(P.encode(req)) == req  # whatever passed is exactly a schema value
 
 
 @settings(max_examples=200, deadline=None)
@@ -46,67 +63,56 @@ def test_random_metadata_maps_raise_only_record_format_error(d: dict[str, Any]) 
 @settings(max_examples=200, deadline=None)
 @given(plain)
 def test_random_descriptors_raise_only_named_errors(d: Any) -> None:
-    good = {
-        "record_id": "r",
-        "lease": 1,
-        "nonce": "ab" * 8,
-        "offset": 0,
-        "nbytes": 8,
-        "producer": "p",
-        "meta": RecordMeta("r", (1,), (0,), True, "uint8", (1, 1, 8), checksum=3).to_dict(),
-    }
-    for cand in (d, {**good, "meta": d}, {**good, "offset": d}, {**good, "nbytes": d}):
-        try:
-            Claim.parse(cand)
-        except (E.ProtocolError, RecordFormatError):
-            pass
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=120))
-def test_random_notifications_are_parsed_or_refused(msg: bytes) -> None:
-    out = decode_release(msg)
-    assert out is None or all(isinstance(a, int) and isinstance(b, str) for a, b in out)
-    assert decode_release(b"hsx1:r:1f.00ff") == [(31, "00ff")]
+    meta = RecordMeta("r", (1,), (0,), True, "uint8", (1, 1, 8), checksum=3)
+    good = msgspec.to_builtins(
+        P.RecordDesc("r", 1, "ab" * 8, 0, 8, 8, 12, 5, "ab", P.meta_to_wire(meta)), builtin_types=(bytes,)
+    )
+    assert Claim.parse(good).extent == 12
+    for cand in (d, {**good, "meta": d}, {**good, "offset": d}, {**good, "nbytes": d}, {**good, "extent": d}):
+        for form in (cand, msgspec.msgpack.encode(cand)):
+            try:
+                Claim.parse(form)
+            except (E.ProtocolError, RecordFormatError):
+                pass
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=4))
-def test_server_survives_random_bytes_before_and_after_auth(chunks: list[bytes]) -> None:
+@given(st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=4), st.binary(max_size=64))
+def test_server_survives_random_bytes_before_and_after_the_handshake(chunks: list[bytes], body: bytes) -> None:
     srv = _SERVER
-    for authed in (False, True):
-        if authed:
-            c = ControlClient(srv.endpoint, TOKEN, timeout_s=2)
-            s = c._sock
-        else:
-            host, port = srv.address
-            s = socket.create_connection((host, port), timeout=2)
-        try:
-            for ch in chunks:
-                s.sendall(ch)
-            s.shutdown(socket.SHUT_WR)
-            s.settimeout(2)
-            while s.recv(4096):
-                pass
-        except OSError:
+    host, port = srv.address
+    s = socket.create_connection((host, port), timeout=2)  # raw TCP: not even the ZMTP greeting
+    try:
+        for ch in chunks:
+            s.sendall(ch)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(2)
+        while s.recv(4096):
             pass
-        finally:
-            s.close()
-    ok = ControlClient(srv.endpoint, TOKEN, timeout_s=2)  # still serving
-    assert ok.call({"op": "ping"})["pong"] is True
-    ok.close()
+    except OSError:
+        pass
+    finally:
+        s.close()
+    c = ControlClient(srv.endpoint, TOKEN, timeout_s=5)  # authenticated, then garbage in well-formed frames
+    try:
+        for frames in ([P.HEADER, P.new_rid(), body], [P.HEADER, body], [body], [P.HEADER, P.new_rid(), body, body]):
+            c._sock.send_multipart(frames)
+        ok = c.call(P.PingReq())[0]  # still serving
+        assert isinstance(ok, P.PongReply)
+    finally:
+        c.close()
 
 
 TOKEN = "f" * 24
 
 
-def _handler(op: str, msg: dict[str, Any]) -> dict[str, Any]:
-    if op == "ping":
-        return {"pong": True}
-    raise E.ProtocolError(f"unknown op {op!r}")
+def _handler(req: P.Request, call: Call) -> P.Reply:
+    if isinstance(req, P.PingReq):
+        return P.PongReply("ab")
+    raise E.ProtocolError(f"unsupported here: {type(req).__name__}")
 
 
-_SERVER = ControlServer(_handler, lambda: {}, TOKEN)
+_SERVER = ControlServer(_handler, TOKEN, producer="ab", handshake_timeout_s=1.0)
 
 
 def teardown_module() -> None:

@@ -137,3 +137,65 @@ def test_slots_never_overlap_and_are_always_accounted(ops: list[tuple[str, int]]
     assert st_["published"] == (
         st_["released"] + st_["expired_ready"] + st_["expired_claimed"] + st_["leases_ready"] + st_["leases_claimed"]
     )
+    assert st_["released"] == st_["delivered"] and st_["unaccounted"] == 0
+
+
+def test_release_outcomes_are_counted_apart_and_a_late_release_is_told_expired() -> None:
+    clock = Clock()
+    pool = LeasePool(8, 64, lease_ttl_s=2.0, ready_ttl_s=None, clock=clock)
+    for rid in ("a", "b", "c", "d"):
+        put(pool, rid, 64)
+    a, b, c, d = (pool.claim(r) for r in "abcd")
+    assert pool.settle(a.lease_id, a.nonce, "delivered") == "released"
+    assert pool.settle(a.lease_id, a.nonce, "delivered") == "released"  # a retried release: same verdict, once
+    assert pool.settle(b.lease_id, b.nonce, "checksum_failed") == "released"
+    assert pool.settle(c.lease_id, c.nonce, "abandoned") == "released"
+    assert pool.settle(d.lease_id, "f" * 16, "delivered") == "unknown"  # wrong nonce
+    clock.t += 2.5  # d's lease runs out before its release arrives (no sweep ran in between)
+    assert pool.settle(d.lease_id, d.nonce, "delivered") == "expired"
+    st_ = pool.stats()
+    assert (st_["delivered"], st_["checksum_failed"], st_["abandoned"], st_["expired_claimed"]) == (1, 1, 1, 1)
+    assert st_["released"] == 3 and st_["unaccounted"] == 0
+    with pytest.raises(E.ProtocolError):
+        pool.settle(d.lease_id, d.nonce, "eaten")
+
+
+def test_a_non_ascii_nonce_is_refused_without_raising() -> None:
+    pool = LeasePool(4, 64)
+    put(pool, "a", 10)
+    c = pool.claim("a")
+    assert pool.settle(c.lease_id, "é" * 16, "delivered") == "unknown"
+    assert not pool.release(c.lease_id, "\udcff" * 16)
+    assert pool.lease(c.lease_id, "é" * 16) is None
+    assert pool.occupancy() == 1 and pool.settle(c.lease_id, c.nonce) == "released"
+
+
+def test_close_discards_ready_and_claimed_records_and_counts_them() -> None:
+    pool = LeasePool(8, 64)
+    for rid in ("a", "b", "c"):
+        put(pool, rid, 10)
+    pool.claim("a")
+    writing = pool.allocate("w", 10)
+    pool.close()
+    st_ = pool.stats()
+    assert st_["discarded_at_close"] == 3 and st_["leases_ready"] == st_["leases_claimed"] == 0
+    assert st_["published"] == 3 and st_["unaccounted"] == 0
+    with pytest.raises(E.ExportClosedError):
+        pool.publish(writing, meta("w"))  # a record still being written when the pool closed is refused
+    pool.abort(writing)
+    assert pool.stats()["aborted"] == 1 and pool.occupancy() == 0
+
+
+def test_claim_next_stops_at_the_reply_budget_and_leaves_the_rest_ready() -> None:
+    pool = LeasePool(16, 64)
+    for i in range(6):
+        put(pool, f"r{i}", 64)
+    got = pool.claim_next(10, 1 << 20, 0.0, budget=250, cost=lambda lease: 100)
+    assert [g.record_id for g in got] == ["r0", "r1"]
+    assert pool.stats()["leases_ready"] == 4
+    assert [g.record_id for g in pool.claim_next(10, 1 << 20, 0.0, budget=1 << 20, cost=lambda lease: 100)] == [
+        "r2",
+        "r3",
+        "r4",
+        "r5",
+    ]

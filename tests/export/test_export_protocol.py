@@ -1,4 +1,4 @@
-"""Control-plane framing and the client's deadlines against misbehaving servers."""
+"""The wire schema (msgspec structs) and the control plane's client and server against misbehaving peers."""
 
 from __future__ import annotations
 
@@ -7,108 +7,257 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
+import zmq
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.control import ControlClient, ControlServer, parse_endpoint
+from vllm_hs_compat.export.control import Call, ControlClient, ControlServer, curve_keys, parse_endpoint, server_key
+
+TOKEN = "s" * 20
+
+REQUESTS: list[P.Request] = [
+    P.HelloReq(),
+    P.PingReq(),
+    P.ClaimReq(["a", "b" * 512], max_reply_bytes=P.MIN_REPLY_BYTES, cap="c1." + "A" * 43),
+    P.ClaimNextReq(max_records=64, max_bytes=1 << 40, wait_s=30.0),
+    P.ReleaseReq([P.ReleaseItem(1, "0123456789abcdef", "checksum_failed")], cap=None),
+    P.ReadReq(lease=3, nonce="0123456789abcdef", offset=0, length=P.MAX_READ_BYTES),
+    P.StatsReq(),
+]
 
 
-@pytest.mark.parametrize("codec", [b"m", b"j"])
-def test_both_codecs_carry_the_same_messages(codec: bytes) -> None:
-    if codec.decode() not in P.local_codecs():
-        pytest.skip("msgpack is not installed (the JSON codec still runs)")
-    msg = {"op": "x", "n": 3, "f": 0.5, "l": [1, "a", None, True], "m": {"k": [1]}}
-    a, b = socket.socketpair()
-    with a, b:
-        P.write_frame(a, msg, time.monotonic() + 2, codec)
-        assert P.read_frame(b, time.monotonic() + 2, 1 << 10) == (codec, msg)
+@pytest.mark.parametrize("req", REQUESTS, ids=lambda r: type(r).__name__)
+def test_every_request_round_trips_and_stays_under_the_request_limit(req: P.Request) -> None:
+    body = P.encode(req)
+    assert P.decode_request(body) == req
+    assert len(body) <= P.MAX_REQUEST_BYTES
 
 
-def test_codec_rejects_what_json_cannot_say() -> None:
-    with pytest.raises(P.ProtocolError):
-        P.decode(b"j", b'{"a": NaN')
-    with pytest.raises(P.ProtocolError):
-        P.decode(b"x", b"{}")
-    with pytest.raises(P.ProtocolError):
-        P.decode(b"m", b"\x81\x01\x02")  # int map key
-    with pytest.raises(P.ProtocolError):
-        P.unb64("***", "metadata")
+def test_the_largest_valid_requests_fit_the_request_limit() -> None:
+    claim = P.ClaimReq(["x" * P.MAX_ID_CHARS] * P.MAX_CLAIM_IDS, cap="c1." + "A" * 43)
+    release = P.ReleaseReq(
+        [P.ReleaseItem((1 << 62), "f" * 16, "checksum_failed")] * P.MAX_RELEASES, cap="c1." + "A" * 43
+    )
+    for req in (claim, release):
+        assert len(P.encode(req)) <= P.MAX_REQUEST_BYTES
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        msgspec.msgpack.encode({"op": "claim", "ids": "keep"}),  # a str, not a list
+        msgspec.msgpack.encode({"op": "claim", "ids": []}),  # empty
+        msgspec.msgpack.encode({"op": "claim", "ids": ["x"] * (P.MAX_CLAIM_IDS + 1)}),
+        msgspec.msgpack.encode({"op": "claim", "ids": ["x" * (P.MAX_ID_CHARS + 1)]}),
+        msgspec.msgpack.encode({"op": "claim", "ids": ["x"], "extra": 1}),  # unknown field
+        msgspec.msgpack.encode({"op": "release", "leases": [["x", 1]]}),
+        msgspec.msgpack.encode({"op": "release", "leases": [[1, "é" * 16, "delivered"]]}),  # non-ASCII nonce
+        msgspec.msgpack.encode({"op": "release", "leases": [[1, "0123456789abcdef\n", "delivered"]]}),
+        msgspec.msgpack.encode({"op": "release", "leases": [[0, "0123456789abcdef", "delivered"]]}),
+        msgspec.msgpack.encode({"op": "release", "leases": [[1, "0123456789abcdef", "eaten"]]}),
+        msgspec.msgpack.encode({"op": "claim_next", "max_records": -1, "max_bytes": 1, "wait_s": 0}),
+        msgspec.msgpack.encode({"op": "claim_next", "max_records": 1, "max_bytes": 1, "wait_s": 31.0}),
+        msgspec.msgpack.encode({"op": "claim_next", "max_records": True, "max_bytes": 1, "wait_s": 0}),
+        msgspec.msgpack.encode({"op": "read", "lease": 1, "nonce": "0123456789abcdef", "offset": 0, "length": 0}),
+        msgspec.msgpack.encode({"op": "claim", "ids": ["x"], "cap": "c1.short"}),
+        msgspec.msgpack.encode({"op": "format_disk"}),
+        msgspec.msgpack.encode([1, 2, 3]),
+        b"\xc1" * 12,  # not msgpack
+        b"\x81\xa2op\xd4\x01\x00",  # an extension type
+        b"\x81\xc4\x02op\xa5hello",  # a bytes map key
+        b"",
+    ],
+)
+def test_the_schema_refuses_what_it_does_not_describe(body: bytes) -> None:
+    with pytest.raises(E.ProtocolError):
+        P.decode_request(body)
+
+
+def test_headers_name_the_wire_version() -> None:
+    P.check_header(P.HEADER)
+    with pytest.raises(E.WireVersionError, match="version 9"):
+        P.check_header(P.HEADER_PREFIX + b"\x09")
+    with pytest.raises(E.ProtocolError):
+        P.check_header(b"GET / HTTP/1.1")
+
+
+def test_the_ticket_is_plain_json_data_and_validated() -> None:
+    t = P.ExportTicket("r", "127.0.0.1:5", "t" * 40, "ab" * 8, "shm", 10, server_key(TOKEN), "c1." + "A" * 43)
+    params = t.kv_transfer_params()
+    assert "t" * 40 not in str(params) and params["hs_export"]["v"] == 2
+    back = P.ExportTicket.parse(params)
+    assert back.token is None and back.cap == t.cap and back.server_key == t.server_key
+    for bad in ({**params["hs_export"], "cap": "c1.x"}, {**params["hs_export"], "nbytes": "10"}):
+        with pytest.raises(E.ExportConfigError):
+            P.ExportTicket.parse({"hs_export": bad})
+    v1 = {k: v for k, v in params["hs_export"].items() if k not in ("cap", "server_key")} | {"v": 1}
+    assert P.ExportTicket.parse({"hs_export": v1}).cap is None  # an older ticket: the trainer token opens it
+
+
+# --- client against misbehaving servers ---------------------------------------------------------------------------
 @pytest.fixture
-def server() -> Iterator[Callable[[Callable[[socket.socket], None]], str]]:
-    socks: list[socket.socket] = []
+def router() -> Iterator[Callable[[Callable[[zmq.Socket[bytes]], None], bytes | None], str]]:
+    """A hand-driven CURVE ROUTER keyed like a producer of TOKEN (or by another key)."""
+    ctx = zmq.Context()
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
 
-    def start(behaviour: Callable[[socket.socket], None]) -> str:
-        srv = socket.create_server(("127.0.0.1", 0))
-        socks.append(srv)
+    def start(behaviour: Callable[[zmq.Socket[bytes]], None], secret: bytes | None = None) -> str:
+        s = ctx.socket(zmq.ROUTER)
+        s.linger = 0
+        s.curve_server = True
+        s.curve_secretkey = secret or curve_keys(TOKEN, "server")[1]
+        port = s.bind_to_random_port("tcp://127.0.0.1")
 
         def run() -> None:
-            conn, _ = srv.accept()
-            socks.append(conn)
-            behaviour(conn)
+            try:
+                while not stop.is_set():
+                    if s.poll(50):
+                        behaviour(s)
+            finally:
+                s.close(0)
 
-        threading.Thread(target=run, daemon=True).start()
-        return f"127.0.0.1:{srv.getsockname()[1]}"
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        threads.append(th)
+        return f"127.0.0.1:{port}"
 
-    yield start
-    for s in socks:
-        s.close()
+    yield start  # type: ignore[misc]
+    stop.set()
+    for th in threads:
+        th.join(2)
+    ctx.destroy(0)
 
 
-def test_silent_server_hits_the_deadline(server: Callable[[Callable[[socket.socket], None]], str]) -> None:
-    ep = server(lambda c: time.sleep(5))
+def test_a_silent_server_hits_the_deadline(router: Callable[..., str]) -> None:
+    ep = router(lambda s: s.recv_multipart())  # reads, never answers
+    c = ControlClient(ep, TOKEN, timeout_s=0.5)
     t0 = time.monotonic()
-    with pytest.raises(E.ExportTimeoutError):
-        ControlClient(ep, "t" * 32, timeout_s=0.5)
+    with pytest.raises(E.ExportTimeoutError) as exc:
+        c.call(P.PingReq())
+    assert not isinstance(exc.value, E.ProducerUnreachableError)  # it connected; it just never answered
     assert time.monotonic() - t0 < 2.0
+    c.close()
 
 
-def test_truncated_answer_is_a_protocol_error(
-    server: Callable[[Callable[[socket.socket], None]], str],
-) -> None:
-    frame = P.encode({"op": "challenge", "proto": 1, "nonce": "ab" * 16}, b"j")
-    ep = server(lambda c: (c.sendall(frame[:-5]), c.close()))
-    with pytest.raises(E.ProtocolError, match="truncated"):
-        ControlClient(ep, "t" * 32, timeout_s=2)
+def test_no_producer_at_all_is_named_unreachable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = ControlClient(f"127.0.0.1:{port}", TOKEN, timeout_s=0.4)
+    with pytest.raises(E.ProducerUnreachableError, match="no connection"):
+        c.call(P.PingReq())
+    c.close()
 
 
-def test_impostor_server_cannot_prove_the_token(
-    server: Callable[[Callable[[socket.socket], None]], str],
-) -> None:
-    def impostor(c: socket.socket) -> None:
-        P.write_frame(c, {"op": "challenge", "proto": 1, "nonce": "cd" * 16}, time.monotonic() + 2)
-        P.read_frame(c, time.monotonic() + 2, 1 << 16)
-        P.write_frame(c, {"ok": True, "mac": "0" * 64, "hello": {}}, time.monotonic() + 2)
+def test_garbled_or_foreign_answers_are_protocol_errors(router: Callable[..., str]) -> None:
+    answers = [
+        lambda ident, rid: [ident, P.HEADER, rid, b"ab", b"\xc1"],  # body not msgpack
+        lambda ident, rid: [ident, P.HEADER, rid, b"ab", msgspec.msgpack.encode({"t": "pong"})],  # missing field
+        lambda ident, rid: [ident, P.HEADER_PREFIX + b"\x03", rid, b"ab", b""],  # another wire version
+    ]
+    errors = (E.ProtocolError, E.ProtocolError, E.WireVersionError)
+    for make, err in zip(answers, errors, strict=True):
 
-    ep = server(impostor)
+        def reply(s: zmq.Socket[bytes], make: Callable[[bytes, bytes], list[bytes]] = make) -> None:
+            ident, _, rid, _ = s.recv_multipart()
+            s.send_multipart(make(ident, rid))
+
+        c = ControlClient(router(reply), TOKEN, timeout_s=2)
+        with pytest.raises(err):
+            c.call(P.PingReq())
+        c.close()
+
+
+def test_an_impostor_server_cannot_complete_the_handshake(router: Callable[..., str]) -> None:
+    """A process that grabbed the port but does not hold the producer key (derived from the token)."""
+    ep = router(lambda s: s.recv_multipart(), secret=zmq.curve_keypair()[1])
+    c = ControlClient(ep, TOKEN, timeout_s=5)
+    t0 = time.monotonic()
     with pytest.raises(E.AuthError, match="prove"):
-        ControlClient(ep, "t" * 32, timeout_s=2)
+        c.call(P.PingReq())
+    assert time.monotonic() - t0 < 3.0  # named at the first failed handshakes, not at the deadline
+    c.close()
 
 
-def test_server_request_errors_do_not_break_the_connection() -> None:
-    def handler(op: str, msg: dict[str, object]) -> dict[str, object]:
-        if op == "boom":
+def test_request_errors_and_late_answers_do_not_break_the_connection() -> None:
+    def handler(req: P.Request, call: Call) -> P.Reply:
+        if isinstance(req, P.StatsReq):
             raise ValueError("bug in a handler")
-        if op == "slow":
+        if isinstance(req, P.HelloReq):
             time.sleep(0.5)
-        return {"echo": op}
+        return P.PongReply("ab")
 
-    srv = ControlServer(handler, lambda: {"hi": 1}, "s" * 20)
+    srv = ControlServer(handler, TOKEN, producer="ab")
     try:
-        c = ControlClient(srv.endpoint, "s" * 20)
-        assert c.hello == {"hi": 1}
+        c = ControlClient(srv.endpoint, TOKEN)
+        assert isinstance(c.call(P.PingReq())[0], P.PongReply)
         with pytest.raises(E.RemoteError, match="bug in a handler"):
-            c.call({"op": "boom"})
-        assert c.call({"op": "ok"})["echo"] == "ok"
+            c.call(P.StatsReq())
+        assert isinstance(c.call(P.PingReq())[0], P.PongReply)
         with pytest.raises(E.ExportTimeoutError):
-            c.call({"op": "slow"}, timeout_s=0.1)
-        assert c.broken  # a late answer could be mistaken for the next one: the connection is dropped
-        c2 = ControlClient(srv.endpoint, "s" * 20)
-        assert c2.call({"op": "again"})["echo"] == "again"
-        c2.close()
+            c.call(P.HelloReq(), timeout_s=0.1)
+        # the late answer to the hello arrives while the next request waits: recognised by its id, dropped
+        rep, producer = c.call(P.PingReq(), timeout_s=5)
+        assert isinstance(rep, P.PongReply) and producer == "ab" and c.stale_replies == 1
+        assert srv.counters["internal_errors"] == 1
+        c.close()
     finally:
+        srv.close()
+
+
+def test_a_client_without_curve_never_reaches_the_handler() -> None:
+    seen: list[P.Request] = []
+
+    def handler(req: P.Request, call: Call) -> P.Reply:
+        seen.append(req)
+        return P.PongReply("ab")
+
+    srv = ControlServer(handler, TOKEN, producer="ab")
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)  # NULL mechanism: no CURVE
+        d.linger = 0
+        d.connect(f"tcp://{srv.endpoint}")
+        d.send_multipart([P.HEADER, P.new_rid(), P.encode(P.PingReq())])
+        assert d.poll(1000) == 0
+        d.close(0)
+        deadline = time.monotonic() + 5
+        while srv.counters["handshake_failures_protocol"] + srv.counters["handshake_failures_other"] == 0:
+            assert time.monotonic() < deadline, srv.counters
+            time.sleep(0.02)
+        assert seen == [] and srv.counters["requests"] == 0
+    finally:
+        ctx.destroy(0)
+        srv.close()
+
+
+def test_a_lost_request_is_resent_with_its_id_after_a_reconnect() -> None:
+    """A claim whose connection dropped is sent again with the same request id; the server answers it once."""
+    calls: list[bytes] = []
+
+    def handler(req: P.Request, call: Call) -> P.Reply:
+        calls.append(call.rid)
+        return P.PongReply("ab")
+
+    srv = ControlServer(handler, TOKEN, producer="ab")
+    port = srv.address[1]
+    c = ControlClient(srv.endpoint, TOKEN, timeout_s=10)
+    try:
+        assert isinstance(c.call(P.PingReq())[0], P.PongReply)
+        srv.close()  # the producer goes away; a new one binds the same port a moment later
+        result: list[object] = []
+        th = threading.Thread(target=lambda: result.append(c.call(P.PingReq(), timeout_s=10)))
+        th.start()
+        time.sleep(0.5)
+        srv = ControlServer(handler, TOKEN, port=port, producer="ab")
+        th.join(12)
+        assert result and isinstance(result[0], tuple) and isinstance(result[0][0], P.PongReply)
+        assert len(calls) >= 2 and len(set(calls[1:])) == 1  # however often it arrived, it was one request id
+    finally:
+        c.close()
         srv.close()
 
 
@@ -118,39 +267,3 @@ def test_endpoint_parsing() -> None:
     for bad in ("nohost", ":80", "h:0", "h:x"):
         with pytest.raises(E.ExportConfigError):
             parse_endpoint(bad)
-
-
-def test_client_speaks_json_to_a_server_without_msgpack(
-    server: Callable[[Callable[[socket.socket], None]], str],
-) -> None:
-    seen: list[bytes] = []
-
-    def json_only(c: socket.socket) -> None:
-        P.write_frame(
-            c,
-            {"op": "challenge", "proto": 1, "nonce": "cd" * 16, "codecs": ["j"]},
-            time.monotonic() + 2,
-            b"j",
-        )
-        codec, _ = P.read_frame(c, time.monotonic() + 2, 1 << 16)
-        seen.append(codec)
-        P.write_frame(c, {"ok": False, "error": "auth", "message": "stop here"}, time.monotonic() + 2, b"j")
-
-    ep = server(json_only)
-    with pytest.raises(E.AuthError, match="stop here"):
-        ControlClient(ep, "t" * 32, timeout_s=2)
-    assert seen == [b"j"]
-
-
-def test_challenge_is_json_and_offers_msgpack_when_installed() -> None:
-    srv = ControlServer(lambda op, msg: {}, lambda: {}, "s" * 20)
-    try:
-        host, port = srv.address
-        with socket.create_connection((host, port), timeout=2) as s:
-            codec, challenge = P.read_frame(s, time.monotonic() + 2, 1 << 16)
-        assert codec == b"j" and challenge["codecs"] == P.local_codecs()
-        c = ControlClient(srv.endpoint, "s" * 20)
-        assert c._codec == (b"m" if "m" in P.local_codecs() else b"j")
-        c.close()
-    finally:
-        srv.close()

@@ -7,27 +7,19 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum, dtype_name
+from vllm_hs_compat.core.records import (
+    CaptureRecord,
+    ChecksumState,
+    RecordMeta,
+    checksum_bytes,
+    compute_checksum,
+    dtype_name,
+)
 from vllm_hs_compat.errors import ChecksumMismatchError, RecordFormatError
-
-
-def reference_bsum64(data: bytes) -> int:
-    """Independent implementation of the documented bsum64 definition (numpy, explicit modulo)."""
-    n = len(data)
-    whole = n // 4096 * 4096
-    crc = zlib.crc32(n.to_bytes(8, "little"))
-    if whole:
-        words = np.frombuffer(data[:whole], dtype="<u8").reshape(-1, 512)
-        sums = [int(sum(int(w) for w in row) % (1 << 64)) for row in words[:2]]  # first blocks by hand
-        fast = words.sum(axis=1, dtype=np.uint64)
-        assert [int(x) for x in fast[:2]] == sums
-        crc = zlib.crc32(fast.astype("<u8").tobytes(), crc)
-    if whole < n:
-        crc = zlib.crc32(data[whole:], crc)
-    return crc & 0xFFFFFFFF
 
 
 def u8(data: bytes) -> torch.Tensor:
@@ -36,15 +28,19 @@ def u8(data: bytes) -> torch.Tensor:
 
 @settings(max_examples=60, deadline=None)
 @given(st.binary(min_size=0, max_size=20_000))
-def test_bsum64_matches_its_definition_and_crc32_matches_zlib(data: bytes) -> None:
+def test_checksums_are_the_libraries_own(data: bytes) -> None:
     t = u8(data)
-    assert compute_checksum(t, "bsum64") == reference_bsum64(data)
+    assert compute_checksum(t, "xxh3_64") == xxhash.xxh3_64_intdigest(data)
     assert compute_checksum(t, "crc32") == zlib.crc32(data) & 0xFFFFFFFF
+    assert checksum_bytes(data, "xxh3_64") == compute_checksum(t) == checksum_bytes(memoryview(data))
+    if len(data) > 4:  # chunked updates give the same value
+        s = ChecksumState("xxh3_64", len(data)).update(t[:3]).update(t[3:])
+        assert s.digest() == compute_checksum(t)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3 * 4096 + 77), st.data())
-def test_bsum64_detects_any_single_byte_change_and_block_swaps(n: int, data: st.DataObject) -> None:
+@given(st.integers(16, 3 * 4096 + 77), st.data())
+def test_checksum_detects_byte_changes_word_swaps_block_swaps_and_truncation(n: int, data: st.DataObject) -> None:
     raw = bytearray(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes())
     base = compute_checksum(u8(bytes(raw)))
     i = data.draw(st.integers(0, n - 1))
@@ -52,11 +48,23 @@ def test_bsum64_detects_any_single_byte_change_and_block_swaps(n: int, data: st.
     bent = bytearray(raw)
     bent[i] = (bent[i] + delta) % 256
     assert compute_checksum(u8(bytes(bent))) != base
+    # two 8-byte words swapped inside one 4 KiB block: the case the old bsum64 (per-block sums) could not see
+    w = data.draw(st.integers(0, n // 8 - 2))
+    swapped = bytearray(raw)
+    swapped[8 * w : 8 * w + 8], swapped[8 * w + 8 : 8 * w + 16] = raw[8 * w + 8 : 8 * w + 16], raw[8 * w : 8 * w + 8]
+    if swapped != raw:
+        assert compute_checksum(u8(bytes(swapped))) != base
     if n >= 2 * 4096:
-        swapped = raw[4096:8192] + raw[:4096] + raw[8192:]
-        if swapped != raw:
-            assert compute_checksum(u8(bytes(swapped))) != base
+        blocks = raw[4096:8192] + raw[:4096] + raw[8192:]
+        if blocks != raw:
+            assert compute_checksum(u8(bytes(blocks))) != base
     assert compute_checksum(u8(bytes(raw[:-1]))) != base  # truncation
+
+
+def test_unknown_or_removed_checksum_algorithms_are_named() -> None:
+    for name in ("bsum64", "md5"):
+        with pytest.raises(RecordFormatError, match="xxh3_64"):
+            compute_checksum(u8(b"abc"), name)
 
 
 def meta(**kw: object) -> RecordMeta:
@@ -68,7 +76,7 @@ def meta(**kw: object) -> RecordMeta:
 
 
 def test_meta_round_trips_through_a_plain_dict() -> None:
-    m = meta(checksum=123, vllm_version="0.21.0", adapter="v0_21")
+    m = meta(checksum=(1 << 64) - 1, vllm_version="0.21.0", adapter="v0_21")  # xxh3_64 fills 64 bits
     assert RecordMeta.from_dict(m.to_dict()) == m
     assert m.nbytes == 2 * 2 * 8 * 2
 
@@ -84,6 +92,7 @@ def test_meta_round_trips_through_a_plain_dict() -> None:
         ({"shape": (2, 2)}, "shape"),
         ({"shape": (0, 2, 8), "token_ids": ()}, "tokens"),
         ({"checksum": -1}, "checksum"),
+        ({"checksum": 1 << 64}, "checksum"),
         ({"checksum_algorithm": "md5"}, "checksum"),
         ({"request_id": ""}, "request_id"),
         ({"token_ids": (1, -5)}, "token_ids"),

@@ -9,20 +9,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
-from hsx_harness import Peer, free_port, wait_until
+from hsx_harness import Peer, free_port, ledger_balanced, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 
 from vllm_hs_compat.export import (
     AuthError,
+    CapabilityError,
     DescriptorError,
     DuplicateRecordError,
     ExportConfigError,
@@ -39,7 +39,7 @@ from vllm_hs_compat.export import (
     nixl_available,
 )
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.control import ControlClient
+from vllm_hs_compat.export.control import ControlClient, server_key
 
 MiB = 1 << 20
 Make = Callable[..., ExportProducer]
@@ -96,10 +96,10 @@ SIZES = [
     (7, 3, 128, "float16"),
     (5, 3, 7, "uint8"),  # 105 bytes: not a multiple of 8 (checksum tail path)
     (100, 4, 256, "float32"),
-    (128, 4, 1024, "bfloat16"),  # exactly one 1 MiB slot
+    (127, 4, 1024, "bfloat16"),  # fills one 1 MiB slot with its token ids (4 bytes each, after the rows)
     (513, 2, 1024, "bfloat16"),  # spans 3 slots
     (2000, 4, 896, "float8_e4m3fn"),
-    (4096, 4, 1024, "bfloat16"),  # 32 MiB: 32 of the 40 slots
+    (4096, 4, 1024, "bfloat16"),  # 32 MiB + 16 KiB of token ids: 33 of the 40 slots
 ]
 
 
@@ -123,8 +123,9 @@ def test_records_of_many_sizes_arrive_byte_for_byte(backend: str, make_producer:
         assert len(res["meta"]["token_ids"]) == t
         wait_until(drained(p), 5.0, "the pool to drain after a fetch")
     st = p.stats()
-    assert st["published"] == st["claimed"] == st["released"] == len(SIZES)
+    assert st["published"] == st["claimed"] == st["released"] == st["delivered"] == len(SIZES)
     assert st["expired_claimed"] == st["dropped_full"] == 0
+    ledger_balanced(st)
 
 
 def test_iterate_yields_every_record_in_publish_order(backend: str, make_producer: Make, peer: Peer) -> None:
@@ -174,7 +175,7 @@ def test_consumer_killed_mid_read_slots_are_reclaimed_within_ttl(backend: str, m
     ttl = 1.5
     p = make_producer(num_slots=8, slot_bytes=4 * MiB, lease_ttl_s=ttl)
     for i in range(6):
-        publish(p, f"k-{i}", 1024, 4, 512, seed=i)  # 4 MiB each
+        publish(p, f"k-{i}", 1023, 4, 512, seed=i)  # 4 MiB each, token ids included
     victim = Peer()
     try:
         connect(victim, p)
@@ -265,14 +266,15 @@ def test_stale_or_garbled_transport_metadata_is_refused(backend: str, make_produ
         assert t is not None
         if backend == "nixl":
             bad = [
-                {**info, "metadata": P.b64(b"not nixl metadata")},
+                {**info, "metadata": b"not nixl metadata"},
                 {**info, "metadata": info["metadata"][: len(info["metadata"]) // 2]},
                 {**info, "agent": "someone-else"},
+                {**info, "metadata": "a str, not bytes"},
             ]
         else:
             bad = [
                 {**info, "path": "/etc/passwd"},
-                {**info, "path": os.path.join(os.path.dirname(info["path"]), "hsx-1-deadbeefdeadbeef.pool")},
+                {**info, "path": os.path.join(os.path.dirname(info["path"]), "hsx2-1-deadbeefdeadbeef.pool")},
                 {**info, "size": info["size"] * 2},
             ]
         for b in bad:
@@ -305,36 +307,34 @@ def test_out_of_range_descriptors_are_refused(backend: str, make_producer: Make)
                 t._read_raw([(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], b"", time.monotonic() + 5)
 
 
-def _raw_handshake(endpoint: str) -> tuple[socket.socket, dict[str, Any]]:
-    host, port = endpoint.rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=5)
-    _, challenge = P.read_frame(s, time.monotonic() + 5, P.MAX_REQUEST_BYTES)
-    return s, challenge
-
-
-def test_wrong_or_missing_token_is_refused(backend: str, make_producer: Make, peer: Peer) -> None:
+def test_wrong_or_missing_credentials_are_refused(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer()
     h = publish(p, "secret", 10, 2, 64)
-    with pytest.raises(AuthError):
-        ExportConsumer(p.endpoint, "w" * 43)
+    with pytest.raises(AuthError):  # the CURVE handshake fails: the producer's key is not this token's
+        ExportConsumer(p.endpoint, "w" * 43, timeout_s=5)
     with pytest.raises(ExportConfigError):
         ExportConsumer(p.endpoint, "")
-    # no auth at all: a request straight after the challenge
-    s, challenge = _raw_handshake(p.endpoint)
-    assert challenge["op"] == "challenge" and "nonce" in challenge
-    P.write_frame(s, {"op": "claim", "ids": ["secret"]}, time.monotonic() + 5)
-    _, ans = P.read_frame(s, time.monotonic() + 5, P.MAX_RESPONSE_BYTES)
-    assert ans["ok"] is False and ans["error"] == "auth"
-    assert s.recv(1) == b""  # and the connection is closed
-    s.close()
-    # a forged MAC
-    s, _ = _raw_handshake(p.endpoint)
-    P.write_frame(s, {"op": "auth", "cnonce": "0" * 32, "mac": "f" * 64}, time.monotonic() + 5)
-    _, ans = P.read_frame(s, time.monotonic() + 5, P.MAX_RESPONSE_BYTES)
-    assert ans["error"] == "auth"
-    s.close()
-    assert p.stats()["control_auth_failures"] == 3
-    assert p.stats()["claimed"] == 0  # nothing was handed out
+    with pytest.raises(ExportConfigError):
+        ExportConsumer(p.endpoint)  # neither a token nor a ticket
+    # a client that completes the handshake without the token (any CURVE key) but presents no capability,
+    # a forged one, or a capability of another record
+    anon = ControlClient(p.endpoint, server_key=server_key(p.token), timeout_s=5)
+    try:
+        for cap in (None, "c1." + "A" * 43, p.ticket("other").cap):
+            with pytest.raises(CapabilityError):
+                anon.call(P.ClaimReq(["secret"], cap=cap))
+        with pytest.raises(CapabilityError):
+            anon.call(P.ClaimNextReq(max_records=1, max_bytes=1 << 20, wait_s=0.0))
+    finally:
+        anon.close()
+    wait_until(
+        lambda: p.stats()["control_handshake_failures_other"] + p.stats()["control_handshake_failures_protocol"] >= 1,
+        5.0,
+        "the failed handshake to be counted",
+    )
+    st = p.stats()
+    assert st["control_capability_refusals"] == 4 and st["control_zap_record"] == 1
+    assert st["claimed"] == 0  # nothing was handed out
     connect(peer, p)
     (res,) = peer.ok("fetch", ids=["secret"])["results"]
     assert res["ok"] and res["sha256"] == h
@@ -343,45 +343,63 @@ def test_wrong_or_missing_token_is_refused(backend: str, make_producer: Make, pe
 def test_truncated_and_corrupted_control_messages_fail_alone(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer()
     h = publish(p, "keep", 10, 2, 64)
-    bad_frames: list[bytes] = [
-        P.HEADER.pack(P.MAGIC, P.VERSION, b"m", 12) + b"\xc1" * 12,  # not msgpack
-        P.HEADER.pack(P.MAGIC, P.VERSION, b"j", 9) + b"[1, 2, 3]",  # not a map
-        P.HEADER.pack(P.MAGIC, P.VERSION, b"m", 1 << 30),  # oversized: refused unread
-        P.HEADER.pack(b"GE", P.VERSION, b"j", 4) + b"T / ",  # wrong magic (an HTTP client)
-        P.HEADER.pack(P.MAGIC, 9, b"j", 2) + b"{}",  # future protocol version
+    cl = ControlClient(p.endpoint, p.token, timeout_s=5)
+    assert isinstance(cl.call(P.PingReq())[0], P.PongReply)
+    sock = cl._sock
+    bad_frames: list[list[bytes]] = [
+        [P.HEADER, P.new_rid(), b"\xc1" * 12],  # not msgpack
+        [P.HEADER, P.new_rid(), b"\x93\x01\x02\x03"],  # not a map
+        [P.HEADER, P.new_rid(), b"\x81\xa2op"],  # truncated
+        [b"GET / HTTP/1.1", P.new_rid(), b"{}"],  # wrong header (an HTTP client)
+        [P.HEADER_PREFIX + b"\x09", P.new_rid(), b"{}"],  # a future wire version
+        [P.HEADER, b"short", P.encode(P.PingReq())],  # a bad request id
     ]
-    for frame in bad_frames:
-        cl = ControlClient(p.endpoint, p.token, timeout_s=5)
-        cl._sock.sendall(frame)
-        _, ans = P.read_frame(cl._sock, time.monotonic() + 5, P.MAX_RESPONSE_BYTES)
-        assert ans["ok"] is False and ans["error"] == "protocol", ans
-        cl.close()
-    # truncated: a header announcing 100 bytes, 10 sent, then the peer vanishes
-    cl = ControlClient(p.endpoint, p.token, timeout_s=5)
-    cl._sock.sendall(P.HEADER.pack(P.MAGIC, P.VERSION, b"j", 100) + b'{"op": "cl')
-    cl._sock.shutdown(socket.SHUT_WR)
-    cl.close()
+    for frames in bad_frames:
+        sock.send_multipart(frames)
+        assert sock.poll(5000), "every bad frame is answered"
+        got = sock.recv_multipart()
+        rep = P.decode_reply(got[3])
+        assert isinstance(rep, P.ErrorReply) and rep.code in ("protocol", "wire_version"), rep
+    sock.send_multipart([P.HEADER, P.encode(P.PingReq())])  # two frames: counted and dropped (no request id)
+    # oversized: libzmq refuses a frame above zmq.MAXMSGSIZE as soon as its header arrives (the peer is dropped;
+    # the client reconnects by itself)
+    sock.send_multipart([P.HEADER, P.new_rid(), b"x" * (P.MAX_REQUEST_BYTES + 4096)])
     # well-formed but wrong requests are answered and the connection stays usable
-    cl = ControlClient(p.endpoint, p.token, timeout_s=5)
-    for msg in (
-        {"op": "format_disk"},
-        {"op": "claim", "ids": "keep"},
-        {"op": "release", "leases": [["x", 1]]},
-        {"op": "claim_next", "max_records": -1, "max_bytes": 1, "wait_s": 0},
+    for body in (
+        msgspec.msgpack.encode({"op": "format_disk"}),
+        msgspec.msgpack.encode({"op": "claim", "ids": "keep"}),
+        msgspec.msgpack.encode({"op": "release", "leases": [["x", 1]]}),
+        msgspec.msgpack.encode({"op": "claim_next", "max_records": -1, "max_bytes": 1, "wait_s": 0}),
     ):
-        with pytest.raises(P.ProtocolError):
-            cl.call(msg)
-    assert cl.call({"op": "ping"})["producer"] == p.instance
+        rid = P.new_rid()
+        sock.send_multipart([P.HEADER, rid, body])
+        deadline = time.monotonic() + 10
+        while True:  # answers to the requests lost with the dropped connection are resent below; skip others
+            assert time.monotonic() < deadline, "no answer to a wrong request"
+            if sock.poll(200):
+                got = sock.recv_multipart()
+                if got[1] == rid:
+                    break
+            else:
+                sock.send_multipart([P.HEADER, rid, body])  # it went out on the connection libzmq dropped
+        rep = P.decode_reply(got[3])
+        assert isinstance(rep, P.ErrorReply) and rep.code == "protocol", rep
+    assert isinstance(cl.call(P.PingReq())[0], P.PongReply)
     cl.close()
-    wait_until(lambda: p.stats()["control_bad_frames"] >= len(bad_frames) + 1, 5.0, "bad frames to be counted")
+    wait_until(lambda: p.stats()["control_bad_frames"] >= len(bad_frames) + 1 + 4, 5.0, "bad frames to be counted")
+    assert p.stats()["control_internal_errors"] == 0
     connect(peer, p)
     (res,) = peer.ok("fetch", ids=["keep"])["results"]
     assert res["ok"] and res["sha256"] == h
 
 
+#: 64 KiB of rows (256 tokens, bf16) and their 1 KiB of token ids: one slot
+SLOT_64K = 64 * 1024 + 1024
+
+
 def test_full_pool_drop_policy_counts_every_drop(backend: str, make_producer: Make, peer: Peer) -> None:
-    p = make_producer(num_slots=4, slot_bytes=64 * 1024, on_full="drop")
-    spec = dict(tokens=256, planes=1, hidden=128)  # 64 KiB in bf16: one slot
+    p = make_producer(num_slots=4, slot_bytes=SLOT_64K, on_full="drop")
+    spec = dict(tokens=256, planes=1, hidden=128)
     for i in range(4):
         publish(p, f"f-{i}", **spec)
     for i in range(3):
@@ -399,10 +417,11 @@ def test_full_pool_drop_policy_counts_every_drop(backend: str, make_producer: Ma
     publish(p, "f-4", **spec)  # room again
     (res,) = peer.ok("fetch", ids=["dropped-0"])["results"]
     assert res["error"] == "UnknownRecordError"
+    ledger_balanced(p.stats())
 
 
 def test_full_pool_wait_policy_waits_then_times_out_or_proceeds(backend: str, make_producer: Make, peer: Peer) -> None:
-    p = make_producer(num_slots=2, slot_bytes=64 * 1024, on_full="wait", wait_timeout_s=0.4)
+    p = make_producer(num_slots=2, slot_bytes=SLOT_64K, on_full="wait", wait_timeout_s=0.4)
     spec = dict(tokens=256, planes=1, hidden=128)
     publish(p, "w-0", **spec)
     publish(p, "w-1", **spec)
@@ -444,6 +463,9 @@ def test_corrupted_slot_is_caught_by_the_checksum(backend: str, make_producer: M
     assert res["ok"] is False and res["error"] == "ChecksumMismatchError", res
     assert peer.ok("cstats")["stats"]["checksum_failures"] == 1
     wait_until(drained(p), 5.0, "the slot to be released anyway")
+    st = p.stats()  # released, but not counted delivered
+    assert (st["released"], st["checksum_failed"], st["delivered"]) == (1, 1, 0)
+    ledger_balanced(st)
 
 
 def test_bad_records_fail_alone_and_are_counted(backend: str, make_producer: Make, peer: Peer) -> None:
@@ -496,7 +518,9 @@ def test_control_plane_binds_loopback_by_default_one_port_per_producer(backend: 
     params = a.publish(make_meta("kp", make_rows(0, 2, 1, 64)), make_rows(0, 2, 1, 64)).kv_transfer_params()
     entry = params["hs_export"]
     assert entry["endpoint"] == a.endpoint and entry["record_id"] == "kp"
-    assert a.token not in json.dumps(params) and "token" not in entry  # params reach the client: no credential
+    # params reach the client: never the trainer token, only the capability of this one record
+    assert a.token not in json.dumps(params) and "token" not in entry
+    assert entry["cap"].startswith("c1.") and entry["server_key"] == a.server_key
     json.dumps(params)  # plain data, fit for an OpenAI response
     with ExportConsumer.from_params(params, token=a.token) as c:
         assert c.fetch(entry["record_id"]).meta.request_id == "kp"
@@ -519,18 +543,16 @@ def test_consumer_process_exit_leaves_the_pool_intact(backend: str, make_produce
         assert digest(c.fetch("x2").hidden_states) == h2
 
 
-def test_frames_with_binary_or_extension_types_are_rejected() -> None:
-    if "m" not in P.local_codecs():
-        pytest.skip("msgpack is not installed")
-    packed = P.encode({"x": 1}, b"m")
-    assert P.decode(b"m", packed[P.HEADER.size :]) == {"x": 1}
-    with pytest.raises(P.ProtocolError):
-        P.decode(b"m", b"\x81\xa1x\xc4\x03abc")  # {"x": bin(b"abc")}: bytes are refused
-    with pytest.raises(P.ProtocolError):
-        P.decode(b"m", b"\x81\xa1x\xd4\x01\x00")  # {"x": ext(1)}: extension types are refused
-    with pytest.raises(P.ProtocolError):
-        P.decode(b"m", b"\x81\xc4\x01k\x01")  # a bytes map key
-    assert struct.calcsize("!2sBcI") == P.HEADER.size
+def test_bytes_and_extension_types_are_refused_where_the_schema_has_none() -> None:
+    good = msgspec.msgpack.encode({"op": "claim", "ids": ["x"]})
+    assert P.decode_request(good) == P.ClaimReq(["x"])
+    for body in (
+        msgspec.msgpack.encode({"op": "claim", "ids": [b"abc"]}),  # bytes where a str is due
+        b"\x82\xa2op\xa5claim\xa3ids\x91\xd4\x01\x00",  # an extension type in the list
+        msgspec.msgpack.encode({"op": b"claim", "ids": ["x"]}),
+    ):
+        with pytest.raises(P.ProtocolError):
+            P.decode_request(body)
 
 
 def test_consumer_asking_for_the_other_transport_gets_a_named_error(backend: str, make_producer: Make) -> None:
@@ -634,9 +656,9 @@ def test_pending_record_is_waited_for_and_a_failed_one_names_its_reason(backend:
     p = make_producer()
     rows = make_rows(3, 5, 2, 64)
     timer = threading.Timer(0.3, lambda: p.publish(make_meta("late", rows, 7), rows))
-    timer.start()
     try:
         with ExportConsumer(p.endpoint, p.token) as c:
+            timer.start()  # after the consumer is up (its landing buffer alone takes a while on a loaded box)
             t0 = time.monotonic()
             rec = c.fetch("late", wait_s=10)
             assert time.monotonic() - t0 >= 0.25
@@ -653,7 +675,7 @@ def test_pending_record_is_waited_for_and_a_failed_one_names_its_reason(backend:
     assert p.stats()["failed_records"] == 1
 
 
-def test_ticket_names_no_credential_and_the_consumer_finds_the_token_file(
+def test_ticket_carries_no_trainer_token_and_the_consumer_finds_the_token_file(
     backend: str, make_producer: Make, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vllm_hs_compat.export.control import TOKEN_ENV, TOKEN_FILE_ENV, load_or_create_token, read_token
@@ -670,4 +692,5 @@ def test_ticket_names_no_credential_and_the_consumer_finds_the_token_file(
     params = p.publish(make_meta("t", rows, 7), rows).kv_transfer_params()
     assert token not in json.dumps(params)
     with ExportConsumer.from_params(params) as c:  # token from the file named by the environment
+        assert c.principal == "trainer"
         assert torch.equal(c.fetch("t").hidden_states.view(torch.int16), rows.view(torch.int16))

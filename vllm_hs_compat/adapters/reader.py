@@ -209,6 +209,10 @@ class VllmReader:
             params=params if isinstance(params, Mapping) else None,
         )
 
+    def step_engine(self, llm: Any) -> None:
+        """One step of an offline ``LLM``'s in-process engine."""
+        llm.llm_engine.step()
+
     # --- worker side ----------------------------------------------------------------------------------------
     def layer_slot_mapping(self, layer_name: str, attn_metadata: Any) -> torch.Tensor | None:
         """The slot mapping vLLM wrote ``layer_name`` with in this step (the forward context's per-layer dict,

@@ -178,3 +178,5 @@ class HiddenStatesCaptureConnector(_Bases):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._hs_worker is not None:
             self._hs_worker.shutdown()
+        if self._hs_scheduler is not None:
+            self._hs_scheduler.shutdown()

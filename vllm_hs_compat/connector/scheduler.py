@@ -9,6 +9,7 @@ the worker half reads and publishes, then reports the request finished so vLLM f
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.vllm_hs_compat.connector")
 
 REASON_PADDING = "padding_slot"
+REASON_ENGINE_STOPPED = "engine_stopped"
+
+#: Scheduler halves alive in this process (the in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+LIVE: weakref.WeakSet[CaptureScheduler] = weakref.WeakSet()
 
 
 class CaptureScheduler:
@@ -73,7 +78,14 @@ class CaptureScheduler:
         self._tracker = BlockTracker(self.group.index)
         self._checks_left = config.check_requests
         self._locator: dict[str, Any] | None = None
-        self.counters = {"records_scheduled": 0, "records_refused": 0, "slot_checks_sent": 0, "tracking_mismatch": 0}
+        self.counters = {
+            "records_scheduled": 0,
+            "records_refused": 0,
+            "slot_checks_sent": 0,
+            "tracking_mismatch": 0,
+            "records_lost_at_shutdown": 0,
+        }
+        LIVE.add(self)
         log.info(
             "vllm-hs-compat scheduler: %s; %d planes %s; %d blocks; capture=%s window=%s sink=%s",
             self.group.describe(),
@@ -100,7 +112,8 @@ class CaptureScheduler:
                     "the scheduler would address the wrong cache rows"
                 )
             self._locator = dict(info.get("locator") or {})
-            log.info("vllm-hs-compat scheduler: capture owner %s, sink %s", info.get("ranks"), self._locator)
+            shown = {k: v for k, v in self._locator.items() if k != "capability_key"}  # a secret: never logged
+            log.info("vllm-hs-compat scheduler: capture owner %s, sink %s", info.get("ranks"), shown)
 
     # --- every step -------------------------------------------------------------------------------------
     def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -219,7 +232,36 @@ class CaptureScheduler:
 
     @property
     def held(self) -> int:
+        """Requests whose blocks are held for a record not read yet (queued or sent to the workers)."""
         return len(self._held)
+
+    def shutdown(self) -> None:
+        """Count and name the records the engine stopped before reading.  Saves never sent to the workers are
+        lost for sure: with the file sink each leaves ``<record>.error.json``."""
+        lost = list(self._pending)
+        self._pending = []
+        if self._held:
+            self.counters["records_lost_at_shutdown"] += len(lost)
+            log.error(
+                "vllm-hs-compat: the engine stopped with %d record(s) not read (%d never sent to the workers: lost). "
+                "With the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) the records of an offline "
+                "LLM.generate are read in the engine's next steps: call vllm_hs_compat.connector.flush(llm) "
+                "before shutting it down.",
+                len(self._held),
+                len(lost),
+            )
+        if lost and self.config.sink == "file" and self.config.file_path is not None:
+            from vllm_hs_compat.export import files
+
+            for save in lost:
+                files.write_failure(
+                    self.config.file_path,
+                    save.record_id,
+                    REASON_ENGINE_STOPPED,
+                    "the engine stopped before the record was read",
+                )
+        self._held.clear()
+        LIVE.discard(self)
 
 
 def _group_blocks(block_ids: Sequence[Any], group_index: int) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from vllm_hs_compat.core.capture import RecordFailure
 from vllm_hs_compat.core.records import CaptureRecord
 from vllm_hs_compat.errors import CaptureConfigError
 from vllm_hs_compat.export import files
-from vllm_hs_compat.export.protocol import PARAMS_KEY as EXPORT_KEY
+from vllm_hs_compat.export.protocol import ExportTicket
 
 from .config import ConnectorConfig
 
@@ -62,8 +62,17 @@ class ExportSink(Sink):
         self.producer = ExportProducer(token=token, **opts)
 
     def locator(self) -> dict[str, Any]:
+        """Endpoint, instance, backend, the producer's public CURVE key and its capability key.  The capability
+        key (a :class:`~vllm_hs_compat.export.capabilities.CapabilityKey`) prints redacted in logs; it lets the
+        scheduler mint each ticket's per-record capability, never the trainer token."""
         p = self.producer
-        return {"endpoint": p.endpoint, "producer": p.instance, "backend": p.backend}
+        return {
+            "endpoint": p.endpoint,
+            "producer": p.instance,
+            "backend": p.backend,
+            "server_key": p.server_key,
+            "capability_key": p.capability_key,
+        }
 
     def write(self, record: CaptureRecord) -> None:
         self.producer.publish(record.meta, record.hidden_states)
@@ -140,21 +149,13 @@ def make_sink(config: ConnectorConfig, dp_rank: int = 0) -> Sink:
 
 
 def sink_ticket(kind: str, locator: Mapping[str, Any] | None, record_id: str, nbytes: int) -> dict[str, Any]:
-    """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_record``).  Never a
-    credential: these params reach whoever sent the request."""
+    """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_record``).  These params
+    reach whoever sent the request, so the only credential in them is the export's per-record capability, which
+    opens this record and nothing else (never the trainer token)."""
     if not locator:
         return {}
     if kind == "export":
-        return {
-            EXPORT_KEY: {
-                "v": 1,
-                "record_id": record_id,
-                "endpoint": locator["endpoint"],
-                "producer": locator["producer"],
-                "backend": locator["backend"],
-                "nbytes": nbytes,
-            }
-        }
+        return ExportTicket.from_locator(locator, record_id, nbytes).kv_transfer_params()
     if kind == "file":
         tensors, manifest, error = files.record_paths(locator["path"], record_id)
         return {

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,9 @@ REASON_BACKLOG = "backlog"
 #: Host bytes of records waiting for the sink beyond which new records fail (counted) instead of piling up.
 MAX_BACKLOG_BYTES = 4 << 30
 
+#: Worker halves alive in this process (the in-process engine), drained by ``vllm_hs_compat.connector.flush``.
+LIVE: weakref.WeakSet[CaptureWorker] = weakref.WeakSet()
+
 
 class CaptureWorker:
     """Worker-side state of the capture connector."""
@@ -71,10 +75,10 @@ class CaptureWorker:
         self._issued_step = -1
         self._checked_step = -1
         self._group_checked = False
-        self._inflight: list[tuple[SaveRequest, PendingRows]] = []
         self._report: set[str] = set()
+        self._report_lock = threading.Lock()
         self._bad: dict[str, str] = {}
-        self._queue: queue.Queue[tuple[SaveRequest, torch.Tensor] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[SaveRequest, PendingRows, int] | None] = queue.Queue()
         self._backlog = 0
         self._backlog_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -88,6 +92,7 @@ class CaptureWorker:
             "slot_checks_unavailable": 0,
         }
         self._counter_lock = threading.Lock()
+        LIVE.add(self)
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._counter_lock:
@@ -126,7 +131,7 @@ class CaptureWorker:
             list(self.labels.layer_ids),
             self.owner,
             self.config.sink if self.owner else "-",
-            self.sink.locator() if self.sink is not None else "",
+            {k: v for k, v in self.sink.locator().items() if k != "capability_key"} if self.sink is not None else "",
         )
         token_file = getattr(self.sink, "token_file", None)
         if token_file is not None:
@@ -166,13 +171,13 @@ class CaptureWorker:
         for save in plan.saves:
             self._count("saves")
             if not self.owner:
-                self._report.add(save.req_id)
+                self._done(save.req_id)
                 continue
             try:
                 self._issue(save)
             except HsCompatError as e:
                 self._fail(save, REASON_BLOCKS, str(e))
-                self._report.add(save.req_id)
+                self._done(save.req_id)
 
     def _issue(self, save: SaveRequest) -> None:
         if self.reader is None:
@@ -180,31 +185,32 @@ class CaptureWorker:
         bad = self._bad.pop(save.req_id, None)
         if bad is not None:
             self._fail(save, REASON_SLOT_CHECK, bad)
-            self._report.add(save.req_id)
+            self._done(save.req_id)
             return
         nbytes = save.num_tokens * self.labels.num_planes * self.hidden_size * self.reader.cache.element_size()
         with self._backlog_lock:
             over = self._backlog + nbytes > MAX_BACKLOG_BYTES
         if over:
             self._fail(save, REASON_BACKLOG, f"{self._backlog} bytes of records wait for the sink already")
-            self._report.add(save.req_id)
+            self._done(save.req_id)
             return
         pending = self.reader.read(save.req_id, save.block_ids, start=save.start, num_tokens=save.num_tokens)
         with self._backlog_lock:
             self._backlog += nbytes
-        self._inflight.append((save, pending))
+        if pending.event is None:  # CPU: the copy was synchronous, the blocks may go at once
+            self._done(save.req_id)
+        self._queue.put((save, pending, nbytes))
+
+    def _done(self, req_id: str) -> None:
+        with self._report_lock:
+            self._report.add(req_id)
 
     def finished(self) -> set[str]:
-        """Held requests whose rows are read (their blocks may be freed): each reported exactly once."""
-        still = []
-        for save, pending in self._inflight:
-            if pending.done():
-                self._queue.put((save, pending.rows))
-                self._report.add(save.req_id)
-            else:
-                still.append((save, pending))
-        self._inflight = still
-        done, self._report = self._report, set()
+        """Held requests whose rows are read (their blocks may be freed): each reported exactly once.  The
+        publisher thread marks a CUDA copy done as soon as it completes, so records are published even when vLLM
+        steps no more (an idle engine); only the block free waits for the next step."""
+        with self._report_lock:
+            done, self._report = self._report, set()
         return done
 
     def on_capture_written(self, layer_name: str, attn_metadata: Any, plan: StepPlan | None) -> None:
@@ -281,34 +287,39 @@ class CaptureWorker:
             if item is None:
                 self._queue.task_done()
                 return
-            save, rows = item
+            save, pending, nbytes = item
+            reported = pending.event is None  # synchronous copies were reported when issued
             try:
+                if not reported:
+                    pending.wait()
+                    self._done(save.req_id)
+                    reported = True
+                rows = pending.rows
                 if self.sink is None:
                     raise CaptureViewError("no sink")
                 self.sink.write(self._record(save, rows))
                 self._count("records")
-                self._count("bytes", rows.numel() * rows.element_size())
+                self._count("bytes", nbytes)
             except Exception as e:
                 self._fail(save, REASON_SINK, f"{type(e).__name__}: {e}")
+                if not reported:  # exactly once: vLLM frees the blocks of each reported request
+                    self._done(save.req_id)
             finally:
                 with self._backlog_lock:
-                    self._backlog -= rows.numel() * rows.element_size()
+                    self._backlog -= nbytes
                 self._queue.task_done()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every read record has reached the sink (True) or ``timeout_s`` passed."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self._inflight and self._queue.unfinished_tasks == 0:
+            if self._queue.unfinished_tasks == 0:
                 return True
             time.sleep(0.005)
         return False
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Publish what is read, stop the publisher, close the sink; log the counters."""
-        for _, pending in self._inflight:
-            pending.wait()
-        self.finished()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout_s)

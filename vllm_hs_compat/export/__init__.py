@@ -7,18 +7,20 @@ Producer side (the capture connector's worker)::
     ticket = producer.publish(RecordMeta.for_tensor(req_id, rows, token_ids, layer_ids, pre_norm=True), rows)
     kv_transfer_params.update(ticket.kv_transfer_params())
 
-Trainer side::
+Trainer side (the trainer token: ``$VLLM_HS_COMPAT_EXPORT_TOKEN`` or the token file), or a client holding only
+its ticket (whose capability opens that one record)::
 
     from vllm_hs_compat.export import ExportConsumer
     consumer = ExportConsumer.from_params(kv_transfer_params)
-    record = consumer.fetch(kv_transfer_params["hs_export"]["record_id"])
+    record = consumer.fetch(kv_transfer_params["hs_export"]["record_id"], wait_s=30)
 
-See docs/export.md for the wire format, the security model, UCX settings and fault semantics.
+See docs/export.md for the wire protocol, the capability model, the ledger, UCX settings and fault semantics.
 """
 
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
 from vllm_hs_compat.errors import (
     AuthError,
+    CapabilityError,
     ChecksumMismatchError,
     ControlPlaneError,
     DescriptorError,
@@ -30,6 +32,7 @@ from vllm_hs_compat.errors import (
     LandingBufferFullError,
     LeaseExpiredError,
     PoolFullError,
+    ProducerUnreachableError,
     ProtocolError,
     RecordFailedError,
     RecordFormatError,
@@ -40,15 +43,20 @@ from vllm_hs_compat.errors import (
     TransportError,
     TransportUnavailableError,
     UnknownRecordError,
+    WireVersionError,
 )
+from vllm_hs_compat.export.capabilities import CapabilityKey, mint
 from vllm_hs_compat.export.consumer import Claim, ExportConsumer
 from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
 from vllm_hs_compat.export.producer import ExportProducer
-from vllm_hs_compat.export.protocol import PARAMS_KEY, ExportTicket
+from vllm_hs_compat.export.protocol import PARAMS_KEY, WIRE_VERSION, ExportTicket
 
 __all__ = [
     "PARAMS_KEY",
+    "WIRE_VERSION",
     "AuthError",
+    "CapabilityError",
+    "CapabilityKey",
     "CaptureRecord",
     "ChecksumMismatchError",
     "Claim",
@@ -65,6 +73,7 @@ __all__ = [
     "LandingBufferFullError",
     "LeaseExpiredError",
     "PoolFullError",
+    "ProducerUnreachableError",
     "ProtocolError",
     "RecordFailedError",
     "RecordFormatError",
@@ -77,6 +86,8 @@ __all__ = [
     "TransportUnavailableError",
     "UcxSettings",
     "UnknownRecordError",
+    "WireVersionError",
     "compute_checksum",
+    "mint",
     "nixl_available",
 ]

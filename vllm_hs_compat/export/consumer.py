@@ -1,78 +1,135 @@
-"""Consumer client: fetch records by id (or stream them) into its own registered landing buffer.
+"""Consumer client: fetch records by id (or stream them) into its own landing buffer.
 
 ::
 
-    with ExportConsumer.from_params(response["kv_transfer_params"]) as c:
+    with ExportConsumer.from_params(response["kv_transfer_params"]) as c:       # trainer token, or the ticket
         rec = c.fetch(response["kv_transfer_params"]["hs_export"]["record_id"])
         rec.hidden_states  # [tokens, planes, hidden], checksum and shape verified
 
-    for rec in ExportConsumer(endpoint, token).iter_records(batch=64, idle_timeout_s=30):
+    for rec in ExportConsumer(endpoint, token).iter_records(batch=64, idle_timeout_s=30):   # trainer only
         ...
 
-Not thread-safe: one consumer per thread or process.  With ``copy=False`` a record's tensor is a view of the
-landing buffer, valid until :meth:`ExportConsumer.release`; with ``copy=True`` (default) it is owned.
+Two kinds of consumer:
+
+* a **trainer** (``token``): claims any record or streams them all, and reads over the producer's data
+  transport (NIXL READ into a registered landing buffer, or a copy out of the ``/dev/shm`` pool);
+* a **ticket holder** (``ticket`` with a capability, no token): fetches that one record, whose bytes come through
+  the control plane (it is never given the pool's transport description, which would open every record).
+
+Every read is verified (hidden-state checksum unless ``verify_checksum=False``; the token ids' checksum always)
+and then released with its outcome; only a record whose lease was still held when the release arrived is handed
+out (:class:`LeaseExpiredError` otherwise).  Not thread-safe: one consumer per thread or process.  With
+``copy=False`` a record's tensor is a view of the landing buffer, valid until :meth:`ExportConsumer.release`;
+with ``copy=True`` (default) it is owned.
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import logging
+import math
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import msgspec
+import torch
+
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
+from vllm_hs_compat.core.records import (
+    CHECKSUM_ALGORITHMS,
+    CaptureRecord,
+    RecordMeta,
+    byte_view,
+    checksum_bytes,
+    compute_checksum,
+    torch_dtype,
+)
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.control import ControlClient, read_token
+from vllm_hs_compat.export.control import ControlClient, read_token, server_key
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings
-from vllm_hs_compat.export.producer import MAX_BATCH
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmConsumerTransport
-from vllm_hs_compat.export.transport import MAX_RELEASES_PER_NOTIF, ConsumerTransport, encode_release
+from vllm_hs_compat.export.transport import ConsumerTransport
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
+MAX_BATCH = P.MAX_BATCH
 
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """A leased record: where it lies in the producer's pool and what it is."""
+    """A leased record: where it lies in the producer's pool and what it is (``meta``: its metadata without the
+    token ids, which are read with the hidden states)."""
 
     record_id: str
     lease: int
     nonce: str
     offset: int
     nbytes: int
+    ids_offset: int
+    extent: int
+    ids_checksum: int
     producer: str
-    meta: RecordMeta
+    meta: P.MetaWire
+
+    @classmethod
+    def from_desc(cls, d: P.RecordDesc) -> Claim:
+        """A claim from a decoded descriptor, after the checks that need no bytes (any failure is this record's
+        alone: :class:`RecordFormatError`)."""
+        m = d.meta
+        if m.request_id != d.record_id:
+            raise E.RecordFormatError(f"descriptor for {d.record_id!r} carries metadata of {m.request_id!r}")
+        if m.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: unknown checksum algorithm {m.checksum_algorithm!r}; expected one of "
+                f"{CHECKSUM_ALGORITHMS} (producer and consumer run different vllm-hs-compat releases?)"
+            )
+        itemsize = torch.empty((), dtype=torch_dtype(m.dtype)).element_size()
+        want = math.prod(m.shape) * itemsize
+        if d.nbytes != want:
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: descriptor says {d.nbytes} bytes, its shape {list(m.shape)} {m.dtype} "
+                f"needs {want}"
+            )
+        if (d.ids_offset, d.extent) != P.ids_layout(d.nbytes, m.shape[0]):
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: token ids at [{d.ids_offset}, {d.extent}) do not follow {m.shape[0]} rows "
+                f"of {d.nbytes} bytes (expected {P.ids_layout(d.nbytes, m.shape[0])})"
+            )
+        if len(m.layer_ids) != m.shape[1] or any(a >= b for a, b in zip(m.layer_ids, m.layer_ids[1:], strict=False)):
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: layer ids {list(m.layer_ids)[:8]}... are not {m.shape[1]} ascending ids"
+            )
+        return cls(
+            record_id=d.record_id,
+            lease=d.lease,
+            nonce=d.nonce,
+            offset=d.offset,
+            nbytes=d.nbytes,
+            ids_offset=d.ids_offset,
+            extent=d.extent,
+            ids_checksum=d.ids_checksum,
+            producer=d.producer,
+            meta=m,
+        )
 
     @classmethod
     def parse(cls, d: Any) -> Claim:
-        if not isinstance(d, dict):
-            raise E.ProtocolError(f"record descriptor must be a map, found {type(d).__name__}")
-        meta = RecordMeta.from_dict(P.get_map(d, "meta"))
-        claim = cls(
-            record_id=P.get_str(d, "record_id", 512),
-            lease=P.get_int(d, "lease", 1),
-            nonce=P.get_str(d, "nonce", 64),
-            offset=P.get_int(d, "offset", 0),
-            nbytes=P.get_int(d, "nbytes", 1),
-            producer=P.get_str(d, "producer", 64),
-            meta=meta,
-        )
-        if meta.request_id != claim.record_id:
-            raise E.RecordFormatError(f"descriptor for {claim.record_id!r} carries metadata of {meta.request_id!r}")
-        if meta.nbytes != claim.nbytes:
-            raise E.RecordFormatError(
-                f"record {claim.record_id!r}: descriptor says {claim.nbytes} bytes, its shape {meta.shape} "
-                f"{meta.dtype} needs {meta.nbytes}"
-            )
-        if meta.checksum is None:
-            raise E.RecordFormatError(f"record {claim.record_id!r} arrived without a checksum")
-        return claim
+        """A claim from an encoded descriptor (bytes) or its plain-dict form; raises :class:`ProtocolError` or
+        :class:`RecordFormatError`."""
+        if isinstance(d, bytes | bytearray | memoryview):
+            desc = P.decode_descriptor(bytes(d))
+        else:
+            try:
+                desc = msgspec.convert(d, P.RecordDesc)
+            except (msgspec.ValidationError, TypeError) as e:
+                raise E.ProtocolError(f"record descriptor does not fit the schema: {e}") from None
+        return cls.from_desc(desc)
 
 
 class _Landing:
@@ -99,41 +156,57 @@ class _Landing:
         return self.pages - self._used.count(0)
 
 
+def _token_ids(raw: memoryview) -> tuple[int, ...]:
+    ids = array.array("I")
+    ids.frombytes(raw)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        ids.byteswap()
+    return tuple(ids)
+
+
 class ExportConsumer:
+    """Fetches and streams records from one producer (see the module docstring)."""
+
     def __init__(
         self,
         endpoint: str,
-        token: str,
+        token: str | None = None,
         *,
+        ticket: P.ExportTicket | None = None,
         backend: str = "auto",
         landing_bytes: int = 256 << 20,
         timeout_s: float = 10.0,
         shm_dir: str = DEFAULT_SHM_DIR,
         ucx: UcxSettings | None = None,
         verify_checksum: bool = True,
+        max_reply_bytes: int = P.DEFAULT_REPLY_BYTES,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
         if landing_bytes < PAGE or landing_bytes % PAGE:
             raise E.ExportConfigError(f"landing_bytes must be a positive multiple of {PAGE}, found {landing_bytes}")
+        if token is None and (ticket is None or ticket.cap is None or ticket.server_key is None):
+            raise E.ExportConfigError(
+                "an export consumer needs the trainer token (token=, $VLLM_HS_COMPAT_EXPORT_TOKEN or the token "
+                "file) or a ticket carrying a capability (kv_transfer_params['hs_export'] from a vllm-hs-compat "
+                "producer of this release)"
+            )
         self.endpoint = endpoint
-        self._token = token
+        self._ticket = ticket if token is None else None
         self._want = backend
         self._landing_bytes = landing_bytes
         self.timeout_s = timeout_s
         self._shm_dir = shm_dir
         self._ucx = ucx
         #: Checksum verification is on by default.  Turning it off saves one memory pass over every record
-        #: (about 3.5 ms per 64 MiB on the CI machine) and leaves only the shape/size checks: do it only where
-        #: the transport is trusted end to end.
+        #: and leaves the size checks and the token ids' checksum: do it only where the transport is trusted.
         self.verify_checksum = verify_checksum
-        self._client: ControlClient | None = None
-        self._client_broken = False
         self._transport: ConsumerTransport | None = None
         self._landing = _Landing(landing_bytes)
         self._held: dict[int, tuple[CaptureRecord, int, int]] = {}
         self.producer: str | None = None
         self.hello: dict[str, Any] = {}
+        self._hello: P.HelloReply | None = None
         self.counters = {
             "handshakes": 0,
             "producer_changes": 0,
@@ -142,31 +215,57 @@ class ExportConsumer:
             "checksum_failures": 0,
             "read_failures": 0,
             "abandoned": 0,
+            "bad_descriptors": 0,
+            "lease_expired": 0,
         }
+        self._client: ControlClient | None = None
         try:
+            self._client = ControlClient(
+                endpoint,
+                token,
+                timeout_s,
+                server_key=ticket.server_key if ticket is not None else None,
+                max_reply_bytes=max_reply_bytes,
+            )
             self._connect()
         except BaseException:
-            self.close()  # do not leave a NIXL agent or a landing buffer behind
+            self.close()  # do not leave a NIXL agent, a socket or a landing buffer behind
             raise
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], token: str | None = None, **kw: Any) -> ExportConsumer:
-        """A consumer of the producer a ticket names.  ``token`` is the trainer credential (never part of the
-        ticket); without it, :func:`~vllm_hs_compat.export.control.read_token` finds it."""
+        """A consumer of the producer a ticket names.  The credential: ``token`` if given, else the trainer token
+        (:func:`~vllm_hs_compat.export.control.read_token`) if one is found and belongs to this producer, else
+        the ticket's own capability (which opens that one record only)."""
         p = P.ExportTicket.parse(params)
-        return cls(p.endpoint, token if token is not None else read_token(), **kw)
+        if token is None:
+            try:
+                found = read_token()
+            except E.ExportConfigError:
+                found = None
+            if found is not None and p.cap is not None and p.server_key is not None:
+                if server_key(found) != p.server_key:
+                    log.info("the trainer token found here is not this producer's; using the ticket's capability")
+                    found = None
+            token = found
+        return cls(p.endpoint, token, ticket=p, **kw)
 
     # --- connection -----------------------------------------------------------------------------------------
+    @property
+    def principal(self) -> str:
+        """``"trainer"`` (token) or ``"record"`` (a ticket's capability)."""
+        return "record" if self._ticket is not None else "trainer"
+
     def _connect(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        client = ControlClient(self.endpoint, self._token, self.timeout_s)
-        try:
-            hello = client.hello
-            producer = P.get_str(hello, "producer", 64)
-            info = P.get_map(hello, "transport")
-            kind = P.get_str(info, "kind", 16)
+        client = self._client
+        if client is None:
+            raise E.ExportClosedError("consumer is closed")
+        rep, producer = client.call(P.HelloReq())
+        if not isinstance(rep, P.HelloReply):
+            raise E.ProtocolError(f"hello answered with {type(rep).__name__}")
+        info = rep.transport
+        if info is not None:
+            kind = "shm" if isinstance(info, P.ShmInfo) else "nixl"
             if self._want != "auto" and kind != self._want:
                 raise E.TransportUnavailableError(
                     f"producer at {self.endpoint} serves transport {kind!r}, this consumer was asked for "
@@ -178,48 +277,38 @@ class ExportConsumer:
                     self._transport = None
                 if kind == "nixl":
                     self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
-                elif kind == "shm":
-                    self._transport = ShmConsumerTransport(self._landing_bytes, self._shm_dir)
                 else:
-                    raise E.TransportUnavailableError(f"producer offers unknown transport {kind!r}")
+                    self._transport = ShmConsumerTransport(self._landing_bytes, self._shm_dir)
                 self.producer = None
-            if producer != self.producer:
-                if self.producer is not None:
-                    self.counters["producer_changes"] += 1
-                    log.info(
-                        "producer at %s changed (%s -> %s); re-attaching",
-                        self.endpoint,
-                        self.producer,
-                        producer,
-                    )
+            if rep.producer != self.producer:
                 self._transport.attach(info)
-                self.producer = producer
-        except BaseException:
-            client.close()
-            raise
-        self.hello = hello
-        self._client = client
-        self._client_broken = False
+        elif rep.principal == "trainer":
+            raise E.ProtocolError("the producer sent the trainer no transport description")
+        if self.producer is not None and rep.producer != self.producer:
+            self.counters["producer_changes"] += 1
+            log.info("producer at %s changed (%s -> %s); re-attached", self.endpoint, self.producer, rep.producer)
+        self.producer = rep.producer
+        self._hello = rep
+        self.hello = msgspec.to_builtins(rep, builtin_types=(bytes,))
         self.counters["handshakes"] += 1
 
-    def _call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """One request; a broken connection (reset, truncated, timed out) is re-established once."""
-        for attempt in (0, 1):
-            if self._client is None or self._client_broken:
-                self._connect()
-            client = self._client
-            if client is None:  # pragma: no cover - _connect raises instead
-                raise E.ControlPlaneError("no control connection")
-            try:
-                return client.call(msg, timeout_s)
-            except E.ExportError as e:
-                if not client.broken:
-                    raise  # the producer answered with an error: not a connection problem
-                self._client_broken = True
-                if attempt == 1:
-                    raise
-                log.info("control connection to %s failed (%s); reconnecting", self.endpoint, e)
-        raise E.ControlPlaneError("unreachable")  # pragma: no cover
+    def _call(self, req: P.Request, timeout_s: float | None = None) -> P.Reply:
+        """One request.  An answer from another producer instance than the attached one (the producer restarted)
+        re-attaches first."""
+        client = self._client
+        if client is None:
+            raise E.ExportClosedError("consumer is closed")
+        rep, producer = client.call(req, timeout_s if timeout_s is not None else self.timeout_s)
+        if producer != self.producer:
+            self._connect()
+        return rep
+
+    def _cap(self) -> str | None:
+        return self._ticket.cap if self._ticket is not None else None
+
+    def _budget(self) -> int:
+        client = self._client
+        return client.max_reply_bytes if client is not None else P.DEFAULT_REPLY_BYTES
 
     # --- claims ---------------------------------------------------------------------------------------------
     def claim(self, record_id: str, timeout_s: float | None = None, wait_s: float = 0.0) -> Claim:
@@ -229,71 +318,160 @@ class ExportConsumer:
         deadline = time.monotonic() + wait_s
         pause = 0.005
         while True:
-            ans = self._call({"op": "claim", "ids": [record_id]}, timeout_s or self.timeout_s)
-            errs = P.get_list(ans, "errors", MAX_BATCH)
-            if not errs:
+            rep = self._call(P.ClaimReq([record_id], max_reply_bytes=self._budget(), cap=self._cap()), timeout_s)
+            if not isinstance(rep, P.ClaimReply):
+                raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
+            if not rep.errors:
                 break
-            e0 = errs[0] if isinstance(errs[0], dict) else {}
-            msg = e0.get("message")
-            text = msg if isinstance(msg, str) else f"record {record_id!r} unknown"
-            if e0.get("error") == "failed_record":
-                raise E.RecordFailedError(f"record {record_id!r} will not be published: {text}")
+            e0 = rep.errors[0]
+            if e0.code == "failed_record":
+                raise E.RecordFailedError(f"record {record_id!r} will not be published: {e0.message}")
             if time.monotonic() + pause > deadline:
-                raise E.UnknownRecordError(text)
+                raise E.UnknownRecordError(e0.message)
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
-        recs = P.get_list(ans, "records", MAX_BATCH)
-        if len(recs) != 1:
-            raise E.ProtocolError(f"claim of one record answered with {len(recs)} descriptors")
-        return Claim.parse(recs[0])
+        if len(rep.records) != 1:
+            raise E.ProtocolError(f"claim of one record answered with {len(rep.records)} descriptors")
+        (item,) = self._parse(rep.records)
+        if isinstance(item, HsCompatError):
+            raise item
+        return item
 
-    def claim_next(self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None) -> list[Claim]:
-        """Lease up to ``max_records`` published records (oldest first), waiting up to ``wait_s`` for one."""
-        max_bytes = max_bytes or self._landing_bytes
-        ans = self._call(
-            {
-                "op": "claim_next",
-                "max_records": min(max_records, MAX_BATCH),
-                "max_bytes": max_bytes,
-                "wait_s": wait_s,
-            },
+    def _parse(self, raws: Sequence[bytes]) -> list[Claim | HsCompatError]:
+        """Each descriptor on its own: a bad one fails its record alone (its lease is given back if it can be
+        read, else the producer's TTL reclaims it)."""
+        out: list[Claim | HsCompatError] = []
+        bad: list[P.LeaseRef] = []
+        for raw in raws:
+            try:
+                out.append(Claim.from_desc(P.decode_descriptor(raw)))
+            except (E.ProtocolError, E.RecordFormatError) as e:
+                self.counters["bad_descriptors"] += 1
+                ref = P.decode_lease_ref(raw)
+                if ref is not None:
+                    bad.append(ref)
+                name = ref.record_id if ref is not None and ref.record_id else "?"
+                fate = "its lease is given back" if ref is not None else "its lease expires at the producer"
+                out.append(E.DescriptorError(f"record {name!r}: descriptor refused ({e}); {fate}"))
+        if bad:
+            self._settle([(r.lease, r.nonce, "abandoned") for r in bad])
+            self.counters["abandoned"] += len(bad)
+        return out
+
+    def _claim_next_items(
+        self, max_records: int, wait_s: float, max_bytes: int | None = None
+    ) -> list[Claim | HsCompatError]:
+        rep = self._call(
+            P.ClaimNextReq(
+                max_records=max(1, min(max_records, MAX_BATCH)),
+                max_bytes=max_bytes or self._landing_bytes,
+                wait_s=min(max(wait_s, 0.0), P.MAX_WAIT_S),
+                max_reply_bytes=self._budget(),
+            ),
             wait_s + self.timeout_s,
         )
-        return [Claim.parse(d) for d in P.get_list(ans, "records", MAX_BATCH)]
+        if not isinstance(rep, P.ClaimReply):
+            raise E.ProtocolError(f"claim_next answered with {type(rep).__name__}")
+        return self._parse(rep.records)
+
+    def claim_next(self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None) -> list[Claim]:
+        """Lease up to ``max_records`` published records (oldest first), waiting up to ``wait_s`` for one.  The
+        producer bounds the answer by its encoded size; a record whose descriptor is malformed is given back
+        (counted ``bad_descriptors``) and the others are returned.  Trainer only."""
+        items = self._claim_next_items(max_records, wait_s, max_bytes)
+        for it in items:
+            if isinstance(it, HsCompatError):
+                log.warning("claim_next: %s", it)
+        return [it for it in items if isinstance(it, Claim)]
+
+    def _settle(self, entries: Sequence[tuple[int, str, str]]) -> list[str] | E.ExportError:
+        """Release ``(lease, nonce, outcome)`` entries; the producer's verdict for each, or the error that kept
+        it from answering."""
+        out: list[str] = []
+        try:
+            for i in range(0, len(entries), P.MAX_RELEASES):
+                part = entries[i : i + P.MAX_RELEASES]
+                items = [P.ReleaseItem(lease, nonce, outcome) for lease, nonce, outcome in part]  # type: ignore[arg-type]
+                rep = self._call(P.ReleaseReq(items, cap=self._cap()))
+                if not isinstance(rep, P.ReleaseReply) or len(rep.results) != len(part):
+                    raise E.ProtocolError(f"release of {len(part)} lease(s) answered with {type(rep).__name__}")
+                out.extend(rep.results)
+        except E.ExportError as e:
+            log.info("release failed (%s); the producer's TTL reclaims the slots", e)
+            return e
+        return out
 
     def abandon(self, claims: Sequence[Claim]) -> None:
-        """Give leases back without reading them (best effort; the producer's TTL covers the rest)."""
+        """Give leases back without reading them (counted ``abandoned`` on both sides; if the producer cannot be
+        reached its TTL reclaims them)."""
         live = [c for c in claims if c.producer == self.producer]
         self.counters["abandoned"] += len(claims)
-        if not live:
-            return
-        try:
-            self._call({"op": "release", "leases": [[c.lease, c.nonce] for c in live]}, self.timeout_s)
-        except E.ExportError as e:
-            log.info("abandoning %d lease(s) failed (%s); the producer's TTL reclaims them", len(live), e)
+        if live:
+            self._settle([(c.lease, c.nonce, "abandoned") for c in live])
 
     # --- reads ----------------------------------------------------------------------------------------------
     def _check(self, c: Claim) -> None:
         if c.producer != self.producer:
             raise E.StaleMetadataError(
-                f"record {c.record_id!r} was leased from producer {c.producer}, now attached to "
-                f"{self.producer}; "
+                f"record {c.record_id!r} was leased from producer {c.producer}, now attached to {self.producer}; "
                 "the producer restarted and the record is gone"
             )
-        pool = self.hello.get("pool_bytes")
-        if not isinstance(pool, int) or c.offset + c.nbytes > pool:
+        pool = self._hello.pool_bytes if self._hello is not None else 0
+        if c.offset + c.extent > pool:
             raise E.DescriptorError(
-                f"record {c.record_id!r}: descriptor [{c.offset}, {c.offset + c.nbytes}) lies outside the "
+                f"record {c.record_id!r}: descriptor [{c.offset}, {c.offset + c.extent}) lies outside the "
                 f"producer's {pool}-byte pool; refusing to read it"
             )
+
+    def _verify(self, c: Claim, buf: torch.Tensor, off: int) -> tuple[RecordMeta | HsCompatError, str]:
+        """Check the bytes at ``buf[off:]``: ``(metadata, "delivered")`` or ``(error, outcome)``."""
+        algorithm = c.meta.checksum_algorithm
+        if self.verify_checksum:
+            got = compute_checksum(buf[off : off + c.nbytes], algorithm)
+            if got != c.meta.checksum:
+                self.counters["checksum_failures"] += 1
+                return (
+                    E.ChecksumMismatchError(
+                        f"record {c.record_id!r}: {algorithm} of the {c.nbytes} bytes read is {got:#018x}, the "
+                        f"producer computed {c.meta.checksum:#018x}; the slot was overwritten or the transfer torn"
+                    ),
+                    "checksum_failed",
+                )
+        ids_raw = byte_view(buf[off + c.ids_offset : off + c.extent])
+        if checksum_bytes(ids_raw, algorithm) != c.ids_checksum:
+            self.counters["checksum_failures"] += 1
+            return (
+                E.ChecksumMismatchError(
+                    f"record {c.record_id!r}: the {c.meta.shape[0]} token ids read do not match their {algorithm} "
+                    "checksum; the slot was overwritten or the transfer torn"
+                ),
+                "checksum_failed",
+            )
+        try:
+            return P.meta_from_wire(c.meta, _token_ids(ids_raw)), "delivered"
+        except E.RecordFormatError as e:
+            return e, "abandoned"
+
+    def _verdict(self, c: Claim, settled: str) -> HsCompatError | None:
+        if settled == "released":
+            return None
+        if settled == "expired":
+            self.counters["lease_expired"] += 1
+            ttl = self._hello.lease_ttl_s if self._hello is not None else "?"
+            return E.LeaseExpiredError(
+                f"record {c.record_id!r}: its lease (lease_ttl_s={ttl}) expired before the read was released; the "
+                "bytes read may be another record's, so it is not handed out (read faster, or raise lease_ttl_s)"
+            )
+        return E.StaleMetadataError(
+            f"record {c.record_id!r}: the producer does not know lease {c.lease} any more (it restarted?)"
+        )
 
     def read(
         self, claims: Sequence[Claim], copy: bool = True, timeout_s: float | None = None
     ) -> list[CaptureRecord | HsCompatError]:
-        """Read claimed records (one transfer per landing-buffer-full), verify each, release the leases.
-        Returns one entry per claim: the record, or the named error that failed it."""
-        transport = self._transport
-        if transport is None:
+        """Read claimed records (one transfer per landing-buffer-full), verify each, release each lease with its
+        outcome.  Returns one entry per claim: the record, or the named error that failed it."""
+        if self._client is None:
             raise E.ExportClosedError("consumer is closed")
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         results: list[CaptureRecord | HsCompatError | None] = [None] * len(claims)
@@ -302,14 +480,21 @@ class ExportConsumer:
             try:
                 self._check(c)
                 todo.append((i, c))
+            except E.StaleMetadataError as e:
+                results[i] = e  # a lease of a dead producer: nothing to give back
             except E.ExportError as e:
                 results[i] = e
                 self.abandon([c])
+        if self._transport is None:
+            for i, c in todo:
+                results[i] = self._read_inline(c, deadline)
+            return [r if r is not None else E.ExportError("internal: no result") for r in results]
+        transport = self._transport
         while todo:
             group: list[tuple[int, Claim, int]] = []
-            while todo and len(group) < MAX_RELEASES_PER_NOTIF:
+            while todo and len(group) < P.MAX_RELEASES:
                 i, c = todo[0]
-                off = self._landing.alloc(c.nbytes)
+                off = self._landing.alloc(c.extent)
                 if off is None:
                     break
                 todo.popleft()
@@ -318,60 +503,83 @@ class ExportConsumer:
                 i, c = todo.popleft()
                 cls = E.LandingBufferFullError if self._held else E.RecordTooLargeError
                 results[i] = cls(
-                    f"record {c.record_id!r} needs {c.nbytes} bytes; the landing buffer has "
+                    f"record {c.record_id!r} needs {c.extent} bytes; the landing buffer has "
                     f"{self._landing_bytes} bytes with {len(self._held)} record(s) held (copy=False); "
                     "release held records or raise landing_bytes"
                 )
                 self.abandon([c])
                 continue
-            items = [(c.offset, off, c.nbytes) for _, c, off in group]
-            notif = encode_release([(c.lease, c.nonce) for _, c, _ in group])
             try:
-                transport.read(items, notif, deadline)
+                transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
             except E.ExportError as e:
                 self.counters["read_failures"] += len(group)
                 for i, c, off in group:
                     results[i] = e
-                    self._landing.free(off, c.nbytes)
-                if isinstance(e, E.RemoteDisconnectedError | E.StaleMetadataError):
-                    self._client_broken = True  # re-handshake on the next call
-                else:
+                    self._landing.free(off, c.extent)
+                if not isinstance(e, E.RemoteDisconnectedError | E.StaleMetadataError):
                     self.abandon([c for _, c, _ in group])
                 continue
-            if not transport.releases_by_notification:
-                try:
-                    self._call({"op": "release", "leases": [[c.lease, c.nonce] for _, c, _ in group]}, self.timeout_s)
-                except E.ExportError as e:
-                    log.info("release failed (%s); the producer's TTL reclaims the slots", e)
-            for i, c, off in group:
-                results[i] = self._finish(c, off, copy)
+            checked = [(i, c, off, *self._verify(c, transport.landing, off)) for i, c, off in group]
+            settled = self._settle([(c.lease, c.nonce, outcome) for _, c, _, _, outcome in checked])
+            for k, (i, c, off, meta, _) in enumerate(checked):
+                bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[k])
+                if isinstance(meta, HsCompatError) or bad is not None:
+                    self._landing.free(off, c.extent)
+                    # an expired lease explains whatever the bytes looked like: it comes first
+                    expired = bad if isinstance(bad, E.LeaseExpiredError) else None
+                    results[i] = expired or (meta if isinstance(meta, HsCompatError) else bad)
+                    continue
+                results[i] = self._finish(c, meta, transport.landing, off, copy)
         return [r if r is not None else E.ExportError("internal: no result") for r in results]
 
-    def _finish(self, c: Claim, off: int, copy: bool, checksum: int | None = None) -> CaptureRecord | HsCompatError:
-        transport = self._transport
-        if transport is None:
-            return E.ExportClosedError("consumer closed")
-        raw = transport.landing[off : off + c.nbytes]
-        got = compute_checksum(raw, c.meta.checksum_algorithm) if self.verify_checksum else c.meta.checksum
-        if got != c.meta.checksum:
-            self._landing.free(off, c.nbytes)
-            self.counters["checksum_failures"] += 1
-            return E.ChecksumMismatchError(
-                f"record {c.record_id!r}: {c.meta.checksum_algorithm} of the {c.nbytes} bytes read is "
-                f"{got:#010x}, "
-                f"the producer computed {c.meta.checksum:#010x}; the slot was overwritten or the "
-                "transfer torn "
-                "(was the lease held past its TTL?)"
-            )
-        t = raw.view(c.meta.torch_dtype).view(c.meta.shape)
+    def _read_inline(self, c: Claim, deadline: float) -> CaptureRecord | HsCompatError:
+        """A ticket holder's read: the record's bytes through the control plane, in bounded chunks."""
+        buf = torch.empty(c.extent, dtype=torch.uint8)
+        view = byte_view(buf)
+        limit = self._hello.max_read_bytes if self._hello is not None else P.MAX_READ_BYTES
+        step = max(PAGE, min(limit, self._budget() - P.REPLY_OVERHEAD))
+        pos = 0
+        try:
+            while pos < c.extent:
+                n = min(step, c.extent - pos)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise E.ExportTimeoutError(f"record {c.record_id!r}: read past its deadline at byte {pos}")
+                rep = self._call(P.ReadReq(c.lease, c.nonce, pos, n, cap=self._cap()), left)
+                if not isinstance(rep, P.ReadReply) or len(rep.data) != n:
+                    raise E.ProtocolError(f"read of {n} bytes answered with {type(rep).__name__}")
+                view[pos : pos + n] = rep.data
+                pos += n
+        except E.LeaseExpiredError as e:
+            self.counters["lease_expired"] += 1
+            return e
+        except E.ExportError as e:
+            self.counters["read_failures"] += 1
+            self.abandon([c])
+            return e
+        meta, outcome = self._verify(c, buf, 0)
+        settled = self._settle([(c.lease, c.nonce, outcome)])
+        bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[0])
+        if isinstance(bad, E.LeaseExpiredError):
+            return bad
+        if isinstance(meta, HsCompatError):
+            return meta
+        if bad is not None:
+            return bad
+        self.counters["records"] += 1
+        self.counters["bytes"] += c.nbytes
+        return CaptureRecord(meta, buf[: c.nbytes].view(meta.torch_dtype).view(meta.shape))
+
+    def _finish(self, c: Claim, meta: RecordMeta, landing: torch.Tensor, off: int, copy: bool) -> CaptureRecord:
+        t = landing[off : off + c.nbytes].view(meta.torch_dtype).view(meta.shape)
         self.counters["records"] += 1
         self.counters["bytes"] += c.nbytes
         if copy:
-            rec = CaptureRecord(c.meta, t.clone())
-            self._landing.free(off, c.nbytes)
+            rec = CaptureRecord(meta, t.clone())
+            self._landing.free(off, c.extent)
         else:
-            rec = CaptureRecord(c.meta, t)
-            self._held[id(rec)] = (rec, off, c.nbytes)
+            rec = CaptureRecord(meta, t)
+            self._held[id(rec)] = (rec, off, c.extent)
         return rec
 
     def release(self, record: CaptureRecord) -> None:
@@ -399,15 +607,16 @@ class ExportConsumer:
         copy: bool = True,
         on_error: str = "raise",
     ) -> Iterator[CaptureRecord]:
-        """Stream published records oldest first.  Stops after ``idle_timeout_s`` without a record (``None``:
-        never).  ``on_error="raise"`` raises each failed record's error (the stream survives; call ``next``
-        again), ``"skip"`` logs and counts it."""
+        """Stream published records oldest first (trainer only).  Stops after ``idle_timeout_s`` without a record
+        (``None``: never).  ``on_error="raise"`` raises each failed record's error (the stream survives; call
+        ``next`` again), ``"skip"`` logs and counts it."""
         if on_error not in ("raise", "skip"):
             raise E.ExportConfigError(f"on_error must be 'raise' or 'skip', found {on_error!r}")
         return _RecordStream(self, batch, wait_s, idle_timeout_s, copy, on_error)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
+        """This consumer's counters and landing-buffer use."""
         return {
             **self.counters,
             "landing_pages_in_use": self._landing.in_use(),
@@ -415,9 +624,14 @@ class ExportConsumer:
         }
 
     def remote_stats(self) -> dict[str, Any]:
-        return P.get_map(self._call({"op": "stats"}, self.timeout_s), "stats")
+        """The producer's counters (trainer only)."""
+        rep = self._call(P.StatsReq())
+        if not isinstance(rep, P.StatsReply):
+            raise E.ProtocolError(f"stats answered with {type(rep).__name__}")
+        return dict(rep.stats)
 
     def close(self) -> None:
+        """Close the connection and the transport (held records become invalid)."""
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -460,6 +674,7 @@ class _RecordStream(Iterator[CaptureRecord]):
             while self._buf:
                 item = self._buf.popleft()
                 if isinstance(item, CaptureRecord):
+                    self._last = time.monotonic()  # idle means: no record for idle_timeout_s
                     return item
                 if self._on_error == "raise":
                     raise item
@@ -467,7 +682,10 @@ class _RecordStream(Iterator[CaptureRecord]):
             if self._idle is not None and time.monotonic() - self._last > self._idle:
                 raise StopIteration
             wait = self._wait_s if self._idle is None else min(self._wait_s, max(0.0, self._idle))
-            claims = self._c.claim_next(self._batch, wait)
-            if claims:
+            items = self._c._claim_next_items(self._batch, wait)
+            if items:
+                claims = [it for it in items if isinstance(it, Claim)]
+                results = iter(self._c.read(claims, self._copy) if claims else [])
+                for it in items:  # keep the producer's order, bad descriptors in place
+                    self._buf.append(next(results) if isinstance(it, Claim) else it)
                 self._last = time.monotonic()
-                self._buf.extend(self._c.read(claims, self._copy))

@@ -1,9 +1,9 @@
 """NIXL transport (optional extra ``nixl``, imported lazily on first use).
 
 One DRAM registration per side: the producer's pool, the consumer's landing buffer.  The consumer pulls with
-READ; the READ carries a release notification, so the producer frees the slots when the bytes have left.
-Agent metadata travels base64 inside control-plane messages; NIXL's pickle-based descriptor serialisation is
-never used.
+READ, verifies, and releases over the control plane (with the record's outcome).  Agent metadata travels as
+bytes inside the trainer's control-plane hello (never to a ticket holder: it would let its holder READ the whole
+pool); NIXL's pickle-based descriptor serialisation is never used.
 
 UCX settings (applied with ``os.environ.setdefault`` *before* NIXL is first imported, because UCX reads them
 once):
@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_hs_compat import errors as E
@@ -162,15 +162,17 @@ class NixlProducerTransport:
             raise _translate(e, "pool registration") from None
 
     def describe(self) -> dict[str, Any]:
+        """The agent's name and metadata and the pool's address range (for the trainer's hello only)."""
         return {
             "kind": self.kind,
             "agent": self.agent_name,
-            "metadata": P.b64(self._metadata),
+            "metadata": self._metadata,
             "base": int(self.buffer.data_ptr()),
             "size": self.pool_bytes,
         }
 
     def poll_notifications(self) -> list[bytes]:
+        """Poll NIXL (this also progresses UCX: wire-up and the consumers' READs need it)."""
         try:
             notifs = self._agent.get_new_notifs()
         except Exception as e:  # keep serving; the pump logs and counts
@@ -186,8 +188,9 @@ class NixlProducerTransport:
 
 
 class NixlConsumerTransport:
+    """One NIXL agent with the landing buffer registered; READs from the attached producer's pool."""
+
     kind = "nixl"
-    releases_by_notification = True
 
     def __init__(self, landing_bytes: int, ucx: UcxSettings | None = None) -> None:
         api = _load(ucx or UcxSettings())
@@ -202,13 +205,12 @@ class NixlConsumerTransport:
         self._base = 0
         self._size = 0
 
-    def attach(self, info: dict[str, Any]) -> None:
-        if info.get("kind") != self.kind:
-            raise E.TransportUnavailableError(f"producer offers transport {info.get('kind')!r}, this is nixl")
-        name = P.get_str(info, "agent", 256)
-        metadata = P.unb64(P.get_str(info, "metadata", 1 << 22), "NIXL agent metadata")
-        base = P.get_int(info, "base", 1, (1 << 64) - 1)
-        size = P.get_int(info, "size", 1, 1 << 48)
+    def attach(self, info: Mapping[str, Any] | P.ShmInfo | P.NixlInfo) -> None:
+        """Load the producer's agent metadata (``info``: its ``describe()``); forgets any earlier producer."""
+        desc = P.convert_transport(info)
+        if not isinstance(desc, P.NixlInfo):
+            raise E.TransportUnavailableError("producer offers transport 'shm', this is nixl")
+        name, metadata, base, size = desc.agent, desc.metadata, desc.base, desc.size
         self.detach()
         try:
             loaded = self._agent.add_remote_agent(metadata)
@@ -232,6 +234,8 @@ class NixlConsumerTransport:
             self._remote = None
 
     def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+        """One READ request for every range (each checked against both buffers first), polled to completion or
+        the deadline."""
         if self._remote is None:
             raise E.StaleMetadataError("no producer attached; call attach() first")
         cap = self.landing.numel()

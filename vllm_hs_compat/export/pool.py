@@ -5,8 +5,19 @@ that holds it.  A lease moves WRITING -> READY (published, waiting for a consume
 holds the descriptor) -> freed (released by the consumer, or expired).  A READY lease expires after
 ``ready_ttl_s`` and a CLAIMED one after ``lease_ttl_s``, so a dead or slow trainer can never wedge serving.
 When no run is free the ``on_full`` policy decides: ``"drop"`` fails the record at once, ``"wait"`` waits up
-to ``wait_timeout_s`` for a release or expiry.  Every outcome is counted in :meth:`LeasePool.stats`; nothing
-leaves silently.
+to ``wait_timeout_s`` for a release or expiry.
+
+The ledger: every published record ends in exactly one terminal state, counted once --
+
+* ``delivered``, ``checksum_failed``, ``abandoned``: a consumer released the lease and said which (their sum is
+  ``released``);
+* ``expired_ready`` (nobody claimed it in time), ``expired_claimed`` (its consumer did not release it in time);
+* ``discarded_at_close``: still READY or CLAIMED when the pool closed;
+
+so ``published == delivered + checksum_failed + abandoned + expired_ready + expired_claimed +
+discarded_at_close + leases_ready + leases_claimed`` holds at every moment (``unaccounted`` in :meth:`stats` is
+the difference, always 0).  Records refused before publication are counted apart (``dropped_full``,
+``too_large``, ``duplicate``, ``aborted``).
 
 Pure bookkeeping: no memory, no transport, thread-safe.
 """
@@ -19,16 +30,24 @@ import enum
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Iterable
+from typing import Final, Literal
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import RecordMeta
 
 FULL_POLICIES: Final = ("drop", "wait")
+OUTCOMES: Final = ("delivered", "checksum_failed", "abandoned")
+#: Fates of freed leases remembered (so a late release is told "expired", not "unknown").
+_FATES_KEPT: Final = 1 << 16
+
+Outcome = Literal["delivered", "checksum_failed", "abandoned"]
+Settled = Literal["released", "expired", "unknown"]
 
 
 class LeaseState(enum.Enum):
+    """Where a lease is in its life."""
+
     WRITING = "writing"
     READY = "ready"
     CLAIMED = "claimed"
@@ -37,6 +56,8 @@ class LeaseState(enum.Enum):
 
 @dataclasses.dataclass(slots=True)
 class Lease:
+    """One record's run of slots: ``[offset, offset + nbytes)`` of the pool."""
+
     lease_id: int
     record_id: str
     first_slot: int
@@ -47,6 +68,8 @@ class Lease:
     state: LeaseState
     deadline: float
     meta: RecordMeta | None = None
+    #: the encoded record descriptor (set by the producer at publish; the pool only carries it)
+    wire: bytes = b""
 
 
 _COUNTERS: Final = (
@@ -54,8 +77,12 @@ _COUNTERS: Final = (
     "bytes_published",
     "claimed",
     "released",
+    "delivered",
+    "checksum_failed",
+    "abandoned",
     "expired_ready",
     "expired_claimed",
+    "discarded_at_close",
     "dropped_full",
     "waited_full",
     "too_large",
@@ -66,6 +93,8 @@ _COUNTERS: Final = (
 
 
 class LeasePool:
+    """The slots of one producer's pool and the lease of every record in it (see the module docstring)."""
+
     def __init__(
         self,
         num_slots: int,
@@ -110,6 +139,10 @@ class LeasePool:
         self._cond = threading.Condition()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        # lease id -> (nonce, fate) of freed leases, oldest first, bounded
+        self._fates: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
+        #: called (outside the lock) after each publish; the producer wakes its parked long polls with it
+        self.on_ready: Callable[[], None] | None = None
 
     @property
     def pool_bytes(self) -> int:
@@ -183,9 +216,13 @@ class LeasePool:
             self._by_record[record_id] = lease
             return lease
 
-    def _free_locked(self, lease: Lease) -> None:
+    def _free_locked(self, lease: Lease, fate: str = "") -> None:
         if lease.state is LeaseState.FREED:
             return
+        if fate:
+            self._fates[lease.lease_id] = (lease.nonce, fate)
+            while len(self._fates) > _FATES_KEPT:
+                self._fates.popitem(last=False)
         self._free[lease.first_slot : lease.first_slot + lease.n_slots] = bytes(lease.n_slots)
         self._used -= lease.n_slots
         lease.state = LeaseState.FREED
@@ -196,17 +233,25 @@ class LeasePool:
         self._claimed.pop(lease.lease_id, None)
         self._cond.notify_all()
 
-    def publish(self, lease: Lease, meta: RecordMeta) -> None:
+    def publish(self, lease: Lease, meta: RecordMeta, wire: bytes = b"") -> None:
+        """WRITING -> READY: the record is complete and may be claimed.  After :meth:`close` this raises
+        :class:`ExportClosedError` (the caller aborts the lease)."""
         with self._cond:
+            if self._closed:
+                raise E.ExportClosedError(f"record {lease.record_id!r}: the pool closed while it was written")
             if lease.state is not LeaseState.WRITING:
                 raise E.ExportError(f"lease {lease.lease_id} is {lease.state.value}, expected writing")
             lease.meta = meta
+            lease.wire = wire
             lease.state = LeaseState.READY
             lease.deadline = self._clock() + self.ready_ttl_s if self.ready_ttl_s is not None else float("inf")
             self._ready[lease.lease_id] = lease
             self._counters["published"] += 1
             self._counters["bytes_published"] += lease.nbytes
             self._cond.notify_all()
+        hook = self.on_ready
+        if hook is not None:
+            hook()
 
     def abort(self, lease: Lease) -> None:
         with self._cond:
@@ -235,10 +280,19 @@ class LeasePool:
                 )
             return self._claim_locked(lease)
 
-    def claim_next(self, max_records: int, max_bytes: int, timeout_s: float) -> list[Lease]:
-        """Claim up to ``max_records`` READY records (oldest first, at most ``max_bytes`` in total; the
-        first one
-        is always taken if it fits alone), waiting up to ``timeout_s`` for the first."""
+    def claim_next(
+        self,
+        max_records: int,
+        max_bytes: int,
+        timeout_s: float,
+        *,
+        budget: int | None = None,
+        cost: Callable[[Lease], int] | None = None,
+    ) -> list[Lease]:
+        """Claim up to ``max_records`` READY records (oldest first, at most ``max_bytes`` in total; the first one
+        is always taken, even when larger, so the stream cannot stall on it), waiting up to ``timeout_s`` for the
+        first.  With ``budget`` and ``cost``, the claimed leases' costs (their encoded descriptors) also sum to at
+        most ``budget``: what does not fit stays READY for the next claim."""
         deadline = self._clock() + timeout_s
         with self._cond:
             while True:
@@ -250,24 +304,92 @@ class LeasePool:
                     return []
                 self._cond.wait(min(left, 0.05))
             total = 0
+            spent = 0
             take: list[Lease] = []
             for lease in self._ready.values():
-                if take and (len(take) >= max_records or total + lease.nbytes > max_bytes):
+                if len(take) >= max_records or (take and total + lease.nbytes > max_bytes):
                     break
+                if cost is not None and budget is not None:
+                    c = cost(lease)
+                    if spent + c > budget:
+                        break
+                    spent += c
                 total += lease.nbytes
                 take.append(lease)
             return [self._claim_locked(lease) for lease in take]
 
-    def release(self, lease_id: int, nonce: str) -> bool:
-        """Free a CLAIMED lease; a wrong nonce or an unknown/expired lease is counted and ignored."""
+    def ready_wire_size(self, record_id: str) -> int | None:
+        """Encoded descriptor size of READY record ``record_id`` (None when it is not READY)."""
+        with self._cond:
+            lease = self._by_record.get(record_id)
+            return len(lease.wire) if lease is not None and lease.state is LeaseState.READY else None
+
+    def has_ready(self) -> bool:
+        """True when a published record waits to be claimed."""
+        with self._cond:
+            self._expire_locked()
+            return bool(self._ready)
+
+    def claimed(self, lease_ids: Iterable[int]) -> list[Lease]:
+        """Snapshots of those of ``lease_ids`` that are still CLAIMED (a retried claim is answered with them)."""
+        with self._cond:
+            self._expire_locked()
+            out = []
+            for lid in lease_ids:
+                lease = self._by_id.get(lid)
+                if lease is not None and lease.state is LeaseState.CLAIMED:
+                    out.append(dataclasses.replace(lease))
+            return out
+
+    def lease(self, lease_id: int, nonce: str) -> Lease | None:
+        """A snapshot of CLAIMED lease ``lease_id`` if ``nonce`` is its nonce (after expiring what is due)."""
+        with self._cond:
+            self._expire_locked()
+            lease = self._by_id.get(lease_id)
+            if lease is None or lease.state is not LeaseState.CLAIMED or not _same(lease.nonce, nonce):
+                return None
+            return dataclasses.replace(lease)
+
+    def fate(self, lease_id: int, nonce: str) -> str | None:
+        """How a freed lease ended (``released:<outcome>``, ``expired_ready``, ``expired_claimed``,
+        ``discarded_at_close``), if it is still remembered and ``nonce`` is its nonce."""
+        with self._cond:
+            got = self._fates.get(lease_id)
+            if got is None or not _same(got[0], nonce):
+                return None
+            return got[1]
+
+    def settle(self, lease_id: int, nonce: str, outcome: str = "delivered") -> Settled:
+        """Release a CLAIMED lease with its outcome (``delivered``, ``checksum_failed`` or ``abandoned``):
+        ``"released"``.  A lease already released with the same nonce answers ``"released"`` again (a retried
+        release).  One whose TTL ran out first answers ``"expired"``; anything else ``"unknown"``.  Only
+        ``"released"`` of a claimed lease counts; the others are counted ``stale_releases``."""
+        if outcome not in OUTCOMES:
+            raise E.ProtocolError(f"release outcome must be one of {OUTCOMES}, found {outcome!r}")
         with self._cond:
             lease = self._by_id.get(lease_id)
-            if lease is None or lease.state is not LeaseState.CLAIMED or not secrets.compare_digest(lease.nonce, nonce):
+            if lease is not None and lease.state is LeaseState.CLAIMED and lease.deadline <= self._clock():
+                self._expire_locked()  # its deadline passed: it expired, whatever the sweep's timing
+                lease = None
+            if lease is not None and lease.state is LeaseState.CLAIMED and _same(lease.nonce, nonce):
+                self._counters["released"] += 1
+                self._counters[outcome] += 1
+                self._free_locked(lease, f"released:{outcome}")
+                return "released"
+            self._counters["stale_releases"] += 1
+            got = self._fates.get(lease_id)
+            if got is not None and _same(got[0], nonce):
+                return "released" if got[1].startswith("released:") else "expired"
+            return "unknown"
+
+    def release(self, lease_id: int, nonce: str, outcome: str = "delivered") -> bool:
+        """Free a CLAIMED lease (True); a wrong nonce or an unknown/expired lease is counted and ignored (False)."""
+        with self._cond:
+            lease = self._by_id.get(lease_id)
+            if lease is None or lease.state is not LeaseState.CLAIMED:
                 self._counters["stale_releases"] += 1
                 return False
-            self._counters["released"] += 1
-            self._free_locked(lease)
-            return True
+        return self.settle(lease_id, nonce, outcome) == "released"
 
     # --- time -----------------------------------------------------------------------------------------------
     def _expire_locked(self) -> int:
@@ -279,7 +401,7 @@ class LeasePool:
                 if lease.deadline > now:
                     break
                 self._counters[key] += 1
-                self._free_locked(lease)
+                self._free_locked(lease, key)
                 n += 1
         return n
 
@@ -303,18 +425,34 @@ class LeasePool:
             return self._used
 
     def stats(self) -> dict[str, int]:
+        """Counters, occupancy and the ledger balance (``unaccounted``: always 0)."""
         with self._cond:
+            c = self._counters
+            ready, claimed = len(self._ready), len(self._claimed)
+            ended = sum(c[k] for k in ("delivered", "checksum_failed", "abandoned")) + sum(
+                c[k] for k in ("expired_ready", "expired_claimed", "discarded_at_close")
+            )
             return {
-                **self._counters,
+                **c,
                 "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes,
                 "used_slots": self._used,
-                "leases_writing": len(self._by_id) - len(self._ready) - len(self._claimed),
-                "leases_ready": len(self._ready),
-                "leases_claimed": len(self._claimed),
+                "leases_writing": len(self._by_id) - ready - claimed,
+                "leases_ready": ready,
+                "leases_claimed": claimed,
+                "unaccounted": c["published"] - ended - ready - claimed,
             }
 
     def close(self) -> None:
+        """Refuse new records and discard the READY and CLAIMED ones (counted ``discarded_at_close``)."""
         with self._cond:
             self._closed = True
+            for lease in list(self._ready.values()) + list(self._claimed.values()):
+                self._counters["discarded_at_close"] += 1
+                self._free_locked(lease, "discarded_at_close")
             self._cond.notify_all()
+
+
+def _same(a: str, b: str) -> bool:
+    """Constant-time equality of two nonces; any str (non-ASCII included) compares, never raises."""
+    return secrets.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))

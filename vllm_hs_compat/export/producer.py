@@ -4,17 +4,27 @@ Caller: the capture connector's worker process, once per finished request::
 
     producer = ExportProducer(backend="auto", num_slots=64, slot_bytes=16 << 20)
     ticket = producer.publish(meta, rows)            # rows: CPU or GPU tensor [tokens, planes, hidden]
-    return ticket.kv_transfer_params()               # -> {"hs_export": {endpoint, token, record_id, ...}}
+    return ticket.kv_transfer_params()               # -> {"hs_export": {endpoint, record_id, cap, ...}}
 
 ``publish`` fails only its own record (named errors, counted in ``stats()``); it never stops the producer.
+
+Who may do what on the control plane (the principal is fixed by the CURVE handshake, see
+:mod:`vllm_hs_compat.export.control`):
+
+* the **trainer** (holds the token): everything -- ``hello`` with the pool's transport description, ``claim``
+  of any ids, ``claim_next`` (streaming), ``release``, ``read``, ``stats``;
+* a **record** principal (holds a ticket): ``hello`` without any transport description, and ``claim``, ``read``
+  and ``release`` of the one record its capability names.
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -22,37 +32,46 @@ from typing import Any
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM, RecordMeta, compute_checksum
+from vllm_hs_compat.core.records import (
+    CHECKSUM_ALGORITHMS,
+    DEFAULT_CHECKSUM,
+    RecordMeta,
+    byte_view,
+    checksum_bytes,
+    compute_checksum,
+)
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.control import ControlServer, check_token, new_token
+from vllm_hs_compat.export.capabilities import CapabilityKey, derive_key, verify
+from vllm_hs_compat.export.control import Call, ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
 from vllm_hs_compat.export.pool import Lease, LeasePool
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmProducerTransport
-from vllm_hs_compat.export.transport import ProducerTransport, decode_release
+from vllm_hs_compat.export.transport import ProducerTransport
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "shm", "nixl")
-MAX_BATCH = 1024
+MAX_BATCH = P.MAX_BATCH
 #: Failed record ids remembered so a consumer waiting for one learns why (oldest forgotten first).
 MAX_FAILED = 4096
+#: Claims remembered by request id, so a retried claim is answered with the same leases, never new ones.
+MAX_CLAIM_MEMORY = 4096
+
+_ID_ARRAY = "I"  # token ids in the pool: little-endian uint32
 
 
-def lease_descriptor(lease: Lease, instance: str) -> dict[str, Any]:
-    if lease.meta is None:
-        raise E.ExportError(f"lease {lease.lease_id} has no metadata")
-    return {
-        "record_id": lease.record_id,
-        "lease": lease.lease_id,
-        "nonce": lease.nonce,
-        "offset": lease.offset,
-        "nbytes": lease.nbytes,
-        "producer": instance,
-        "meta": lease.meta.to_dict(),
-    }
+def _id_bytes(token_ids: tuple[int, ...]) -> array.array[int]:
+    arr = array.array(_ID_ARRAY, token_ids)
+    if arr.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte C unsigned int
+        raise E.ExportConfigError(f"array('I') has {arr.itemsize}-byte items here; token ids need 4")
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        arr.byteswap()
+    return arr
 
 
 class ExportProducer:
+    """The serving side of the export: a registered pool of leased slots and its control plane."""
+
     def __init__(
         self,
         *,
@@ -72,6 +91,7 @@ class ExportProducer:
         ucx: UcxSettings | None = None,
         poll_interval_s: float = 200e-6,
         idle_poll_interval_s: float = 5e-3,
+        handshake_timeout_s: float = 5.0,
     ) -> None:
         if backend not in BACKENDS:
             raise E.ExportConfigError(f"backend must be one of {BACKENDS}, found {backend!r}")
@@ -81,19 +101,28 @@ class ExportProducer:
         self.pool = LeasePool(num_slots, slot_bytes, lease_ttl_s, ready_ttl_s, on_full, wait_timeout_s)
         self.instance = secrets.token_hex(8)
         self.token = check_token(token) if token is not None else new_token()
+        #: derived per instance: mints the capability a ticket carries (see :mod:`.capabilities`)
+        self.capability_key: CapabilityKey = derive_key(self.token, self.instance)
         self.checksum = checksum
         self._poll_s = poll_interval_s
         self._idle_poll_s = idle_poll_interval_s
         self._expiry_interval_s = 0.02
         self._counters = {
+            "offered": 0,
             "bad_records": 0,
-            "bad_notifications": 0,
+            "unexpected_notifications": 0,
             "pump_errors": 0,
             "control_releases": 0,
             "failed_records": 0,
+            "claim_retries": 0,
+            "inline_reads": 0,
         }
         self._counter_lock = threading.Lock()
         self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        # request id -> (lease ids, errors) of each claim: a retried claim is answered the same, never claims anew
+        self._claims: collections.OrderedDict[tuple[str, bytes], tuple[list[int], list[P.ClaimError]]] = (
+            collections.OrderedDict()
+        )
         self._last_activity = 0.0
         if backend == "auto":
             backend = "nixl" if nixl_available() else "shm"
@@ -104,16 +133,22 @@ class ExportProducer:
             self.transport = ShmProducerTransport(self.pool.pool_bytes, self.instance, shm_dir)
         self.backend = backend
         self._buf = self.transport.buffer
+        self._transport_info = P.convert_transport(self.transport.describe())
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, name="hsx-export-pump", daemon=True)
         self._pump.start()
         try:
-            self._server = ControlServer(self._handle, self._hello, self.token, host, port)
+            self._server = ControlServer(
+                self._handle, self.token, host, port, producer=self.instance, handshake_timeout_s=handshake_timeout_s
+            )
         except BaseException:
             self._stop.set()
             self._pump.join(2.0)
             self.transport.close()
             raise
+        self.pool.on_ready = self._server.wake
+        #: the public CURVE key of this producer (in every ticket; not a secret)
+        self.server_key = self._server.server_key
         # What clients are told to dial: the bind address, unless it is a wildcard (then the host name) or an
         # explicit advertise_host is given (NAT, several NICs).
         bound_host, bound_port = self._server.address
@@ -130,43 +165,76 @@ class ExportProducer:
         the client learns why instead of waiting for a record that will never come."""
         return {
             P.PARAMS_KEY: {
-                "v": 1,
+                "v": P.TICKET_VERSION,
                 "record_id": record_id,
                 "error": type(error).__name__,
                 "message": str(error)[:1000],
             }
         }
 
+    def ticket(self, record_id: str, nbytes: int = 0) -> P.ExportTicket:
+        """The ticket of ``record_id``: endpoint, producer, its public key and the record's capability."""
+        return P.ExportTicket.from_locator(
+            {
+                "endpoint": self.endpoint,
+                "producer": self.instance,
+                "backend": self.backend,
+                "server_key": self.server_key,
+                "capability_key": self.capability_key,
+            },
+            record_id,
+            nbytes,
+        )
+
     # --- serving side ---------------------------------------------------------------------------------------
     def publish(self, meta: RecordMeta, rows: torch.Tensor) -> P.ExportTicket:
-        """Copy ``rows`` into a leased run of slots, checksum it, make it fetchable.  Raises (and counts)
-        :class:`RecordFormatError`, :class:`RecordTooLargeError`, :class:`PoolFullError`,
+        """Copy ``rows`` and the token ids into a leased run of slots, checksum both, make the record fetchable.
+        Raises (and counts) :class:`RecordFormatError`, :class:`RecordTooLargeError`, :class:`PoolFullError`,
         :class:`DuplicateRecordError` for this record only."""
         if self._closed:
             raise E.ExportClosedError("publish() after close()")
+        self._count("offered")
         if not isinstance(meta, RecordMeta) or not isinstance(rows, torch.Tensor):
-            self._count("bad_records", 1)
+            self._count("bad_records")
             raise E.RecordFormatError(
                 f"publish(meta, rows) takes a RecordMeta and a torch.Tensor, found "
                 f"{type(meta).__name__} and {type(rows).__name__}"
             )
         if tuple(rows.shape) != meta.shape or rows.dtype != meta.torch_dtype:
-            self._count("bad_records", 1)
+            self._count("bad_records")
             raise E.RecordFormatError(
                 f"record {meta.request_id!r}: rows are {tuple(rows.shape)} {rows.dtype}, metadata says "
                 f"{meta.shape} {meta.dtype}; build the metadata with RecordMeta.for_tensor(rows, ...)"
             )
         nbytes = meta.nbytes
-        lease = self.pool.allocate(meta.request_id, nbytes)
+        ids_offset, extent = P.ids_layout(nbytes, meta.shape[0])
+        lease = self.pool.allocate(meta.request_id, extent)
         try:
             dst = self._buf[lease.offset : lease.offset + nbytes]
             dst.view(rows.dtype).view(rows.shape).copy_(rows)  # GPU rows: synchronous DtoH into the pool
             checksum = compute_checksum(dst, self.checksum)
-            self.pool.publish(lease, meta.with_checksum(checksum, self.checksum))
+            ids = _id_bytes(meta.token_ids)
+            ids_view = byte_view(self._buf[lease.offset + ids_offset : lease.offset + extent])
+            ids_view[:] = memoryview(ids).cast("B")
+            ids_checksum = checksum_bytes(ids_view, self.checksum)
+            full = meta.with_checksum(checksum, self.checksum)
+            desc = P.RecordDesc(
+                record_id=meta.request_id,
+                lease=lease.lease_id,
+                nonce=lease.nonce,
+                offset=lease.offset,
+                nbytes=nbytes,
+                ids_offset=ids_offset,
+                extent=extent,
+                ids_checksum=ids_checksum,
+                producer=self.instance,
+                meta=P.meta_to_wire(full),
+            )
+            self.pool.publish(lease, full, P.encode(desc))
         except BaseException:
             self.pool.abort(lease)
             raise
-        return P.ExportTicket(meta.request_id, self.endpoint, self.token, self.instance, self.backend, nbytes)
+        return self.ticket(meta.request_id, nbytes)
 
     def fail(self, record_id: str, reason: str, message: str) -> None:
         """Record that ``record_id`` will never be published, so a consumer asking for it is told why
@@ -179,38 +247,39 @@ class ExportProducer:
                 self._failed.popitem(last=False)
 
     def stats(self) -> dict[str, Any]:
+        """Pool counters and the ledger (see :mod:`.pool`), producer counters, ``control_*`` counters."""
+        with self._counter_lock:
+            mine = dict(self._counters)
         return {
             **self.pool.stats(),
-            **self._counters,
+            **mine,
             **{f"control_{k}": v for k, v in self._server.counters.items()},
             "backend": self.backend,
         }
 
     def occupancy(self) -> int:
+        """Slots in use (any lease state)."""
         return self.pool.occupancy()
 
-    # --- pump: notifications + expiry -----------------------------------------------------------------------
+    # --- pump: UCX progress + expiry --------------------------------------------------------------------------
     def _pump_loop(self) -> None:
         next_expiry = 0.0
         while not self._stop.is_set():
             busy = False
             try:
-                for msg in self.transport.poll_notifications():
+                # Polling NIXL's notifications drives UCX progress (wire-up, READs) without a progress thread.
+                # Releases travel over the control plane, so no notification is expected.
+                for _msg in self.transport.poll_notifications():
                     busy = True
-                    items = decode_release(msg)
-                    if items is None:
-                        self._count("bad_notifications", 1)
-                        continue
-                    for lease_id, nonce in items:
-                        self.pool.release(lease_id, nonce)
+                    self._count("unexpected_notifications")
                 if time.monotonic() >= next_expiry:
                     self.pool.expire()
                     next_expiry = time.monotonic() + self._expiry_interval_s
             except E.ExportError as e:
-                self._count("pump_errors", 1)
+                self._count("pump_errors")
                 log.warning("export pump: %s", e)
             except Exception:
-                self._count("pump_errors", 1)
+                self._count("pump_errors")
                 log.exception("export pump failed; continuing")
             now = time.monotonic()
             if busy:
@@ -224,69 +293,157 @@ class ExportProducer:
                 self._stop.wait(self._idle_poll_s)
 
     # --- control plane --------------------------------------------------------------------------------------
-    def _hello(self) -> dict[str, Any]:
-        return {
-            "producer": self.instance,
-            "backend": self.backend,
-            "pool_bytes": self.pool.pool_bytes,
-            "slot_bytes": self.pool.slot_bytes,
-            "lease_ttl_s": self.pool.lease_ttl_s,
-            "transport": self.transport.describe(),
-        }
-
-    def _handle(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, req: P.Request, call: Call) -> P.Reply | None:
         self._last_activity = time.monotonic()
         if self._closed:
             raise E.ExportClosedError("the producer is shutting down")
-        if op == "claim":
-            ids = P.get_list(msg, "ids", MAX_BATCH)
-            out: list[dict[str, Any]] = []
-            errors: list[dict[str, Any]] = []
-            for rid in ids:
-                if not isinstance(rid, str) or not 0 < len(rid) <= 512:
-                    raise E.ProtocolError(f"record ids must be non-empty str, found {rid!r}")
-                with self._counter_lock:
-                    failed = self._failed.get(rid)
-                if failed is not None:
-                    errors.append({"record_id": rid, "error": "failed_record", "message": f"{failed[0]}: {failed[1]}"})
-                    continue
-                try:
-                    out.append(lease_descriptor(self.pool.claim(rid), self.instance))
-                except E.UnknownRecordError as e:
-                    errors.append({"record_id": rid, "error": "unknown_record", "message": str(e)})
-            return {"records": out, "errors": errors}
-        if op == "claim_next":
-            max_records = P.get_int(msg, "max_records", 1, MAX_BATCH)
-            max_bytes = P.get_int(msg, "max_bytes", 1, 1 << 48)
-            wait_s = P.get_float(msg, "wait_s", 0.0, 30.0)
-            leases = self.pool.claim_next(max_records, max_bytes, wait_s)
-            return {"records": [lease_descriptor(lease, self.instance) for lease in leases], "errors": []}
-        if op == "release":
-            items = P.get_list(msg, "leases", MAX_BATCH)
-            ok = 0
-            for item in items:
-                if (
-                    not isinstance(item, list)
-                    or len(item) != 2
-                    or isinstance(item[0], bool)
-                    or not isinstance(item[0], int)
-                    or not isinstance(item[1], str)
-                ):
-                    raise E.ProtocolError(f"release entries must be [lease_id, nonce], found {item!r}")
-                ok += int(self.pool.release(item[0], item[1]))
-            self._count("control_releases", ok)
-            return {"released": ok}
-        if op == "stats":
-            return {"stats": {k: v for k, v in self.stats().items() if isinstance(v, int | str)}}
-        if op == "ping":
-            return {"producer": self.instance}
-        raise E.ProtocolError(f"unknown op {op!r}; expected claim, claim_next, release, stats or ping")
+        trainer = call.principal == "trainer"
+        if isinstance(req, P.HelloReq):
+            return P.HelloReply(
+                producer=self.instance,
+                backend=self.backend,
+                principal="trainer" if trainer else "record",
+                pool_bytes=self.pool.pool_bytes,
+                slot_bytes=self.pool.slot_bytes,
+                lease_ttl_s=self.pool.lease_ttl_s,
+                max_read_bytes=P.MAX_READ_BYTES,
+                transport=self._transport_info if trainer else None,
+            )
+        if isinstance(req, P.PingReq):
+            return P.PongReply(self.instance)
+        if isinstance(req, P.ClaimReq):
+            if not trainer:
+                if len(req.ids) != 1:
+                    raise E.CapabilityError(f"a ticket's capability claims its own record only, not {len(req.ids)}")
+                self._check_cap(req.cap, req.ids[0], "claim")
+            return self._claim(req, call)
+        if isinstance(req, P.ClaimNextReq):
+            self._trainer_only(trainer, "claim_next (streaming every record)")
+            return self._claim_next(req, call)
+        if isinstance(req, P.ReleaseReq):
+            return self._release(req, trainer)
+        if isinstance(req, P.ReadReq):
+            return self._read(req, trainer)
+        if isinstance(req, P.StatsReq):
+            self._trainer_only(trainer, "stats")
+            return P.StatsReply({k: v for k, v in self.stats().items() if isinstance(v, int | float | str)})
+        raise E.ProtocolError(f"no handler for {type(req).__name__}")  # pragma: no cover - the union is closed
+
+    @staticmethod
+    def _trainer_only(trainer: bool, what: str) -> None:
+        if not trainer:
+            raise E.CapabilityError(
+                f"{what} needs the trainer token; a ticket's capability opens its own record only "
+                "(fetch it with ExportConsumer.from_params(ticket).fetch(record_id))"
+            )
+
+    def _check_cap(self, cap: str | None, record_id: str, what: str) -> None:
+        if cap is None:
+            raise E.CapabilityError(
+                f"{what} of record {record_id!r} without the trainer token needs the ticket's capability ('cap')"
+            )
+        if not verify(self.capability_key, record_id, cap):
+            raise E.CapabilityError(
+                f"the capability presented does not open record {record_id!r}: a ticket opens its own record "
+                "only, on the producer that issued it"
+            )
+
+    def _remember(self, call: Call, leases: list[Lease], errors: list[P.ClaimError] | None = None) -> None:
+        self._claims[(call.principal, call.rid)] = ([lease.lease_id for lease in leases], errors or [])
+        while len(self._claims) > MAX_CLAIM_MEMORY:
+            self._claims.popitem(last=False)
+
+    def _retried(self, call: Call) -> P.ClaimReply | None:
+        """The answer to a claim already made under this request id (its leases that are still claimed)."""
+        got = self._claims.get((call.principal, call.rid))
+        if got is None:
+            return None
+        self._count("claim_retries")
+        ids, errors = got
+        return P.ClaimReply([lease.wire for lease in self.pool.claimed(ids)], errors)
+
+    def _claim(self, req: P.ClaimReq, call: Call) -> P.ClaimReply:
+        budget = req.max_reply_bytes - P.REPLY_OVERHEAD
+        again = self._retried(call)
+        if again is not None:
+            return again
+        out: list[Lease] = []
+        errors: list[P.ClaimError] = []
+        spent = 0
+        for rid in req.ids:
+            with self._counter_lock:
+                failed = self._failed.get(rid)
+            if failed is not None:
+                errors.append(P.ClaimError(rid, "failed_record", f"{failed[0]}: {failed[1]}"[:4000]))
+                continue
+            size = self.pool.ready_wire_size(rid)
+            if size is not None and out and spent + size + 8 > budget:
+                errors.append(P.ClaimError(rid, "unknown_record", "not claimed: the reply is full; claim it again"))
+                continue
+            try:
+                lease = self.pool.claim(rid)
+            except E.UnknownRecordError as e:
+                errors.append(P.ClaimError(rid, "unknown_record", str(e)[:4000]))
+                continue
+            spent += len(lease.wire) + 8
+            out.append(lease)
+        self._remember(call, out, errors)
+        return P.ClaimReply([lease.wire for lease in out], errors)
+
+    def _claim_next(self, req: P.ClaimNextReq, call: Call) -> P.ClaimReply | None:
+        again = self._retried(call)
+        if again is not None:
+            return again
+        budget = req.max_reply_bytes - P.REPLY_OVERHEAD
+        leases = self.pool.claim_next(
+            req.max_records, req.max_bytes, 0.0, budget=budget, cost=lambda lease: len(lease.wire) + 8
+        )
+        if not leases and not call.final:
+            return None  # park until a publish or the deadline
+        self._remember(call, leases)
+        more = bool(leases) and len(leases) < req.max_records and self.pool.has_ready()
+        return P.ClaimReply([lease.wire for lease in leases], more=more)
+
+    def _release(self, req: P.ReleaseReq, trainer: bool) -> P.ReleaseReply:
+        if not trainer:  # every lease must be the capability's record: check them all before freeing any
+            for item in req.leases:
+                lease = self.pool.lease(item.lease, item.nonce)
+                fate = None if lease is not None else self.pool.fate(item.lease, item.nonce)
+                if lease is None and fate is None:
+                    raise E.CapabilityError(f"lease {item.lease} is not one this ticket's capability can release")
+                if lease is not None:
+                    self._check_cap(req.cap, lease.record_id, "release")
+                elif req.cap is None:
+                    raise E.CapabilityError("release without the trainer token needs the ticket's capability")
+        results: list[P.Settled] = [self.pool.settle(i.lease, i.nonce, i.outcome) for i in req.leases]
+        self._count("control_releases", sum(r == "released" for r in results))
+        return P.ReleaseReply(results)
+
+    def _read(self, req: P.ReadReq, trainer: bool) -> P.ReadReply:
+        lease = self.pool.lease(req.lease, req.nonce)
+        if lease is None:
+            fate = self.pool.fate(req.lease, req.nonce)
+            if fate is not None and fate.startswith("expired"):
+                raise E.LeaseExpiredError(f"lease {req.lease} expired before this read; its slots may hold other data")
+            raise E.UnknownRecordError(f"lease {req.lease} is not claimed (released, expired or never issued)")
+        if not trainer:
+            self._check_cap(req.cap, lease.record_id, "read")
+        if req.offset + req.length > lease.nbytes:
+            raise E.DescriptorError(
+                f"read [{req.offset}, {req.offset + req.length}) lies outside record {lease.record_id!r}'s "
+                f"{lease.nbytes} bytes"
+            )
+        self._count("inline_reads")
+        start = lease.offset + req.offset
+        return P.ReadReply(bytes(byte_view(self._buf[start : start + req.length])))
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop serving; READY and CLAIMED records are discarded (counted ``discarded_at_close``)."""
         if self._closed or not hasattr(self, "_server"):
             return
         self._closed = True
+        self.pool.on_ready = None
         self.pool.close()
         self._server.close()
         self._stop.set()

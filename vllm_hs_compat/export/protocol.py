@@ -1,206 +1,439 @@
-"""Wire format of the control plane: length-prefixed frames holding msgpack (or JSON) maps.
+"""The export control plane's wire schema, version 2: the one place that defines every message.
 
-Frame: ``b"HX"`` | version (1 byte, = 1) | codec (1 byte: ``b"m"`` msgpack, ``b"j"`` JSON) | body length
-(4 bytes, big endian) | body.  Bodies decode to plain maps of str/int/float/bool/None/list/map; byte strings
-(NIXL agent metadata) travel base64-encoded in str fields, so both codecs carry the same messages.
-Nothing received from the network is ever unpickled.  Every read has a deadline and a size limit.
+Transport: ZeroMQ over TCP with CURVE (see :mod:`vllm_hs_compat.export.control`).  A request is three frames, a
+reply four::
+
+    request:  HEADER | rid (16 random bytes) | msgpack(Request)
+    reply:    HEADER | rid (echoed)          | producer instance id (ASCII) | msgpack(Reply)
+
+``HEADER`` carries the wire version: a peer of another version gets a ``protocol`` error naming both versions.
+Bodies are msgpack maps decoded straight into the typed :class:`msgspec.Struct` classes below, which carry
+every type, length, range and pattern constraint: a message is decoded and validated in one step, and anything
+that does not fit is a :class:`~vllm_hs_compat.errors.ProtocolError` before any handler runs.  Nothing from the
+network is unpickled.
+
+Record descriptors travel as separately encoded msgpack byte strings inside a claim reply, so one malformed
+(even truncated) descriptor fails its own record only and never the reply around it.  A descriptor is small and
+of bounded size (token ids are not in it: they lie in the pool after the hidden states and are read, checksummed
+and verified with them), and every reply is bounded by its encoded size, which the client states in each claim.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import json
-import socket
-import struct
-import time
+import secrets
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
-from vllm_hs_compat.errors import ExportConfigError, ExportTimeoutError, ProtocolError, UnknownRecordError
+import msgspec
 
-try:  # msgpack is an optional extra; JSON is always available.
-    import msgpack as _msgpack
-except ImportError:  # pragma: no cover - exercised only where msgpack is absent
-    _msgpack = None
+from vllm_hs_compat.core.records import RecordMeta
+from vllm_hs_compat.errors import (
+    ExportConfigError,
+    ProtocolError,
+    UnknownRecordError,
+    WireVersionError,
+)
 
-MAGIC: Final = b"HX"
-VERSION: Final = 1
-HEADER: Final = struct.Struct("!2sBcI")
-CODEC_MSGPACK: Final = b"m"
-CODEC_JSON: Final = b"j"
-#: Requests are small; responses may carry a batch of descriptors.
-MAX_REQUEST_BYTES: Final = 1 << 20
-MAX_RESPONSE_BYTES: Final = 32 << 20
+__all__ = ["PARAMS_KEY", "WIRE_VERSION", "ExportTicket", "ProtocolError"]
+
+WIRE_VERSION: Final = 2
+HEADER: Final = b"hsx\x00\x02"
+HEADER_PREFIX: Final = b"hsx\x00"
+RID_BYTES: Final = 16
+
+#: Largest request a server reads (libzmq refuses a longer frame before allocating it: ``zmq.MAXMSGSIZE``).
+MAX_REQUEST_BYTES: Final = 32 << 10
+#: Default and bounds of the reply size a client accepts (its ``zmq.MAXMSGSIZE`` is this plus the envelope).
+DEFAULT_REPLY_BYTES: Final = 16 << 20
+MIN_REPLY_BYTES: Final = 64 << 10
+MAX_REPLY_BYTES: Final = 64 << 20
+#: Bytes of a reply that are not payload (envelope frames, map keys, the CURVE box): kept free in every budget.
+REPLY_OVERHEAD: Final = 4096
+MAX_BATCH: Final = 1024
+MAX_CLAIM_IDS: Final = 32
+MAX_RELEASES: Final = 512
+MAX_READ_BYTES: Final = 8 << 20
+MAX_WAIT_S: Final = 30.0
+MAX_ID_CHARS: Final = 512
+
+# --- constrained field types ----------------------------------------------------------------------------------
+RecordId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[0-9a-f]+$")]
+Nonce = Annotated[str, msgspec.Meta(min_length=16, max_length=16, pattern="^[0-9a-f]+$")]
+LeaseId = Annotated[int, msgspec.Meta(ge=1, le=1 << 62)]
+Capability = Annotated[str, msgspec.Meta(min_length=46, max_length=46, pattern="^c1\\.[A-Za-z0-9_-]+$")]
+#: A CURVE public key, Z85-encoded (40 characters).
+CurveKey = Annotated[
+    str, msgspec.Meta(min_length=40, max_length=40, pattern="^[0-9a-zA-Z.:+=^!/*?&<>()\\[\\]{}@%$#-]+$")
+]
+Offset = Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]
+#: msgpack integers stop at 2**64 - 1, so ``ge=0`` is the whole unsigned 64-bit range.
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+Outcome = Literal["delivered", "checksum_failed", "abandoned"]
+Settled = Literal["released", "expired", "unknown"]
+Principal = Literal["trainer", "record"]
 
 
-def default_codec() -> bytes:
-    return CODEC_MSGPACK if _msgpack is not None else CODEC_JSON
+# --- requests (client -> producer) ----------------------------------------------------------------------------
+class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
+    pass
 
 
-def local_codecs() -> list[str]:
-    """Codecs this process can decode, best first (advertised in the challenge)."""
-    return ["m", "j"] if _msgpack is not None else ["j"]
+class HelloReq(_Request, tag="hello"):
+    """Who the producer is and (for the trainer) how to reach its pool."""
 
 
-def pick_codec(offered: object) -> bytes:
-    """The best codec both sides speak; JSON is always common."""
-    if isinstance(offered, list) and "m" in offered and _msgpack is not None:
-        return CODEC_MSGPACK
-    return CODEC_JSON
+class PingReq(_Request, tag="ping"):
+    """Liveness (any principal)."""
 
 
-def encode(msg: Mapping[str, Any], codec: bytes | None = None) -> bytes:
-    """One frame holding ``msg``."""
-    codec = codec or default_codec()
-    if codec == CODEC_MSGPACK and _msgpack is not None:
-        body = bytes(_msgpack.packb(msg, use_bin_type=True))
-    elif codec == CODEC_JSON:
-        body = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
-    else:
-        raise ProtocolError(f"codec {codec!r} is not available here; expected b'm' (msgpack installed) or b'j'")
-    return HEADER.pack(MAGIC, VERSION, codec, len(body)) + body
+class ClaimReq(_Request, tag="claim"):
+    """Lease records by id.  With ``cap`` (a ticket's capability) exactly one id, the ticket's own."""
+
+    ids: Annotated[list[RecordId], msgspec.Meta(min_length=1, max_length=MAX_CLAIM_IDS)]
+    max_reply_bytes: Annotated[int, msgspec.Meta(ge=MIN_REPLY_BYTES, le=MAX_REPLY_BYTES)] = DEFAULT_REPLY_BYTES
+    cap: Capability | None = None
 
 
-def decode(codec: bytes, body: bytes) -> dict[str, Any]:
-    """Decode a frame body into a plain map; anything else is a :class:`ProtocolError`."""
+class ClaimNextReq(_Request, tag="claim_next"):
+    """Lease the oldest published records (trainer only), long-polling up to ``wait_s`` for the first."""
+
+    max_records: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)]
+    max_bytes: Size
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
+    max_reply_bytes: Annotated[int, msgspec.Meta(ge=MIN_REPLY_BYTES, le=MAX_REPLY_BYTES)] = DEFAULT_REPLY_BYTES
+
+
+class ReleaseItem(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """``[lease, nonce, outcome]``: what became of a claimed record at the consumer."""
+
+    lease: LeaseId
+    nonce: Nonce
+    outcome: Outcome
+
+
+class ReleaseReq(_Request, tag="release"):
+    """Give leases back, each with its outcome.  The whole request is validated before any lease is freed."""
+
+    leases: Annotated[list[ReleaseItem], msgspec.Meta(min_length=1, max_length=MAX_RELEASES)]
+    cap: Capability | None = None
+
+
+class ReadReq(_Request, tag="read"):
+    """Bytes of a claimed record through the control plane (how a ticket holder, who never gets the pool's
+    transport metadata, reads its record)."""
+
+    lease: LeaseId
+    nonce: Nonce
+    offset: Offset
+    length: Annotated[int, msgspec.Meta(ge=1, le=MAX_READ_BYTES)]
+    cap: Capability | None = None
+
+
+class StatsReq(_Request, tag="stats"):
+    """The producer's counters (trainer only)."""
+
+
+Request = HelloReq | PingReq | ClaimReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq
+
+
+# --- transport descriptions (in the trainer's hello) ----------------------------------------------------------
+class ShmInfo(msgspec.Struct, tag_field="kind", tag="shm", forbid_unknown_fields=True):
+    """The shared-memory pool: its file, size and owner pid (for people; liveness is its ``flock``)."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    size: Size
+    pid: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
+
+
+class NixlInfo(msgspec.Struct, tag_field="kind", tag="nixl", forbid_unknown_fields=True):
+    """The NIXL pool: the producer's agent name and metadata and the registered address range."""
+
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=4 << 20)]
+    base: Annotated[int, msgspec.Meta(ge=1)]
+    size: Size
+
+
+TransportInfo = ShmInfo | NixlInfo
+
+
+# --- record descriptors -----------------------------------------------------------------------------------------
+class MetaWire(msgspec.Struct, forbid_unknown_fields=True):
+    """:class:`RecordMeta` without the token ids (those travel in the pool, after the hidden states)."""
+
+    schema_version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+    request_id: RecordId
+    layer_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]], msgspec.Meta(max_length=4096)]
+    pre_norm: bool
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    shape: tuple[
+        Annotated[int, msgspec.Meta(ge=1, le=1 << 24)],
+        Annotated[int, msgspec.Meta(ge=1, le=4096)],
+        Annotated[int, msgspec.Meta(ge=1, le=1 << 20)],
+    ]
+    checksum: U64
+    checksum_algorithm: Annotated[str, msgspec.Meta(max_length=32)]
+    vllm_version: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    adapter: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    start: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    num_prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+
+
+class RecordDesc(msgspec.Struct, forbid_unknown_fields=True):
+    """Where a leased record lies in the pool: ``[offset, offset + extent)`` holds the hidden states
+    (``nbytes``) and, from ``ids_offset`` on, the token ids as little-endian uint32 (``ids_checksum``)."""
+
+    record_id: RecordId
+    lease: LeaseId
+    nonce: Nonce
+    offset: Offset
+    nbytes: Size
+    ids_offset: Offset
+    extent: Size
+    ids_checksum: U64
+    producer: InstanceId
+    meta: MetaWire
+
+
+class LeaseRef(msgspec.Struct):
+    """The lenient reading of a descriptor that failed :class:`RecordDesc`: enough to give its lease back."""
+
+    record_id: str = ""
+    lease: int = 0
+    nonce: str = ""
+
+
+# --- replies (producer -> client) -----------------------------------------------------------------------------
+class _Reply(msgspec.Struct, tag_field="t", forbid_unknown_fields=True):
+    pass
+
+
+class HelloReply(_Reply, tag="hello"):
+    """Who the producer is and who the caller is; ``transport`` only for the trainer."""
+
+    producer: InstanceId
+    backend: Annotated[str, msgspec.Meta(max_length=16)]
+    principal: Principal
+    pool_bytes: Size
+    slot_bytes: Size
+    lease_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)]
+    max_read_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_READ_BYTES)]
+    transport: TransportInfo | None = None
+
+
+class PongReply(_Reply, tag="pong"):
+    """The answer to :class:`PingReq`."""
+
+    producer: InstanceId
+
+
+class ClaimError(msgspec.Struct, forbid_unknown_fields=True):
+    """Why one id of a claim was not leased (not published yet, gone, or failed at the producer)."""
+
+    record_id: RecordId
+    code: Literal["unknown_record", "failed_record"]
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class ClaimReply(_Reply, tag="claim"):
+    """``records``: one encoded :class:`RecordDesc` each (a byte string: decoded one by one).  ``more``: records
+    were left READY because the reply reached the client's size budget."""
+
+    records: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BATCH)]
+    errors: Annotated[list[ClaimError], msgspec.Meta(max_length=MAX_CLAIM_IDS)] = []
+    more: bool = False
+
+
+class ReleaseReply(_Reply, tag="release"):
+    """One entry per released lease, in request order: ``released`` (it was still claimed: the slots are free and
+    the outcome counted), ``expired`` (its TTL ran out first: the bytes read may be another record's),
+    ``unknown`` (no such lease, or a wrong nonce)."""
+
+    results: Annotated[list[Settled], msgspec.Meta(max_length=MAX_RELEASES)]
+
+
+class ReadReply(_Reply, tag="read"):
+    """The bytes a :class:`ReadReq` asked for."""
+
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_READ_BYTES)]
+
+
+class StatsReply(_Reply, tag="stats"):
+    """The producer's counters (``ExportProducer.stats()``)."""
+
+    stats: dict[str, int | float | str]
+
+
+class ErrorReply(_Reply, tag="error"):
+    """A failed request: ``code`` names the error class (``control.ERROR_CODES``)."""
+
+    code: Annotated[str, msgspec.Meta(max_length=64)]
+    message: Annotated[str, msgspec.Meta(max_length=8192)]
+
+
+Reply = HelloReply | PongReply | ClaimReply | ReleaseReply | ReadReply | StatsReply | ErrorReply
+
+# --- codecs -------------------------------------------------------------------------------------------------------
+ENCODER: Final = msgspec.msgpack.Encoder()
+_REQUEST_DECODER: Final = msgspec.msgpack.Decoder(Request)
+_REPLY_DECODER: Final = msgspec.msgpack.Decoder(Reply)
+_DESC_DECODER: Final = msgspec.msgpack.Decoder(RecordDesc)
+_LEASE_REF_DECODER: Final = msgspec.msgpack.Decoder(LeaseRef)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of a request, reply or descriptor."""
+    return ENCODER.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes | memoryview, what: str) -> Any:
     try:
-        if codec == CODEC_MSGPACK:
-            if _msgpack is None:
-                raise ProtocolError("peer sent msgpack but msgpack is not installed here; install msgpack")
-            obj = _msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
-        elif codec == CODEC_JSON:
-            obj = json.loads(body.decode("utf-8"))
-        else:
-            raise ProtocolError(f"unknown codec byte {codec!r}; expected b'm' or b'j'")
-    except ProtocolError:
-        raise
-    except Exception as e:  # msgpack/json raise many types on garbage
-        raise ProtocolError(f"control message body does not decode ({type(e).__name__}: {e})") from None
-    # Both decoders can only produce None/bool/int/float/str/list/dict with str keys here (msgpack: bin and
-    # ext types refused, strict_map_key), so no per-element walk is needed on top.
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"control message must be a map, found {type(obj).__name__}")
-    return obj
+        return decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"{what} does not fit the wire-{WIRE_VERSION} schema: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"{what} is not msgpack: {e}") from None
 
 
-class PeerClosedError(ProtocolError):
-    """The peer closed the connection cleanly between two frames."""
+def decode_request(body: bytes | memoryview) -> Request:
+    """Decode and validate a request body in one step; anything else is a :class:`ProtocolError`."""
+    req: Request = _decode(_REQUEST_DECODER, body, "request")
+    return req
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ExportTimeoutError(
-                f"timed out reading {what}: got {len(buf)} of {n} bytes before the deadline; "
-                "the peer is stalled or the network is down"
-            )
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(min(n - len(buf), 1 << 20))
-        except TimeoutError:
-            continue
-        except OSError as e:
-            raise ProtocolError(f"connection failed while reading {what}: {e}") from None
-        if not chunk:
-            if not buf and what == "frame header":
-                raise PeerClosedError("the peer closed the connection")
-            raise ProtocolError(
-                f"connection closed after {len(buf)} of {n} bytes of {what} (truncated message or peer gone)"
-            )
-        buf += chunk
-    return bytes(buf)
+def decode_reply(body: bytes | memoryview) -> Reply:
+    """Decode and validate a reply body in one step; anything else is a :class:`ProtocolError`."""
+    rep: Reply = _decode(_REPLY_DECODER, body, "reply")
+    return rep
 
 
-def read_frame(sock: socket.socket, deadline: float, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
-    """Read one frame; returns ``(codec, message)``."""
-    head = _recv_exact(sock, HEADER.size, deadline, "frame header")
-    magic, version, codec, length = HEADER.unpack(head)
-    if magic != MAGIC:
-        raise ProtocolError(f"frame starts with {magic!r}, expected {MAGIC!r}; not a vllm-hs-compat peer")
-    if version != VERSION:
-        raise ProtocolError(f"frame version {version}, this build speaks {VERSION}; upgrade the older side")
-    if length > max_bytes:
-        raise ProtocolError(f"frame announces {length} bytes, the limit is {max_bytes}; refusing to read it")
-    body = _recv_exact(sock, length, deadline, "frame body")
-    return codec, decode(codec, body)
+def decode_descriptor(raw: bytes | memoryview) -> RecordDesc:
+    """One record descriptor of a claim reply."""
+    desc: RecordDesc = _decode(_DESC_DECODER, raw, "record descriptor")
+    return desc
 
 
-def write_frame(sock: socket.socket, msg: Mapping[str, Any], deadline: float, codec: bytes | None = None) -> None:
-    data = encode(msg, codec)
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise ExportTimeoutError("deadline passed before a control message could be sent")
-    sock.settimeout(left)
+def decode_lease_ref(raw: bytes | memoryview) -> LeaseRef | None:
+    """The lease of a descriptor that failed :func:`decode_descriptor`, if that much of it is readable."""
     try:
-        sock.sendall(data)
-    except TimeoutError:
-        raise ExportTimeoutError("timed out sending a control message; the peer does not read") from None
-    except OSError as e:
-        raise ProtocolError(f"connection failed while sending a control message: {e}") from None
+        ref = _LEASE_REF_DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if not isinstance(ref.lease, int) or isinstance(ref.lease, bool) or not 1 <= ref.lease <= 1 << 62:
+        return None
+    if not isinstance(ref.nonce, str) or len(ref.nonce) != 16 or not _is_hex(ref.nonce):
+        return None
+    return ref
 
 
-# --- field helpers: strict validation of received maps ------------------------------------------------------
-def get_str(msg: Mapping[str, Any], key: str, max_chars: int = 4096) -> str:
-    v = msg.get(key)
-    if not isinstance(v, str) or len(v) > max_chars:
-        raise ProtocolError(f"field {key!r} must be a str of at most {max_chars} chars, found {type(v).__name__}")
-    return v
+def _is_hex(s: str) -> bool:
+    return all(c in "0123456789abcdef" for c in s)
 
 
-def get_int(msg: Mapping[str, Any], key: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
-    v = msg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ProtocolError(f"field {key!r} must be an int in [{lo}, {hi}], found {v!r}")
-    return v
+def check_header(frame: bytes) -> None:
+    """Raise :class:`WireVersionError` (or :class:`ProtocolError`) unless ``frame`` is this version's header."""
+    if frame == HEADER:
+        return
+    if len(frame) == len(HEADER) and frame.startswith(HEADER_PREFIX):
+        raise WireVersionError(
+            f"peer speaks export wire version {frame[-1]}, this side speaks {WIRE_VERSION}; run the same "
+            "vllm-hs-compat release on the serving and the training side"
+        )
+    raise ProtocolError(f"first frame is {bytes(frame[:16])!r}, expected the export header {HEADER!r}")
 
 
-def get_float(msg: Mapping[str, Any], key: str, lo: float, hi: float) -> float:
-    v = msg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= float(v) <= hi:
-        raise ProtocolError(f"field {key!r} must be a number in [{lo}, {hi}], found {v!r}")
-    return float(v)
+def new_rid() -> bytes:
+    """A request id: 16 random bytes (a retried request keeps its id, so the producer answers it once)."""
+    return secrets.token_bytes(RID_BYTES)
 
 
-def get_list(msg: Mapping[str, Any], key: str, max_len: int) -> list[Any]:
-    v = msg.get(key)
-    if not isinstance(v, list) or len(v) > max_len:
-        raise ProtocolError(f"field {key!r} must be a list of at most {max_len} entries, found {type(v).__name__}")
-    return v
+# --- metadata <-> wire ----------------------------------------------------------------------------------------
+def meta_to_wire(meta: RecordMeta) -> MetaWire:
+    """The descriptor's metadata of a published record (its checksum is set)."""
+    if meta.checksum is None:
+        raise ProtocolError(f"record {meta.request_id!r} has no checksum; the producer sets it at publish")
+    return MetaWire(
+        schema_version=meta.schema_version,
+        request_id=meta.request_id,
+        layer_ids=list(meta.layer_ids),
+        pre_norm=meta.pre_norm,
+        dtype=meta.dtype,
+        shape=meta.shape,
+        checksum=meta.checksum,
+        checksum_algorithm=meta.checksum_algorithm,
+        vllm_version=meta.vllm_version,
+        adapter=meta.adapter,
+        start=meta.start,
+        num_prompt_tokens=meta.num_prompt_tokens,
+    )
 
 
-def get_map(msg: Mapping[str, Any], key: str) -> dict[str, Any]:
-    v = msg.get(key)
-    if not isinstance(v, dict):
-        raise ProtocolError(f"field {key!r} must be a map, found {type(v).__name__}")
-    return v
+def meta_from_wire(w: MetaWire, token_ids: tuple[int, ...]) -> RecordMeta:
+    """A full, validated :class:`RecordMeta` (raises :class:`RecordFormatError` on any inconsistency)."""
+    return RecordMeta(
+        request_id=w.request_id,
+        token_ids=token_ids,
+        layer_ids=tuple(w.layer_ids),
+        pre_norm=w.pre_norm,
+        dtype=w.dtype,
+        shape=w.shape,
+        checksum=w.checksum,
+        checksum_algorithm=w.checksum_algorithm,
+        vllm_version=w.vllm_version,
+        adapter=w.adapter,
+        start=w.start,
+        num_prompt_tokens=w.num_prompt_tokens,
+        schema_version=w.schema_version,
+    )
 
 
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
+def ids_layout(nbytes: int, tokens: int) -> tuple[int, int]:
+    """``(ids_offset, extent)`` of a record: token ids start at the first multiple of 8 after the hidden states,
+    4 bytes each."""
+    ids_offset = -(-nbytes // 8) * 8
+    return ids_offset, ids_offset + 4 * tokens
 
 
-def unb64(text: str, what: str) -> bytes:
+def convert_transport(info: Mapping[str, Any] | ShmInfo | NixlInfo) -> ShmInfo | NixlInfo:
+    """A transport description from its plain-dict form (``ProducerTransport.describe()``), validated."""
+    if isinstance(info, ShmInfo | NixlInfo):
+        return info
     try:
-        return base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError) as e:
-        raise ProtocolError(f"{what} is not valid base64: {e}") from None
+        out: ShmInfo | NixlInfo = msgspec.convert(dict(info), TransportInfo)
+    except (msgspec.ValidationError, TypeError) as e:
+        raise ProtocolError(f"transport description does not fit the wire-{WIRE_VERSION} schema: {e}") from None
+    return out
 
 
+# --- the ticket (kv_transfer_params["hs_export"]) -------------------------------------------------------------
 PARAMS_KEY: Final = "hs_export"
+TICKET_VERSION: Final = 2
+
+
+class _TicketEntry(msgspec.Struct):
+    v: Literal[1, 2]
+    record_id: RecordId
+    endpoint: Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
+    producer: InstanceId
+    backend: Annotated[str, msgspec.Meta(max_length=16)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+    server_key: CurveKey | None = None
+    cap: Capability | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ExportTicket:
-    """Where one record can be fetched: the ``kv_transfer_params["hs_export"]`` entry (version 1).
+    """Where one record can be fetched, and the right to fetch that record only: the
+    ``kv_transfer_params["hs_export"]`` entry (version 2).
 
-    The entry names the record and the producer, never a credential: ``kv_transfer_params`` reach whoever sent
-    the request.  ``token`` (the producer's trainer credential) is kept for in-process use only and is not part
-    of :meth:`kv_transfer_params`; a consumer brings its own (``ExportConsumer.from_params(params, token=...)``
-    or the token file, see :func:`vllm_hs_compat.export.control.read_token`).
+    ``cap`` is a per-record capability (see :mod:`vllm_hs_compat.export.capabilities`): it opens this record
+    (claim, read, release) and nothing else, so it may travel in ``kv_transfer_params``, which reach whoever sent
+    the request.  ``server_key`` is the producer's public CURVE key (not a secret), which lets the holder check it
+    talks to the real producer.  ``token`` (the trainer credential) is kept for in-process use only and is never
+    part of :meth:`kv_transfer_params`.
     """
 
     record_id: str
@@ -209,18 +442,42 @@ class ExportTicket:
     producer: str
     backend: str
     nbytes: int
+    server_key: str | None = None
+    cap: str | None = None
 
     def kv_transfer_params(self) -> dict[str, Any]:
-        return {
-            PARAMS_KEY: {
-                "v": 1,
-                "record_id": self.record_id,
-                "endpoint": self.endpoint,
-                "producer": self.producer,
-                "backend": self.backend,
-                "nbytes": self.nbytes,
-            }
+        """The JSON-safe ``{"hs_export": {...}}`` entry (no trainer token, ever)."""
+        entry: dict[str, Any] = {
+            "v": TICKET_VERSION,
+            "record_id": self.record_id,
+            "endpoint": self.endpoint,
+            "producer": self.producer,
+            "backend": self.backend,
+            "nbytes": self.nbytes,
         }
+        if self.server_key is not None:
+            entry["server_key"] = self.server_key
+        if self.cap is not None:
+            entry["cap"] = self.cap
+        return {PARAMS_KEY: entry}
+
+    @classmethod
+    def from_locator(cls, locator: Mapping[str, Any], record_id: str, nbytes: int) -> ExportTicket:
+        """The ticket of ``record_id`` built from an export sink's locator (in vLLM's scheduler process, which
+        has no producer): the capability is minted from the locator's capability key."""
+        from vllm_hs_compat.export.capabilities import mint
+
+        key = locator.get("capability_key")
+        return cls(
+            record_id=record_id,
+            endpoint=str(locator["endpoint"]),
+            token=None,
+            producer=str(locator["producer"]),
+            backend=str(locator["backend"]),
+            nbytes=int(nbytes),
+            server_key=locator.get("server_key"),
+            cap=mint(key, record_id) if key else None,
+        )
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> ExportTicket:
@@ -229,23 +486,28 @@ class ExportTicket:
         if not isinstance(params, Mapping):
             raise ExportConfigError(f"kv_transfer_params must be a mapping, found {type(params).__name__}")
         entry = params.get(PARAMS_KEY, params)
-        if not isinstance(entry, Mapping) or entry.get("v") != 1:
+        if not isinstance(entry, Mapping) or entry.get("v") not in (1, 2):
             raise ExportConfigError(
-                f"kv_transfer_params lacks a version-1 {PARAMS_KEY!r} entry "
+                f"kv_transfer_params lacks a version-1 or -2 {PARAMS_KEY!r} entry "
                 f"(found keys {sorted(map(str, params))}); "
                 "was the server started with the vllm-hs-compat connector and export enabled?"
             )
-        d = dict(entry)
-        if "error" in d:
+        if "error" in entry:
             raise UnknownRecordError(
-                f"the producer could not export record {d.get('record_id')!r}: {d.get('error')}: "
-                f"{d.get('message')} (counted in the producer's stats)"
+                f"the producer could not export record {entry.get('record_id')!r}: {entry.get('error')}: "
+                f"{entry.get('message')} (counted in the producer's stats)"
             )
+        try:
+            e = msgspec.convert(dict(entry), _TicketEntry)
+        except (msgspec.ValidationError, TypeError) as exc:
+            raise ExportConfigError(f"malformed {PARAMS_KEY!r} ticket: {exc}") from None
         return cls(
-            record_id=get_str(d, "record_id", 512),
-            endpoint=get_str(d, "endpoint", 300),
+            record_id=e.record_id,
+            endpoint=e.endpoint,
             token=None,
-            producer=get_str(d, "producer", 64),
-            backend=get_str(d, "backend", 16),
-            nbytes=get_int(d, "nbytes"),
+            producer=e.producer,
+            backend=e.backend,
+            nbytes=e.nbytes,
+            server_key=e.server_key,
+            cap=e.cap,
         )

@@ -1,24 +1,31 @@
 """Embedded default transport: the pool is a file in ``/dev/shm`` mapped by the producer (read-write) and by
-same-host consumers (read-only).  Slots, leases and releases follow the same protocol as NIXL; releases
-travel over the control plane instead of a NIXL notification.
+same-host consumers (read-only).  Slots, leases and releases follow the same protocol as NIXL (releases travel
+over the control plane on both).
 
 Why a plain file and not ``multiprocessing.shared_memory``: on Python 3.11 every process that *attaches* to
 a ``SharedMemory`` registers it with its resource tracker, which unlinks the segment when that process
 exits, so a trainer finishing would delete the producer's pool.  A file opened with ``os.open`` + ``mmap``
-is never tracked. Files are created ``0600`` (same user only) and named ``hsx-<pid>-<instance>.pool``; a
-producer removes its own on close and, on start, the files of producers whose pid no longer exists (left by
-a SIGKILL).
+is never tracked. Files are created ``0600`` (same user only) and named ``hsx2-<pid>-<instance>.pool``.
+
+Ownership survives containers: the producer holds an exclusive ``flock`` on its file for as long as it lives
+(the lock is taken on a temporary name, before the file is renamed into place, so it is never visible
+unlocked).  The kernel drops the lock when the process dies, SIGKILL included.  On start a producer removes the
+files whose lock it can take: their owner is dead.  The pid in the name is for people only; it is never used to
+decide liveness, because DP ranks in sibling containers that share ``/dev/shm`` live in other pid namespaces,
+where a live producer's pid means nothing (or another process).  The ``hsx2-`` prefix keeps producers of the
+earlier release (``hsx-<pid>-...``, no lock) and this one out of each other's sweeps.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import re
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -30,32 +37,39 @@ from vllm_hs_compat.export.transport import host_buffer
 log = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR: Final = "/dev/shm"
-_NAME_RE: Final = re.compile(r"^hsx-(\d+)-([0-9a-f]{8,64})\.pool$")
+_NAME_RE: Final = re.compile(r"^hsx2-(\d+)-([0-9a-f]{8,64})\.pool$")
+_TMP_RE: Final = re.compile(r"^\.hsx2-([0-9a-f]{8,64})\.tmp$")
 
 
 def _sweep_dead(shm_dir: str) -> int:
+    """Remove pool files whose owner is dead: those whose ``flock`` can be taken."""
     removed = 0
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return 0
     for name in names:
-        m = _NAME_RE.match(name)
-        if not m:
+        if not (_NAME_RE.match(name) or _TMP_RE.match(name)):
             continue
-        pid = int(m.group(1))
+        path = os.path.join(shm_dir, name)
         try:
-            os.kill(pid, 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, someone else's
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed += 1
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            pass
+            continue  # gone already, or someone else's (0600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # locked: its producer is alive, in whatever pid namespace
+            # The lock is ours, so its owner is gone.  Unlink only if the name still points at this file.
+            try:
+                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    os.unlink(path)
+                    removed += 1
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -76,7 +90,8 @@ class ShmProducerTransport:
         swept = _sweep_dead(shm_dir)
         if swept:
             log.info("removed %d pool file(s) left by dead producers in %s", swept, shm_dir)
-        self.path = os.path.join(shm_dir, f"hsx-{os.getpid()}-{instance}.pool")
+        self.path = os.path.join(shm_dir, f"hsx2-{os.getpid()}-{instance}.pool")
+        tmp = os.path.join(shm_dir, f".hsx2-{instance}.tmp")
         self.pool_bytes = pool_bytes
         st = os.statvfs(shm_dir)
         free = st.f_bavail * st.f_frsize
@@ -85,8 +100,9 @@ class ShmProducerTransport:
                 f"{shm_dir} has {free} bytes free, the pool needs {pool_bytes}; shrink num_slots/slot_bytes, "
                 "enlarge the tmpfs (Docker: --shm-size) or pass shm_dir="
             )
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until close() or death: the liveness proof
             # Reserve the pages now: a sparse tmpfs file that cannot be backed later would kill the serving
             # process with SIGBUS on first write instead of failing here with a named error.
             try:
@@ -98,20 +114,28 @@ class ShmProducerTransport:
                     "(Docker: --shm-size)"
                 ) from None
             self._mm = mmap.mmap(fd, pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.rename(tmp, self.path)
         except BaseException:
             os.close(fd)
-            os.unlink(self.path)
+            for p in (tmp, self.path):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
             raise
-        os.close(fd)
+        self._lock_fd = fd
         self.buffer = _tensor_over(self._mm)
 
     def describe(self) -> dict[str, Any]:
+        """What a same-host consumer needs: the file, its size and the owner's pid (for people)."""
         return {"kind": self.kind, "path": self.path, "size": self.pool_bytes, "pid": os.getpid()}
 
     def poll_notifications(self) -> list[bytes]:
+        """None on this transport."""
         return []
 
     def close(self) -> None:
+        """Unmap, unlink, then drop the lock."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
         try:
             self._mm.close()
@@ -121,11 +145,15 @@ class ShmProducerTransport:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class ShmConsumerTransport:
+    """Maps a same-host producer's pool read-only and copies claimed ranges into the landing buffer."""
+
     kind = "shm"
-    releases_by_notification = False
 
     def __init__(self, landing_bytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> None:
         self.landing = host_buffer(landing_bytes)
@@ -134,15 +162,16 @@ class ShmConsumerTransport:
         self._remote: torch.Tensor | None = None
         self._size = 0
 
-    def attach(self, info: dict[str, Any]) -> None:
-        if info.get("kind") != self.kind:
-            raise E.TransportUnavailableError(f"producer offers transport {info.get('kind')!r}, this is shm")
-        path = P.get_str(info, "path", 4096)
-        size = P.get_int(info, "size", 1, 1 << 48)
+    def attach(self, info: Mapping[str, Any] | P.ShmInfo | P.NixlInfo) -> None:
+        """Map the pool ``info`` (the producer's ``describe()``) names; forgets any earlier producer."""
+        desc = P.convert_transport(info)
+        if not isinstance(desc, P.ShmInfo):
+            raise E.TransportUnavailableError("producer offers transport 'nixl', this is shm")
+        path, size = desc.path, desc.size
         real = os.path.realpath(path)
         if os.path.dirname(real) != self._shm_dir or not _NAME_RE.match(os.path.basename(real)):
             raise E.DescriptorError(
-                f"producer names pool file {path!r}, expected an hsx-<pid>-<id>.pool file in "
+                f"producer names pool file {path!r}, expected an hsx2-<pid>-<id>.pool file in "
                 f"{self._shm_dir}; "
                 "refusing to map it (pass shm_dir= if the producer uses another directory)"
             )
@@ -177,6 +206,7 @@ class ShmConsumerTransport:
             self._mm = None
 
     def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+        """Copy ``(remote_offset, local_offset, nbytes)`` ranges; each is checked against both buffers first."""
         remote = self._remote
         if remote is None:
             raise E.StaleMetadataError("no producer attached; call attach() first")

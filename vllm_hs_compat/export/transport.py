@@ -1,15 +1,19 @@
-"""The two halves every data transport implements (shared-memory ring, NIXL)."""
+"""The two halves every data transport implements (shared-memory ring, NIXL).
+
+Both only move bytes: leases are claimed and released over the control plane, whatever the transport, so the
+producer learns each record's outcome (delivered, checksum failed, abandoned) and a consumer learns whether its
+lease was still held when it finished reading.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-#: Prefix of release notifications: ``b"hsx1:r:" + b",".join(b"<lease hex>.<nonce>")``.
-RELEASE_PREFIX = b"hsx1:r:"
-MAX_RELEASES_PER_NOTIF = 512
+if TYPE_CHECKING:
+    from vllm_hs_compat.export.protocol import NixlInfo, ShmInfo
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -20,33 +24,15 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def encode_release(items: Sequence[tuple[int, str]]) -> bytes:
-    return RELEASE_PREFIX + b",".join(f"{lease:x}.{nonce}".encode() for lease, nonce in items)
-
-
-def decode_release(msg: bytes) -> list[tuple[int, str]] | None:
-    """Parse a release notification; ``None`` if it is not one (malformed ones are not trusted)."""
-    if not msg.startswith(RELEASE_PREFIX) or len(msg) > 64 * MAX_RELEASES_PER_NOTIF:
-        return None
-    out: list[tuple[int, str]] = []
-    try:
-        for part in msg[len(RELEASE_PREFIX) :].decode("ascii").split(","):
-            lease_s, _, nonce = part.partition(".")
-            if not nonce or len(nonce) > 64 or len(lease_s) > 16:
-                return None
-            out.append((int(lease_s, 16), nonce))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return out
-
-
 class ProducerTransport(Protocol):
+    """The serving side: a registered pool the consumers read from."""
+
     kind: str
     #: the registered pool, a 1-D CPU uint8 tensor
     buffer: torch.Tensor
 
     def describe(self) -> dict[str, Any]:
-        """Plain (JSON-safe) facts a consumer needs to reach the pool."""
+        """Plain facts a trainer needs to reach the pool (``protocol.ShmInfo`` / ``NixlInfo`` fields)."""
         ...
 
     def poll_notifications(self) -> list[bytes]:
@@ -57,20 +43,19 @@ class ProducerTransport(Protocol):
 
 
 class ConsumerTransport(Protocol):
+    """The trainer side: a landing buffer and reads into it."""
+
     kind: str
     #: where records land, a 1-D CPU uint8 tensor
     landing: torch.Tensor
-    #: True when a read's notification releases the leases (NIXL); False when the consumer must send a release
-    releases_by_notification: bool
 
-    def attach(self, info: dict[str, Any]) -> None:
+    def attach(self, info: Mapping[str, Any] | ShmInfo | NixlInfo) -> None:
         """(Re)connect to the pool described by a producer's ``describe()``; forgets any earlier producer."""
         ...
 
     def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
-        """Copy ``(remote_offset, local_offset, nbytes)`` ranges from the pool into ``landing``; ``notif``
-        goes to
-        the producer when the reads are complete (where the transport supports it)."""
+        """Copy ``(remote_offset, local_offset, nbytes)`` ranges from the pool into ``landing``; ``notif`` (if
+        not empty) goes to the producer when the reads are complete, where the transport supports it."""
         ...
 
     def close(self) -> None: ...

@@ -1,0 +1,222 @@
+"""Real vLLM engines (CPU build) with ``extract_hidden_states`` and ``HiddenStatesCaptureConnector``: every record,
+delivered through the export (a consumer in another process, over shared memory) or the file sink, is paired with
+the transformers forward of the same weights.  Each case is its own engine process.
+
+Model Runner V2 cases run when ``HS_E2E_V2=1`` and the TP=2 case when ``HS_E2E_TP=1`` (the nox sessions choose
+per release; they are slow on 2 cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import e2e_cases as C
+import e2e_models
+import e2e_pairing
+import e2e_reference
+import e2e_report
+import pytest
+import torch
+import vllm
+
+pytestmark = pytest.mark.e2e
+
+ALL_CASES: dict[str, C.Case] = {**C.cases(), **C.v2_cases(), **C.tp_cases()}
+
+
+def _enabled(case: C.Case) -> str | None:
+    if case.v2 and os.environ.get("HS_E2E_V2") != "1":
+        return "Model Runner V2 cases run with HS_E2E_V2=1 (nox: the e2e session of 0.32.0)"
+    if case.engine.get("tensor_parallel_size", 1) > 1 and os.environ.get("HS_E2E_TP") != "1":
+        return "TP=2 runs with HS_E2E_TP=1 (nox: the e2e session of 0.29.0)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    out = {kind: e2e_models.make_model(str(root / kind), kind, seed=7).path for kind in e2e_models.KINDS}
+    # The hybrid reference (HF Ministral over the Llama weights) is only sound if it equals HF Llama inside the
+    # sliding window and differs beyond it.
+    facts = e2e_reference.check_hybrid_equivalence(out["hybrid"], e2e_models.SLIDING_WINDOW)
+    e2e_report.add(f"hybrid reference: HF Ministral == HF Llama inside the window; {facts}")
+    return out
+
+
+class Runs:
+    """Runs each (case, connector) once per session; tests that need the same run share it."""
+
+    def __init__(self, models: dict[str, str], root: Path) -> None:
+        self.models = models
+        self.root = root
+        self.cache: dict[tuple[str, str], C.CaseRun] = {}
+
+    def get(self, name: str, connector: str = "ours") -> C.CaseRun:
+        key = (name, connector)
+        if key not in self.cache:
+            case = ALL_CASES[name]
+            self.cache[key] = C.run_case(
+                case, self.models[case.model_kind], self.root / f"{name}-{connector}", connector
+            )
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def runs(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Each run's directory (spec, engine log, result, records) lives under ``$HS_E2E_WORK`` when set (the nox
+    sessions keep them in ``reports/`` for inspection), else in pytest's temporary directory."""
+    work = os.environ.get("HS_E2E_WORK")
+    if work:
+        root = Path(work)
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    else:
+        root = tmp_path_factory.mktemp("runs")
+    return Runs(models, root)
+
+
+def _engine_ok(run: C.CaseRun) -> dict[str, Any]:
+    tail = "\n".join(run.log.splitlines()[-60:])
+    assert run.rc == 0, f"engine process failed (rc {run.rc}) after {run.seconds:.0f} s:\n{tail}"
+    assert run.result is not None, f"no result.json:\n{tail}"
+    assert run.result["drained"], f"the engine still held requests or files were missing: {run.result}"
+    return run.result
+
+
+def _title(name: str, connector: str) -> str:
+    return f"vllm {vllm.__version__} | {name} | {connector}"
+
+
+def _checked(run: C.CaseRun, name: str, connector: str) -> C.CheckResult:
+    res = C.check(run, _title(name, connector))
+    r = run.result or {}
+    e2e_report.add(
+        f"{res.text}\n  engine: {run.seconds:.1f} s wall (init {r.get('init_s', 0):.1f} s, generate "
+        f"{r.get('generate_s', 0):.2f} s); preemptions {r.get('num_preemptions')}; prefix-cache hits "
+        f"{r.get('prefix_cache_hits')} of {r.get('prefix_cache_queries')} tokens"
+    )
+    assert res.pairing is not None, res.text
+    assert res.pairing.ok, res.text
+    return res
+
+
+def _assert_connector_facts(case: C.Case, run: C.CaseRun, checked: C.CheckResult) -> C.LogFacts:
+    result = run.result or {}
+    facts = C.log_facts(run.log)
+    n = checked.expected_status.count("pending")
+    for r, expected in zip(result["requests"], checked.expected_status, strict=True):
+        cap = (r["kv_transfer_params"] or {}).get(C.RESULT_KEY) or {}
+        assert cap.get("status") == expected, f"request {r['index']}: {cap}"
+        assert cap.get("sink") == case.sink
+    tp = case.engine.get("tensor_parallel_size", 1)
+    assert len(facts.workers) == tp, f"expected {tp} worker start-up lines, got {facts.workers}"
+    owners = [w for w in facts.workers if w.owner]
+    assert len(owners) == 1 and owners[0].tp_rank == 0, f"the capture owner must be TP rank 0: {facts.workers}"
+    assert len(facts.scheduler) == 1, facts.scheduler
+    # Only the owner logs its counters at shutdown: every save read, published, none failed, slot checks clean.
+    assert len(facts.counters) == 1, facts.counters
+    k = facts.counters[0]
+    assert k["saves"] == n and k["records"] == n and k["records_failed"] == 0, k
+    assert k["slot_checks"] > 0 and k["slot_checks_failed"] == 0, k
+    assert facts.chunked_prefill
+    assert facts.v2_runner == case.v2, "Model Runner V2 " + ("expected" if case.v2 else "not expected")
+    if case.sink == "export":
+        assert result.get("consumer_rc") == 0, (run.out / "consumer.log").read_text()[-3000:]
+        summary = C.json.loads((run.out / "export_records" / "summary.json").read_text())
+        assert len(summary["fetched"]) == n
+        assert summary["extra"] == [], f"records beyond one per request: {summary['extra']}"
+        producer_pids = {t["pid"] for t in summary["transports"]}
+        assert {t["kind"] for t in summary["transports"]} == {"shm"}
+        assert len(producer_pids) == 1
+        producer_pid = producer_pids.pop()
+        owner_pid = owners[0].pid if owners[0].pid is not None else result["pid"]
+        if tp == 1:
+            owner_pid = result["pid"]  # the in-process engine: the worker is the runner process
+        assert producer_pid == owner_pid, f"records served by pid {producer_pid}, the owner is {owner_pid}"
+        assert summary["pid"] not in (producer_pid, result["pid"]), "the consumer must be another process"
+    return facts
+
+
+@pytest.mark.parametrize("name", list(ALL_CASES))
+def test_case(name: str, runs: Runs) -> None:
+    case = ALL_CASES[name]
+    why = _enabled(case)
+    if why:
+        pytest.skip(why)
+    run = runs.get(name)
+    result = _engine_ok(run)
+    checked = _checked(run, name, "ours")
+    facts = _assert_connector_facts(case, run, checked)
+    limit = run.spec.max_num_batched_tokens
+    assert any(len(p) > limit for p in case.prompts), "some prompt must be chunked"
+    if case.expect_preemptions:
+        assert result["num_preemptions"], f"no preemption happened: {result['num_preemptions']}"
+    if case.expect_prefix_hits:
+        assert result["prefix_cache_hits"], "no prefix-cache hit"
+    if name == "concurrent":
+        assert len(case.prompts) >= 16 and len({len(p) for p in case.prompts}) == len(case.prompts)
+    if case.expect_own_capture_group:
+        # vLLM's own grouping (the engine's KV-cache config) and the connector's start-up log agree.
+        groups = result["kv_cache_groups"]["worker"]
+        cap = [g for g in groups if any(x.startswith("cache_only_layers.") for x in g["layers"])]
+        assert len(cap) == 1 and len(cap[0]["layers"]) == 1 and len(groups) > 1, groups
+        assert "a group of its own" in facts.workers[0].text, facts.workers[0].text
+        assert "a group of its own" in facts.scheduler[0], facts.scheduler[0]
+    elif case.model_kind == "dense":
+        assert "merged with the verifier layers" in facts.workers[0].text, facts.workers[0].text
+    if case.engine.get("tensor_parallel_size", 1) == 2:
+        procs = {w.tp_rank: w for w in facts.workers}
+        assert procs[1].proc is not None and procs[0].pid != procs[1].pid, facts.workers
+
+
+def test_in_tree_example_connector_agrees(runs: Runs) -> None:
+    """Control: vLLM's own ExampleHiddenStatesConnector (under the CPU stand-ins) passes the same pairing on the
+    dense case -- the reference and the pairing are not tuned to our connector."""
+    run = runs.get("dense", "example")
+    _engine_ok(run)
+    _checked(run, "dense", "example")
+
+
+def test_pairing_catches_misattribution(runs: Runs) -> None:
+    """Negative controls on real records: the pairing must fail for swapped records, an off-by-one row shift,
+    one corrupted row, and planes read in the configured instead of the recorded layer order."""
+    run = runs.get("dense")
+    _engine_ok(run)
+    recs, _ = C.records_of(run)
+    assert all(r is not None for r in recs)
+    good: list[e2e_pairing.Record] = [r for r in recs if r is not None]
+    reqs = (run.result or {})["requests"]
+    layer_ids = sorted(run.spec.layer_ids)
+    refs = [e2e_reference.reference(run.spec.model, r["prompt"], layer_ids) for r in reqs]
+    toks = [r["prompt"] for r in reqs]
+    assert e2e_pairing.pair(good, refs, toks, layer_ids).ok
+
+    rotated = good[1:] + good[:1]
+    p = e2e_pairing.pair(rotated, refs, toks, layer_ids)
+    assert not p.ok and all(p.matrix[i][i] == 0.0 for i in range(len(good))), p.render("rotated")
+
+    longest = max(range(len(good)), key=lambda i: good[i].hidden_states.shape[0])
+    shifted = list(good)
+    g = good[longest]
+    shifted[longest] = dataclasses.replace(g, hidden_states=torch.cat([g.hidden_states[1:], g.hidden_states[-1:]]))
+    assert not e2e_pairing.pair(shifted, refs, toks, layer_ids).ok
+
+    corrupted = list(good)
+    hs = g.hidden_states.clone()
+    row = hs.shape[0] // 2
+    hs[row] = (
+        hs[row]
+        + 3 * e2e_pairing.ROW_TOL * hs[row].float().norm(dim=-1, keepdim=True).to(hs.dtype) / hs.shape[-1] ** 0.5
+    )
+    corrupted[longest] = dataclasses.replace(g, hidden_states=hs)
+    p = e2e_pairing.pair(corrupted, refs, toks, layer_ids)
+    assert not p.ok and not p.full_match[longest]
+
+    configured = list(e2e_models.CAPTURE_LAYER_IDS)
+    assert configured != layer_ids
+    misread = [dataclasses.replace(r, layer_ids=configured) for r in good]
+    assert not e2e_pairing.pair(misread, refs, toks, layer_ids).ok
