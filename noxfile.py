@@ -132,7 +132,10 @@ def _vllm_session(
 @nox.parametrize("release", [nox.param(r, tags=["boundary"] if r in BOUNDARIES else []) for r in RELEASES])
 def vllm(session: nox.Session, release: str) -> None:
     """One supported vLLM release: adapters proven against vLLM's own code."""
-    _vllm_session(session, release)
+    # Random schedules per scheduler mode: 200 on the era boundaries, 100 (still enough to assert that preemption,
+    # prefix hits, every abort point and no-forward steps were reached) on the releases between them.
+    schedules = os.environ.get("VLLM_HS_COMPAT_SCHEDULES") or ("200" if release in BOUNDARIES else "100")
+    _vllm_session(session, release, {"VLLM_HS_COMPAT_SCHEDULES": schedules})
 
 
 @nox.session(python="3.11")

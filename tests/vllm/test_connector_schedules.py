@@ -29,6 +29,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from vllm_hs_compat.core.capture import RecordFailure
 pytestmark = pytest.mark.vllm
 
 NUM_SCHEDULES = int(os.environ.get("VLLM_HS_COMPAT_SCHEDULES", "200"))
+#: Schedules run per scheduler mode in this session (all verifiers).
+SCHEDULES_RUN: Counter[str] = Counter()
 MODES = ["v1", "v2"] if sh.has_v2_runner() else ["v1"]
 MAX_MODEL_LEN = h.MAX_MODEL_LEN
 REPORTS = Path(__file__).resolve().parents[2] / "reports"
@@ -299,7 +302,9 @@ CASES = [(mode, verifier) for verifier in ("dense", "hybrid") for mode in MODES]
 
 
 @pytest.mark.parametrize(("mode", "verifier"), CASES, ids=[f"{m}-{v}" for m, v in CASES])
-def test_random_schedules(mode: str, verifier: str) -> None:
+def test_random_schedules(
+    mode: str, verifier: str, record_testsuite_property: Callable[[str, object], None]
+) -> None:
     """Dense verifier: the capture layer shares the verifier's group.  Hybrid verifier (full + sliding-window
     layers): with the connector (SupportsHMA from 0.22) vLLM turns the hybrid KV-cache manager on and the capture
     layer gets a group of its own (smaller block size); before 0.22 vLLM turns HMA off and merges it."""
@@ -322,6 +327,9 @@ def test_random_schedules(mode: str, verifier: str) -> None:
     check()
     elapsed = time.perf_counter() - t0
     _write_report(f"{mode}-{verifier}", coverage)
+    SCHEDULES_RUN[mode] += coverage["schedules"]
+    # The compatibility report's "schedules" column (the last value written wins: the running totals).
+    record_testsuite_property("schedules", ", ".join(f"{m.upper()} {n}" for m, n in sorted(SCHEDULES_RUN.items())))
     print(f"[vllm-hs-compat] schedules ({mode}, {verifier}): {dict(sorted(coverage.items()))}")
     c = coverage
     sh.SUMMARY.append(
