@@ -302,9 +302,7 @@ CASES = [(mode, verifier) for verifier in ("dense", "hybrid") for mode in MODES]
 
 
 @pytest.mark.parametrize(("mode", "verifier"), CASES, ids=[f"{m}-{v}" for m, v in CASES])
-def test_random_schedules(
-    mode: str, verifier: str, record_testsuite_property: Callable[[str, object], None]
-) -> None:
+def test_random_schedules(mode: str, verifier: str, record_testsuite_property: Callable[[str, object], None]) -> None:
     """Dense verifier: the capture layer shares the verifier's group.  Hybrid verifier (full + sliding-window
     layers): with the connector (SupportsHMA from 0.22) vLLM turns the hybrid KV-cache manager on and the capture
     layer gets a group of its own (smaller block size); before 0.22 vLLM turns HMA off and merges it."""
