@@ -1,8 +1,10 @@
-"""A Triton row gather: ``dst[i] = src[idx[i]]`` for 2-D row tables, into device memory or straight into pinned
-host memory (the kernel's stores cross PCIe; no device staging buffer, no separate copy).
+"""A Triton row gather over a capture cache's row table: output row ``r`` (token ``r // P``, plane ``r % P``) is
+table row ``(s // n) * block_stride + (s % n) * token_stride + plane * plane_stride`` with ``s`` the token's
+manager slot, so the kernel takes the slots as they are (no index arithmetic kernels before it).  It writes to
+device memory or straight into pinned host memory (the stores cross PCIe: no staging buffer, no separate copy).
 
-Imported lazily by :mod:`vllm_hs_compat.core.transfer` and only where CUDA and Triton exist; ``ImportError``
-means "use the torch path".
+Imported lazily by :mod:`vllm_hs_compat.core.layout` and only where CUDA and Triton exist; ``ImportError`` means
+"use the torch path".
 """
 
 from __future__ import annotations
@@ -13,14 +15,29 @@ import torch
 import triton  # type: ignore[import-not-found,unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
 
-_BLOCK = 1024  # 4-byte words per program: the best of 1024/2048/4096/8192 x 4/8 warps on an H200
+#: 4-byte words per program: the best of 1024/2048/4096/8192 x 4/8 warps on an H200 (docs/benchmarks.md).
+BLOCK = 1024
+NUM_WARPS = 4
 
 
 @triton.jit  # type: ignore[untyped-decorator,misc,unused-ignore]
-def _rows_kernel(src, idx, dst, width, src_stride, BLOCK: tl.constexpr) -> None:  # type: ignore[no-untyped-def]  # noqa: N803
+def _rows_kernel(  # type: ignore[no-untyped-def]
+    src,
+    slots,
+    dst,
+    width,
+    src_stride,
+    n,
+    block_stride,
+    token_stride,
+    planes,
+    plane_stride,
+    BLOCK: tl.constexpr,  # noqa: N803
+) -> None:
     r = tl.program_id(0)
     c = tl.program_id(1)
-    row = tl.load(idx + r)
+    s = tl.load(slots + r // planes)
+    row = (s // n) * block_stride + (s % n) * token_stride + (r % planes) * plane_stride
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
     v = tl.load(src + row * src_stride + offs, mask=mask)
@@ -35,14 +52,26 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows_into(
-    src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, *, block: int = _BLOCK, num_warps: int = 4
+    src: torch.Tensor,
+    slots: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    n: int = 1,
+    block_stride: int = 1,
+    token_stride: int = 1,
+    planes: int = 1,
+    plane_stride: int = 0,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
 ) -> bool:
-    """Launch ``dst[i, :] = src[idx[i], :]`` on the current stream; False (nothing launched) where the shapes
-    don't fit the kernel.  ``src``: ``[R, W]`` with unit inner stride on CUDA; ``idx``: int64 on CUDA; ``dst``:
-    contiguous ``[len(idx), W]`` in device or pinned host memory."""
-    if src.dim() != 2 or dst.dim() != 2 or src.stride(1) != 1 or not dst.is_contiguous():
+    """Launch the gather on the current stream; False (nothing launched) where the tensors don't fit the kernel.
+
+    ``src``: ``[R, W]`` row table on CUDA (unit inner stride); ``slots``: int64 on CUDA; ``dst``: contiguous
+    ``[len(slots) * planes, W]`` of ``src``'s dtype in device or pinned host memory.  The defaults make row ``i``
+    ``src[slots[i]]``."""
+    if src.dim() != 2 or dst.dim() != 2 or src.stride(1) != 1 or not dst.is_contiguous() or not slots.is_cuda:
         return False
-    if dst.shape[0] != idx.numel() or dst.shape[1] != src.shape[1] or dst.dtype != src.dtype:
+    if dst.shape[0] != slots.numel() * planes or dst.shape[1] != src.shape[1] or dst.dtype != src.dtype:
         return False
     if dst.device.type != "cuda" and not dst.is_pinned():
         return False
@@ -51,5 +80,18 @@ def gather_rows_into(
     if m == 0:
         return True
     grid: Any = (m, triton.cdiv(width, block))
-    _rows_kernel[grid](s, idx, d, width, s.stride(0), BLOCK=block, num_warps=num_warps)
+    _rows_kernel[grid](
+        s,
+        slots,
+        d,
+        width,
+        s.stride(0),
+        n,
+        block_stride,
+        token_stride,
+        planes,
+        plane_stride,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return True

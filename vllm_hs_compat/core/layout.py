@@ -183,10 +183,16 @@ def gather_rows(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor) ->
     table = cached_row_table(tensor, view)
     if table is None:
         return _gather_indexed(tensor, view, slots)
-    return table.unpack(gather_table(table.table, table.rows(slots)), int(slots.numel()))
+    return table.unpack(gather_slots(table, slots), int(slots.numel()))
 
 
 _triton: Any = None  # the Triton row kernel module, False where unavailable (resolved on first CUDA gather)
+
+#: Reads of at least this many bytes use the Triton row kernel where it exists (0.89-0.93x of a device copy at
+#: 256 MiB - 4 GiB on an H200 against 0.86-0.88x for ``index_select``); smaller ones use ``index_select``, whose
+#: lower launch cost keeps a 64 MiB read on the device's pace (0.92-1.0x).  Per-plane tables (LBHNC) always take
+#: the kernel, which computes their row indices itself.  docs/benchmarks.md has the figures.
+TRITON_MIN_BYTES = 128 << 20
 
 
 def _triton_rows() -> Any:
@@ -203,23 +209,37 @@ def _triton_rows() -> Any:
     return _triton
 
 
-def gather_table(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``table[rows]`` for a 2-D row table: on CUDA with the Triton row kernel (0.91-1.0x of a device copy at
-    64 MiB - 4 GiB on an H200 in every layout, docs/benchmarks.md; ``VLLM_HS_COMPAT_TRITON=0`` turns it off),
-    else ``torch.index_select``.  ``out``: a contiguous ``[len(rows), W]`` destination (device or, for the
-    kernel, pinned host memory)."""
-    if rows.is_cuda:
-        kernel = _triton_rows()
+def gather_slots(table: RowTable, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of manager ``slots`` (on the table's device) as ``[len(slots) * rows_per_token, W]``.
+
+    On CUDA the Triton row kernel reads large reads and per-plane tables (``VLLM_HS_COMPAT_TRITON=0`` turns it
+    off), else ``torch.index_select`` over :meth:`RowTable.rows`.  ``out``: a contiguous destination of that shape
+    (device memory, or pinned host memory for the kernel)."""
+    m = int(slots.numel()) * table.rows_per_token
+    width = int(table.table.shape[1])
+    if slots.is_cuda:
+        big = m * width * table.table.element_size() >= TRITON_MIN_BYTES
+        kernel: Any = _triton_rows() if big or not table.identity else False
         if kernel:
-            dst = out if out is not None else table.new_empty((int(rows.numel()), int(table.shape[1])))
-            if kernel.gather_rows_into(table, rows, dst):
+            dst = out if out is not None else table.table.new_empty((m, width))
+            if kernel.gather_rows_into(
+                table.table,
+                slots,
+                dst,
+                n=table.block_tokens,
+                block_stride=table.block_stride,
+                token_stride=table.token_stride,
+                planes=table.rows_per_token,
+                plane_stride=table.plane_stride,
+            ):
                 return dst
+    rows = table.rows(slots)
     if out is None:
-        return torch.index_select(table, 0, rows)
-    if out.device != table.device:
-        out.copy_(torch.index_select(table, 0, rows), non_blocking=True)
+        return torch.index_select(table.table, 0, rows)
+    if out.device != table.table.device:
+        out.copy_(torch.index_select(table.table, 0, rows), non_blocking=True)
         return out
-    return torch.index_select(table, 0, rows, out=out)
+    return torch.index_select(table.table, 0, rows, out=out)
 
 
 def _gather_indexed(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import SlotError, TransferError
-from .layout import CaptureView, RowTable, gather_rows, gather_table, row_table
+from .layout import CaptureView, RowTable, _triton_rows, gather_rows, gather_slots, row_table
 from .slots import batch_slots, request_slots
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
@@ -128,7 +128,7 @@ class PinnedIndexPool:
 def _gather_to_host(
     cache: torch.Tensor,
     table: RowTable,
-    rows: torch.Tensor,
+    slots: torch.Tensor,
     out: torch.Tensor,
     *,
     side: Any,
@@ -136,31 +136,30 @@ def _gather_to_host(
     pool: PinnedIndexPool | None,
     path: str,
 ) -> tuple[Any, tuple[torch.Tensor, ...]]:
-    """Queue the copy of ``table`` rows ``rows`` (int64, CPU) into the pinned host ``out`` on ``side`` after
+    """Queue the copy of the rows of manager ``slots`` (int64, CPU) into the pinned host ``out`` on ``side`` after
     ``written``; returns the completion event and the tensors to keep alive until it completes."""
-    m = int(rows.numel())
+    t = int(slots.numel())
     buf = None
     if pool is not None:
-        buf = pool.take(m)
-        host_idx = buf[:m]
-        host_idx.copy_(rows)
+        buf = pool.take(t)
+        host_idx = buf[:t]
+        host_idx.copy_(slots)
     else:
-        host_idx = rows if rows.is_pinned() else rows.pin_memory()
+        host_idx = slots if slots.is_pinned() else slots.pin_memory()
     dst = table.out_alias(out)
+    per = table.rows_per_token
     with torch.cuda.stream(side):
         _wait(side, written)
         # Rule 2: the index tensor is born on the side stream and lives until the copy is done.
         idx = host_idx.to(cache.device, non_blocking=True)
-        if path == "direct" and _direct_gather(table.table, idx, dst):
-            pass
-        else:
-            width = int(dst.shape[1])
-            step = max(1, STAGE_BYTES // max(1, width * dst.element_size()))
-            for lo in range(0, m, step):
-                chunk = idx if m <= step else idx[lo : lo + step]
+        if path != "direct" or not _direct_gather(table, idx, dst):
+            row_bytes = int(dst.shape[1]) * dst.element_size() * per
+            step = max(1, STAGE_BYTES // max(1, row_bytes))
+            for lo in range(0, t, step):
+                whole = t <= step
                 # Born on the side stream and freed there: the allocator reuses it only after this copy.
-                stage = gather_table(table.table, chunk)
-                (dst if m <= step else dst[lo : lo + step]).copy_(stage, non_blocking=True)
+                stage = gather_slots(table, idx if whole else idx[lo : lo + step])
+                (dst if whole else dst[lo * per : (lo + step) * per]).copy_(stage, non_blocking=True)
         finished = _cuda.Event()
         finished.record(side)
     if buf is not None and pool is not None:
@@ -176,13 +175,23 @@ def _wait(side: Any, written: Any) -> None:
         side.wait_stream(written)
 
 
-def _direct_gather(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Gather ``src[idx]`` straight into ``dst`` (pinned host) with the Triton kernel; False where it cannot."""
-    try:
-        from ._triton_rows import gather_rows_into
-    except ImportError:
+def _direct_gather(table: RowTable, idx: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Gather straight into ``dst`` (pinned host) with the Triton row kernel; False where it cannot."""
+    kernel = _triton_rows()
+    if not kernel:
         return False
-    return gather_rows_into(src, idx, dst)
+    return bool(
+        kernel.gather_rows_into(
+            table.table,
+            idx,
+            dst,
+            n=table.block_tokens,
+            block_stride=table.block_stride,
+            token_stride=table.token_stride,
+            planes=table.rows_per_token,
+            plane_stride=table.plane_stride,
+        )
+    )
 
 
 def copy_rows_async(
@@ -223,7 +232,7 @@ def copy_rows_async(
     if table is None or not out.is_pinned():
         return _copy_indexed(cache, view, slots, out, side, written)
     event, keep = _gather_to_host(
-        cache, table, table.rows(slots), out, side=side, written=written, pool=pool, path=path or _default_path()
+        cache, table, slots, out, side=side, written=written, pool=pool, path=path or _default_path()
     )
     return PendingRows(out, event, (*keep, out))
 
