@@ -93,7 +93,7 @@ def _default_path() -> str:
 class PinnedIndexPool:
     """Pinned host buffers for row indices, reused across reads.
 
-    A buffer goes back to the pool with the event recorded after its upload was queued; it is handed out
+    A buffer goes back to the pool with the completion event of the read that uploads from it; it is handed out
     again only once that event completed -- the upload of a read still waiting on the side stream (behind the
     compute stream) must not see the next read's indices.  Busy buffers are never waited for: a new one is
     allocated instead, so the engine thread never blocks here.
@@ -118,7 +118,7 @@ class PinnedIndexPool:
         return torch.empty(max(4096, 1 << max(0, numel - 1).bit_length()), dtype=torch.int64, pin_memory=True)
 
     def give(self, buf: torch.Tensor, uploaded: Any) -> None:
-        """Return ``buf``; ``uploaded`` is an event recorded after the last copy that reads it was queued."""
+        """Return ``buf``; ``uploaded`` is an event recorded (on the side stream) after the copy that reads it."""
         self._free.append((buf, uploaded))
         if len(self._free) > self.max_buffers:
             self._free.sort(key=lambda item: item[0].numel())
@@ -247,6 +247,7 @@ def _copy_indexed(
         slots = slots.pin_memory()
     with torch.cuda.stream(side):
         _wait(side, written)
+        # Rule 2: the index tensor is born on the side stream and lives until the copy is done.
         idx = slots.to(cache.device, non_blocking=True)
         rows = gather_rows(cache, view, idx)
         out.copy_(rows, non_blocking=True)
@@ -280,17 +281,20 @@ def copy_requests_async(
         requests, group_block_size=view.group_block_size, num_manager_blocks=view.num_manager_blocks
     )
     total = int(slots.numel())
-    p, c = view.num_planes, view.hidden_size
+    pending = None
     if cache.device.type == "cuda" and total:
         pending = copy_rows_async(cache, view, slots, stream=stream, after=after, pool=pool, path=path, table=table)
-    else:
-        pending = PendingRows(gather_rows(cache, view, slots) if total else cache.new_empty((0, p, c)))
     result: list[PendingRows | SlotError] = []
     for (_, _, _, num_tokens), at in zip(requests, where, strict=True):
         if isinstance(at, SlotError):
             result.append(at)
-        else:
+        elif pending is not None:
+            # A view of the batch's pinned tensor: the block goes back to the allocator with the last view.
             result.append(PendingRows(pending.rows[at : at + num_tokens], pending.event, pending._keepalive))
+        elif cache.device.type == "cuda":  # nothing to read at all (zero-token ranges)
+            result.append(PendingRows(torch.empty((0, view.num_planes, view.hidden_size), dtype=cache.dtype)))
+        else:  # CPU (synchronous): a tensor of its own per record, as before
+            result.append(PendingRows(gather_rows(cache, view, slots[at : at + num_tokens])))
     return result
 
 
