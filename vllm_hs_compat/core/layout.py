@@ -209,16 +209,20 @@ def _triton_rows() -> Any:
     return _triton
 
 
-def gather_slots(table: RowTable, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_slots(
+    table: RowTable, slots: torch.Tensor, out: torch.Tensor | None = None, *, kernel_min_bytes: int | None = None
+) -> torch.Tensor:
     """The rows of manager ``slots`` (on the table's device) as ``[len(slots) * rows_per_token, W]``.
 
-    On CUDA the Triton row kernel reads large reads and per-plane tables (``VLLM_HS_COMPAT_TRITON=0`` turns it
-    off), else ``torch.index_select`` over :meth:`RowTable.rows`.  ``out``: a contiguous destination of that shape
-    (device memory, or pinned host memory for the kernel)."""
+    On CUDA the Triton row kernel reads reads of at least ``kernel_min_bytes`` (default
+    :data:`TRITON_MIN_BYTES`) and per-plane tables (``VLLM_HS_COMPAT_TRITON=0`` turns it off), else
+    ``torch.index_select`` over :meth:`RowTable.rows`.  ``out``: a contiguous destination of that shape (device
+    memory, or pinned host memory for the kernel)."""
     m = int(slots.numel()) * table.rows_per_token
     width = int(table.table.shape[1])
     if slots.is_cuda:
-        big = m * width * table.table.element_size() >= TRITON_MIN_BYTES
+        limit = TRITON_MIN_BYTES if kernel_min_bytes is None else kernel_min_bytes
+        big = m * width * table.table.element_size() >= limit
         kernel: Any = _triton_rows() if big or not table.identity else False
         if kernel:
             dst = out if out is not None else table.table.new_empty((m, width))

@@ -157,8 +157,11 @@ def _gather_to_host(
             step = max(1, STAGE_BYTES // max(1, row_bytes))
             for lo in range(0, t, step):
                 whole = t <= step
-                # Born on the side stream and freed there: the allocator reuses it only after this copy.
-                stage = gather_slots(table, idx if whole else idx[lo : lo + step])
+                # Born on the side stream and freed there: the allocator reuses it only after this copy.  The
+                # copy to host dominates, so packed tables take index_select (its launch costs the engine thread
+                # less than the Triton kernel's); per-plane tables take the kernel (no index kernels before it).
+                chunk = idx if whole else idx[lo : lo + step]
+                stage = gather_slots(table, chunk, kernel_min_bytes=1 << 62)
                 (dst if whole else dst[lo * per : (lo + step) * per]).copy_(stage, non_blocking=True)
         finished = _cuda.Event()
         finished.record(side)
