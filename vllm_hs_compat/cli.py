@@ -1,4 +1,5 @@
-"""Command line: ``vllm-hs-compat doctor``."""
+"""Command line: ``vllm-hs-compat doctor | demo | verify | serve-args``.  Each command lives in its own module
+under :mod:`vllm_hs_compat.commands`; this module only dispatches."""
 
 from __future__ import annotations
 
@@ -137,11 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_doc = sub.add_parser("doctor", help="report the installed vLLM, the adapter chosen and every probe")
     p_doc.add_argument("--json", action="store_true", help="machine-readable output")
+    from vllm_hs_compat.commands import demo, serve_args, verify
+
+    for command in (demo, verify, serve_args):
+        command.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return doctor(as_json=args.json)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

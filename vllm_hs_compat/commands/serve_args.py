@@ -1,0 +1,7 @@
+"""placeholder"""
+
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    pass
