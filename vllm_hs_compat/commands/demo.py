@@ -246,7 +246,9 @@ def _run(args: argparse.Namespace, out: Path, display: IO[str]) -> dict[str, Any
                 except queue.Empty:
                     return
                 kind = ev.get("event")
-                if kind == "record":
+                if kind == "start":
+                    times["trainer_pid"] = ev["pid"]
+                elif kind == "record":
                     progress.advance(recv)
                 elif kind == "step":
                     progress.advance(steps)
@@ -373,7 +375,9 @@ def _summarise(
         "accuracies": accs,
         "trained_on": done["trained_on"],
         "ledger": done["ledger"],
-        "times": times,
+        "times": {k: v for k, v in times.items() if k.endswith("_s")},
+        "engine_pid": os.getpid(),
+        "trainer_pid": times.get("trainer_pid"),
         "plot": str(out / "loss.png") if losses else None,
         "out": str(out),
     }
