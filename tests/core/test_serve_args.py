@@ -60,7 +60,9 @@ def model_dir(tmp_path: Path, config: dict[str, object]) -> Path:
 
 def test_dense_cost_is_planes_times_hidden_times_dtype(tmp_path: Path) -> None:
     m = model_dir(tmp_path, LLAMA_8B)
-    plan = S.plan(args(m, "2,16,29,32", kv_budget_gib=40.0), adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m)))
+    plan = S.plan(
+        args(m, "2,16,29,32", kv_budget_gib=40.0), adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m))
+    )
     c = plan.cost
     assert c["hs_bytes_per_token"] == 4 * 4096 * 2
     assert c["hs_bytes_per_block"] == 4 * 4096 * 2 * 16
@@ -115,8 +117,12 @@ def test_hybrid_verifier_per_era(tmp_path: Path) -> None:
 
 def test_flags_and_warnings(tmp_path: Path) -> None:
     m = model_dir(tmp_path, LLAMA_8B)
-    plan = S.plan(args(m, "29,2,16", sink="file", file_path="/data/hs"), adapter_for_version("0.29.0"), "0.29.0",
-                  S.load_config(str(m)))
+    plan = S.plan(
+        args(m, "29,2,16", sink="file", file_path="/data/hs"),
+        adapter_for_version("0.29.0"),
+        "0.29.0",
+        S.load_config(str(m)),
+    )
     assert any("ascending" in w for w in plan.warnings) and any("no base plane" in w for w in plan.warnings)
     spec = json.loads(plan.argv[plan.argv.index("--speculative-config") + 1])
     kv = json.loads(plan.argv[plan.argv.index("--kv-transfer-config") + 1])

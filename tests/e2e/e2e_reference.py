@@ -18,7 +18,6 @@ import torch
 
 from vllm_hs_compat.demo import reference as _ref
 
-
 load_hf = _ref.load_hf
 reference = _ref.reference
 

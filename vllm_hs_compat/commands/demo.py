@@ -205,7 +205,13 @@ def _run(args: argparse.Namespace, out: Path, display: IO[str]) -> dict[str, Any
     from vllm_hs_compat.demo.models import make_model
 
     console = Console(file=display, width=None if display.isatty() else 110)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     n = args.records
     if n < 2:
         raise ToolError(f"--records must be at least 2, found {n}")
@@ -290,7 +296,12 @@ def _engine(model: str, out: Path, transport: str) -> Any:
     extra = {
         "capture": "prompt",
         "sink": "export",
-        "export": {"backend": transport, "num_slots": 64, "slot_bytes": 1 << 20, "token_file": str(out / "export.token")},
+        "export": {
+            "backend": transport,
+            "num_slots": 64,
+            "slot_bytes": 1 << 20,
+            "token_file": str(out / "export.token"),
+        },
     }
     return build_llm(model, LAYER_IDS, extra)
 
@@ -403,7 +414,9 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
     t.add_column("what")
     t.add_column("value")
     verdict = "[green]all verified[/green]" if s["ok"] else "[red]FAILED[/red]: " + "; ".join(s["problems"])
-    t.add_row("records", f"{s['records']} of {s['expected']} ({s['records_ok']} verified, {len(s['records_failed'])} failed)")
+    t.add_row(
+        "records", f"{s['records']} of {s['expected']} ({s['records_ok']} verified, {len(s['records_failed'])} failed)"
+    )
     t.add_row("tokens", f"{s['tokens']:,}")
     t.add_row("bytes", f"{s['bytes']:,} (layers {s['layer_ids']}, bf16)")
     thr = f"{s['throughput_mb_s']:.1f} MB/s" if s["throughput_mb_s"] else "-"
@@ -422,7 +435,8 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
     t.add_row(
         "time",
         f"model {tm.get('model_s', 0):.1f} s, engine start {tm.get('engine_start_s', 0):.1f} s, "
-        f"serve {tm.get('serve_s', 0):.1f} s, serve+stream+train {tm.get('trainer_s', 0):.1f} s, total {s['wall_s']:.1f} s",
+        f"serve {tm.get('serve_s', 0):.1f} s, serve+stream+train {tm.get('trainer_s', 0):.1f} s, "
+        f"total {s['wall_s']:.1f} s",
     )
     t.add_row("result", verdict)
     console.print(t)

@@ -242,7 +242,7 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
             warnings.append(
                 f"hybrid verifier ({facts.sliding_layers} sliding / {facts.state_layers} state layers): vLLM "
                 f"{vllm_version} turns the hybrid KV-cache manager off whenever a KV connector is set, so every "
-                "attention layer keeps full-length KV (no sliding-window savings); upgrading to vLLM >= 0.22 keeps it on"
+                "attention layer keeps full-length KV (no sliding-window savings); vLLM >= 0.22 keeps it on"
             )
             if args.hybrid_kv_cache_manager == "on" and adapter.proposer_uses_group0_slots:
                 errors.append(

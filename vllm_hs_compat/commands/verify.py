@@ -102,9 +102,7 @@ def expected_label(layer_id: int, num_layers: int) -> str:
     return "final norm input" if layer_id == num_layers else f"hidden_states[{layer_id}]"
 
 
-def analyse(
-    records: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]], hf_model: Any
-) -> list[PlaneReport]:
+def analyse(records: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]], hf_model: Any) -> list[PlaneReport]:
     """``records``: ``(token_ids, layer_ids, rows [T, P, C])`` each; planes compared by the records' own layer
     ids.  For every layer id: the candidate with the smallest worst-row error over all records."""
     from vllm_hs_compat.demo.reference import ROW_TOL, hf_planes, plane_error
@@ -176,7 +174,11 @@ def _capture(args: argparse.Namespace, model: str, layers: list[int], prompts: l
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
         )
-        failed = [o.kv_transfer_params for o in outs if (o.kv_transfer_params or {}).get("hs_record", {}).get("status") != "pending"]
+        failed = [
+            o.kv_transfer_params
+            for o in outs
+            if (o.kv_transfer_params or {}).get("hs_record", {}).get("status") != "pending"
+        ]
         flush(llm, timeout_s=300.0)
         shutdown(llm)
         del llm

@@ -41,7 +41,12 @@ def teacher_probs(base: torch.Tensor, norm: nn.Module, lm_head: nn.Module) -> to
 
 
 def make_item(
-    input_ids: torch.Tensor, aux: torch.Tensor, base: torch.Tensor, mask: torch.Tensor, norm: nn.Module, lm_head: nn.Module
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    base: torch.Tensor,
+    mask: torch.Tensor,
+    norm: nn.Module,
+    lm_head: nn.Module,
 ) -> TrainItem | None:
     """A :class:`TrainItem` from one record in the ``eagle3`` layout (None when it has fewer than 2 tokens)."""
     if input_ids.shape[0] < 2:
@@ -72,12 +77,12 @@ class Eagle3Head(nn.Module):
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """``aux`` ``[B, T, A]``, ``next_ids`` ``[B, T]``, ``pad`` ``[B, T]`` (True = padding) -> logits
         ``[B, T, V]``."""
-        e = F.embedding(next_ids, self.embed)
+        e = F.embedding(next_ids, self.get_buffer("embed"))
         x = self.inp(torch.cat([e, self.fc(aux)], dim=-1))
         t = x.shape[1]
         causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
         x = self.layer(x, src_mask=causal, src_key_padding_mask=pad, is_causal=True)
-        return F.linear(self.norm(x), self.head)  # type: ignore[no-any-return]
+        return F.linear(self.norm(x), self.get_buffer("head"))
 
 
 def _batch(items: Sequence[TrainItem]) -> tuple[torch.Tensor, ...]:

@@ -51,5 +51,7 @@ def loss_png(path: str | Path, losses: Sequence[float], accuracies: Sequence[flo
                 _, y = xy(0, v, 0.0, 1.0)
                 d.text((left + pw + 8, y - 6), f"{v:.2f}", fill=(200, 90, 30), font=font)
             d.line([xy(i, v, 0.0, 1.0) for i, v in enumerate(accuracies)], fill=(200, 90, 30), width=2)
-            d.text((left + 8, top + 20), "top-1 agreement with the verifier (right axis)", fill=(200, 90, 30), font=font)
+            d.text(
+                (left + 8, top + 20), "top-1 agreement with the verifier (right axis)", fill=(200, 90, 30), font=font
+            )
     img.save(str(path), format="PNG")

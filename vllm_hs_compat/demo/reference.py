@@ -115,8 +115,9 @@ def hf_planes(model: Any, token_ids: Sequence[int]) -> HfPlanes:
     hs = tuple(h[0].detach() for h in out.hidden_states)
     num_layers = int(model.config.num_hidden_layers)
     if len(hs) != num_layers + 1:
-        raise HfReferenceError(f"the model returned {len(hs)} hidden states, expected num_hidden_layers + 1 = "
-                             f"{num_layers + 1}")
+        raise HfReferenceError(
+            f"the model returned {len(hs)} hidden states, expected num_hidden_layers + 1 = {num_layers + 1}"
+        )
     return HfPlanes(hidden_states=hs, pre_norm=pre[-1][0] if pre else None)
 
 
