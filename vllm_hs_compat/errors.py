@@ -170,3 +170,13 @@ class StaleMetadataError(TransportError):
 
 class DescriptorError(TransportError):
     """A descriptor points outside the registered memory, or lengths disagree."""
+
+
+# --- trainer side -------------------------------------------------------------------------------------------
+class DatasetConfigError(HsCompatError):
+    """A :class:`~vllm_hs_compat.trainer.HiddenStatesDataset` setting or resume state is invalid."""
+
+
+class LayoutError(RecordFormatError):
+    """A record cannot be laid out as the trainer asked (e.g. the ``eagle3`` layout needs at least two planes:
+    the auxiliary layers and the base layer)."""

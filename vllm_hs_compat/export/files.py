@@ -77,6 +77,7 @@ def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -
 
     Raises :class:`RecordFailedError` when only the error file exists, :class:`RecordFormatError` (or its
     checksum subclass) when the files are damaged."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     p = Path(path)
@@ -95,7 +96,11 @@ def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -
         raise RecordFormatError(f"{manifest_path}: manifest is not JSON ({e})") from None
     tensors_name = raw.pop("tensors", f"{stem}.safetensors")
     meta = RecordMeta.from_dict(raw)
-    tensors = load_file(str(manifest_path.with_name(str(tensors_name))))
+    tensors_path = manifest_path.with_name(str(tensors_name))
+    try:
+        tensors = load_file(str(tensors_path))
+    except (SafetensorError, OSError) as e:
+        raise RecordFormatError(f"{tensors_path}: cannot read the record's tensors ({type(e).__name__}: {e})") from None
     if "hidden_states" not in tensors or "token_ids" not in tensors:
         raise RecordFormatError(
             f"{tensors_name}: expected tensors 'hidden_states' and 'token_ids', found {sorted(tensors)}"
