@@ -73,7 +73,8 @@ def write_failure(directory: str | os.PathLike[str], record_id: str, reason: str
 
 
 def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -> CaptureRecord:
-    """Read a record from its manifest (``.json``) or tensor (``.safetensors``) path and verify it.
+    """Read a record from its manifest (``.json``), tensor (``.safetensors``) or error (``.error.json``) path and
+    verify it.
 
     Raises :class:`RecordFailedError` when only the error file exists, :class:`RecordFormatError` (or its
     checksum subclass) when the files are damaged."""
@@ -81,7 +82,8 @@ def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -
     from safetensors.torch import load_file
 
     p = Path(path)
-    stem = p.name.removesuffix(".json").removesuffix(".safetensors")
+    stem = p.name.removesuffix(".error.json") if p.name.endswith(".error.json") else p.name
+    stem = stem.removesuffix(".json").removesuffix(".safetensors")
     manifest_path, error_path = p.with_name(f"{stem}.json"), p.with_name(f"{stem}.error.json")
     if not manifest_path.exists():
         if error_path.exists():

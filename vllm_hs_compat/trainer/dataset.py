@@ -350,9 +350,8 @@ class _FileSource(_Source):
         for i, m in enumerate(todo):
             if i % n_workers != worker:
                 continue
-            stem = m.name.removesuffix(".json").removesuffix(".error")
-            try:  # an error file's record: read_record names why it failed (RecordFailedError)
-                yield read_record(m.with_name(f"{stem}.json"), verify_checksum=self.verify_checksum)
+            try:  # an error file: read_record names why the record failed (RecordFailedError)
+                yield read_record(m, verify_checksum=self.verify_checksum)
             except E.HsCompatError as exc:
                 yield exc
             except (OSError, ValueError) as exc:  # an unreadable manifest (permissions, encoding)
