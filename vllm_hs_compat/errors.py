@@ -172,6 +172,16 @@ class DescriptorError(TransportError):
     """A descriptor points outside the registered memory, or lengths disagree."""
 
 
+# --- trainer side -------------------------------------------------------------------------------------------
+class DatasetConfigError(HsCompatError):
+    """A :class:`~vllm_hs_compat.trainer.HiddenStatesDataset` setting or resume state is invalid."""
+
+
+class LayoutError(RecordFormatError):
+    """A record cannot be laid out as the trainer asked (e.g. the ``eagle3`` layout needs at least two planes:
+    the auxiliary layers and the base layer)."""
+
+
 # --- tools: demo, verify, serve-args ------------------------------------------------------------------------
 class ToolError(HsCompatError):
     """A command-line tool (``demo``, ``verify``, ``serve-args``) cannot go on; the message names the fix."""

@@ -46,7 +46,7 @@ MLA = {
 def args(model: Path, layers: str, **kw: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    S.add_parser(sub)
+    S.register(sub)
     ns = parser.parse_args(["serve-args", "--model", str(model), "--layers", layers])
     for k, v in kw.items():
         setattr(ns, k, v)

@@ -38,7 +38,7 @@ LAYER_IDS = (1, 2, 3, 4)
 BATCH = 8
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="capture -> stream -> verify -> train, on a tiny local model (a few minutes)")
     p.add_argument("--out", default="vllm-hs-compat-demo", help="output folder (model, logs, summary, plot)")
     p.add_argument("--records", type=int, default=24, help="prompts served, one record each (default 24)")
@@ -420,7 +420,11 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
     t.add_row("tokens", f"{s['tokens']:,}")
     t.add_row("bytes", f"{s['bytes']:,} (layers {s['layer_ids']}, bf16)")
     thr = f"{s['throughput_mb_s']:.1f} MB/s" if s["throughput_mb_s"] else "-"
-    t.add_row("transport", f"{s['transport']}: {thr} over {s['pull_s']:.2f} s of pulls (incl. waits for the engine)")
+    t.add_row(
+        "transport",
+        f"{s['transport']} (trainer pid {s['trainer_pid']}, engine pid {s['engine_pid']}): {thr} over "
+        f"{s['pull_s']:.2f} s of pulls (incl. waits for the engine: the engine bounds it here, not the transport)",
+    )
     if s["max_rel_err"] is not None:
         t.add_row("verification", f"max relative error {s['max_rel_err']:.4f} (tolerance {ROW_TOL})")
     if s["losses"]:

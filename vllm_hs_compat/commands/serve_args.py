@@ -26,7 +26,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4,
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser("serve-args", help="the vllm serve flags for a capture on the installed vLLM, and its cost")
     p.add_argument("--model", required=True, help="model folder or hub id (its config.json is read)")
     p.add_argument("--layers", required=True, help="comma-separated layer ids, e.g. 2,16,29,32")
@@ -349,5 +349,5 @@ def main(argv: Sequence[str]) -> int:
     """Entry for tests: ``main(["--model", ..., "--layers", ...])``."""
     parser = argparse.ArgumentParser(prog="vllm-hs-compat")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
+    register(sub)
     return run(parser.parse_args(["serve-args", *argv]))

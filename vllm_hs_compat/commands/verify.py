@@ -33,7 +33,7 @@ PROMPTS = (
 )
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser("verify", help="check which HF hidden state each captured plane holds (pre/post norm)")
     p.add_argument("--model", required=True, help="local model folder (or a hub id already in the HF cache)")
     p.add_argument(
@@ -206,12 +206,12 @@ def _num_layers(model: str, trust_remote_code: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_hs_compat.cli import _stdout_to_stderr
+    from vllm_hs_compat.commands import stdout_to_stderr
     from vllm_hs_compat.demo.engine import prepare_env
 
     prepare_env()
     try:
-        with _stdout_to_stderr(True):
+        with stdout_to_stderr(True):
             report = _verify(args)
     except HsCompatError as exc:
         print(f"verify failed: {exc}", file=sys.stderr)

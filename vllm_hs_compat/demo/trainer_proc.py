@@ -25,57 +25,57 @@ from vllm_hs_compat.errors import HsCompatError
 
 # --- the record source: the ONE place that knows how records arrive ---------------------------------------------
 class RecordSource:
-    """Records of one producer, in the ``eagle3`` layout (dicts with ``input_ids`` ``[T]``, ``hidden_states``
-    ``[T, C]`` (the last plane, pre-norm), ``aux_hidden_states`` ``[T, (P-1)*C]``, ``loss_mask`` ``[T]``,
-    ``record_id``, ``layer_ids``); a record that failed on the way (checksum, lease, read) is yielded as its
-    error.  Built on :class:`vllm_hs_compat.export.ExportConsumer`; swap for
-    ``vllm_hs_compat.trainer.HiddenStatesDataset.from_export`` once it lands (same items)."""
+    """Records of one producer through :class:`vllm_hs_compat.trainer.HiddenStatesDataset` in the ``eagle3``
+    layout (dicts with ``input_ids`` ``[T]``, ``hidden_states`` ``[T, C]`` (the last plane, pre-norm),
+    ``aux_hidden_states`` ``[T, (P-1)*C]``, ``loss_mask`` ``[T]``, ``record_id``, ``layer_ids``); a record that
+    failed on the way (checksum, lease, read) is yielded as its error, and the stream goes on."""
 
     def __init__(
         self, endpoint: str, token: str, *, max_records: int, backend: str = "auto", idle_timeout_s: float = 120.0
     ) -> None:
-        from vllm_hs_compat.export import ExportConsumer
+        from vllm_hs_compat.trainer import HiddenStatesDataset
 
-        self.consumer = ExportConsumer(endpoint, token, backend=backend, timeout_s=30.0)
+        self.endpoint, self._token, self._backend = endpoint, token, backend
         self.max_records = max_records
-        self.idle_timeout_s = idle_timeout_s
-
-    @property
-    def transport(self) -> str:
-        return str(self.consumer.hello.get("transport", {}).get("kind", "?"))
+        self.dataset = HiddenStatesDataset.from_export(
+            endpoint,
+            token,
+            max_records=max_records,
+            wait_s=idle_timeout_s,
+            layout="eagle3",
+            consumer_kwargs={"backend": backend, "timeout_s": 30.0},
+        )
+        self.transport = "?"
 
     def __iter__(self) -> Iterator[dict[str, Any] | HsCompatError]:
-        stream = self.consumer.iter_records(wait_s=0.5, idle_timeout_s=self.idle_timeout_s)
         seen = 0
         while seen < self.max_records:
+            stream = iter(self.dataset)  # after a failed record, iterating again continues with the next one
             try:
-                rec = next(stream)
-            except StopIteration:
-                return
-            except HsCompatError as exc:  # this record failed on the way; the stream goes on
+                for item in stream:
+                    seen += 1
+                    yield item
+                    if seen >= self.max_records:
+                        return
+                return  # no record for idle_timeout_s
+            except HsCompatError as exc:
                 seen += 1
                 yield exc
-                continue
-            seen += 1
-            rows = rec.hidden_states  # [T, P, C], planes in ascending layer-id order
-            t, p, c = rows.shape
-            yield {
-                "record_id": rec.meta.request_id,
-                "input_ids": torch.tensor(rec.meta.token_ids, dtype=torch.long),
-                "hidden_states": rows[:, -1],
-                "aux_hidden_states": rows[:, :-1].reshape(t, (p - 1) * c),
-                "loss_mask": torch.ones(t, dtype=torch.int64),
-                "layer_ids": torch.tensor(rec.meta.layer_ids, dtype=torch.long),
-            }
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
 
     def close(self) -> dict[str, Any]:
-        """Close the consumer; returns the producer's ledger as last seen."""
+        """The producer's ledger and the transport, as a second trainer-token consumer sees them."""
+        from vllm_hs_compat.export import ExportConsumer
+
         try:
-            stats = self.consumer.remote_stats()
+            with ExportConsumer(self.endpoint, self._token, backend=self._backend, timeout_s=30.0) as c:
+                self.transport = str(c.hello.get("transport", {}).get("kind", "?"))
+                return c.remote_stats()
         except HsCompatError as exc:
-            stats = {"error": str(exc)}
-        self.consumer.close()
-        return stats
+            return {"error": str(exc)}
 
 
 def planes_of(item: dict[str, Any]) -> torch.Tensor:
@@ -201,20 +201,18 @@ def run(args: TrainerArgs) -> int:
         results.append(res)
         emit("record", **asdict(res))
     receive_s = time.monotonic() - t0
-    transport = source.transport
     ledger = source.close()
+    transport = source.transport
     emit("received", records=len(results), seconds=receive_s, transport=transport)
     losses: list[float] = []
     accs: list[float] = []
     if items and args.steps > 0:
-        c = items[0].aux.shape[1] // max(1, len(results[0].layer_ids) - 1)
         head = Eagle3Head(
             hidden=int(hf.config.hidden_size),
             num_aux=items[0].aux.shape[1] // int(hf.config.hidden_size),
             embed=hf.get_input_embeddings().weight,
             lm_head=lm_head.weight,
         )
-        del c
 
         def on_step(s: Any) -> None:
             losses.append(s.loss)
