@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace, out: Path, display: IO[str]) -> dict[str, Any
             _install_fault(args.corrupt_record)
         t = time.monotonic()
         task = progress.add_task("vLLM engine start (extract_hidden_states + connector)", total=1)
-        llm = _engine(model.path, out, args.transport)
+        llm = _engine(model.path, out, args.transport, num_records=n)
         progress.advance(task)
         times["engine_start_s"] = time.monotonic() - t
 
