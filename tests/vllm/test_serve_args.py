@@ -68,7 +68,7 @@ def test_flags_parse_with_the_releases_cli(tmp_path: Path, sink: str, capsys: py
     assert kv.kv_connector_module_path == "vllm_hs_compat.connector"
     assert kv.kv_role == "kv_producer"
     cfg = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
-    assert cfg.sink == sink and cfg.capture == "prompt"
+    assert cfg.sink == sink and cfg.capture.mode == "prompt"
     assert out["cost"]["hs_bytes_per_token"] == 4 * 4096 * 2
 
 
