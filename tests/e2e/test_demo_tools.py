@@ -5,8 +5,8 @@ console script, in a process of its own).
 * the demo fails when one record is corrupted in the serving process BEFORE the export checksums it (so the
   transport delivers it intact and only the comparison with transformers can catch it): exit status 1, that
   record named, the others verified;
-* verify maps every plane of the tiny model to its HF index; its analysis names an off-by-one and a post-norm
-  capture when handed them (negative controls over transformers' own planes).
+* verify (0.27.1 and 0.32.0 sessions) maps every plane of the tiny model to its HF index; its analysis names an
+  off-by-one and a post-norm capture when handed them (negative controls over transformers' own planes).
 """
 
 from __future__ import annotations
@@ -83,6 +83,12 @@ def test_demo_fails_on_a_corrupted_record(tmp_path: Path) -> None:
     assert "FAIL" in proc.stdout and "failed verification" in proc.stdout
 
 
+verify_only = pytest.mark.skipif(
+    os.environ.get("HS_E2E_VERIFY") != "1",
+    reason="verify runs with HS_E2E_VERIFY=1 (nox: the e2e sessions of 0.27.1 and 0.32.0)",
+)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     from vllm_hs_compat.demo.models import make_model
@@ -90,6 +96,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model(str(tmp_path_factory.mktemp("verify") / "dense"), "dense", seed=3).path
 
 
+@verify_only
 def test_verify_maps_every_plane(tiny: str) -> None:
     proc = _run(["verify", "--model", tiny, "--layers", "0,1,3,4", "--json"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

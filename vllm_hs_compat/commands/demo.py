@@ -37,6 +37,8 @@ from vllm_hs_compat.errors import HsCompatError, ToolError
 #: plane (layer id num_hidden_layers: the last layer's output before the final norm).
 LAYER_IDS = (1, 2, 3, 4)
 BATCH = 8
+#: The trainer's whole run (model load, stream, verification, training) must end within this.
+TRAINER_TIMEOUT_S = 900.0
 
 
 def register(sub: Any) -> None:
@@ -277,9 +279,12 @@ def _run(args: argparse.Namespace, out: Path, display: IO[str]) -> dict[str, Any
         times["serve_s"] = time.monotonic() - t
         if trainer is None:
             raise ToolError("no request was served")
-        while done is None and trainer.proc.poll() is None:
+        deadline = time.monotonic() + TRAINER_TIMEOUT_S
+        while done is None and trainer.proc.poll() is None and time.monotonic() < deadline:
             pump(0.5)
         pump()
+        if done is None and trainer.proc.poll() is None:
+            trainer.proc.kill()
         rc = trainer.wait(timeout_s=60.0)
         times["trainer_s"] = time.monotonic() - t
         from vllm_hs_compat.demo.engine import shutdown
