@@ -380,6 +380,9 @@ def _summarise(
         "transport": done["transport"],
         "pull_s": pull_s,
         "pull_median_s": statistics.median(r["pull_s"] for r in records) if records else 0.0,
+        "pull_median_mb_s": statistics.median(r["nbytes"] / r["pull_s"] / 1e6 for r in records if r["pull_s"] > 0)
+        if any(r["pull_s"] > 0 for r in records)
+        else 0.0,
         "throughput_mb_s": (nbytes / pull_s / 1e6) if pull_s > 0 else None,
         "max_rel_err": max((max(r["max_rel"]) for r in ok), default=None),
         "per_record": records,
@@ -421,11 +424,13 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
     t.add_row("tokens", f"{s['tokens']:,}")
     t.add_row("bytes", f"{s['bytes']:,} (layers {s['layer_ids']}, bf16)")
     thr = f"{s['throughput_mb_s']:.1f} MB/s" if s["throughput_mb_s"] else "-"
+    rate = s["pull_median_mb_s"]
     t.add_row(
         "transport",
-        f"{s['transport']}, trainer pid {s['trainer_pid']} / engine pid {s['engine_pid']}: {thr}, median "
-        f"{1e3 * s['pull_median_s']:.1f} ms per record (claim + read + release, one record per round trip; "
-        "small records are latency-bound)",
+        f"{s['transport']}, trainer pid {s['trainer_pid']} / engine pid {s['engine_pid']}: median "
+        f"{1e3 * s['pull_median_s']:.1f} ms and {rate:.0f} MB/s per record (claim + read + release, one record per "
+        f"round trip: small records are latency-bound); {s['pull_s']:.2f} s of pulls in all ({thr} incl. the "
+        "waits for the engine)",
     )
     if s["max_rel_err"] is not None:
         t.add_row("verification", f"max relative error {s['max_rel_err']:.4f} (tolerance {ROW_TOL})")
