@@ -117,7 +117,9 @@ def test_two_dataloader_workers_share_the_stream_without_duplicates(backend: str
     ids = [f"w-{i}" for i in range(12)]
     for i, rid in enumerate(ids):
         publish(p, rid, i)
-    ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=2.0 if backend == "shm" else 8.0)
+    # max_records: each worker stops at its share (6), so the pass ends as soon as the 12 are taken; wait_s is
+    # the deadline should a worker see none (spawned NIXL workers take seconds to start)
+    ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=30.0, max_records=12)
     got = [item["record_id"] for item in loader(ds, backend)]
     assert sorted(got) == sorted(ids) and len(got) == len(ids)  # each record to exactly one worker
     assert ds.stats["records"] == 12  # the workers' counters reach the main process
