@@ -22,14 +22,17 @@ main process does not see the workers' iterators, so the training loop reports w
   shows up again (another producer instance re-publishing it) is skipped and counted ``resume_skipped``.
 
 What a stop loses, by construction: with ``batch=1`` (default) a record is claimed, read and released one at a
-time just before it is yielded, so stopping between items loses nothing.  With workers, the records already in the
+time just before it is yielded, so stopping between items loses nothing (``batch=B``: up to ``B - 1`` read but
+not yielded).  With workers, the records already in the
 DataLoader's prefetch queue (at most ``num_workers * prefetch_factor``) were delivered by the producer and not
 trained on; compare the producer's ``delivered`` (``ExportConsumer.remote_stats()``) with the state's count.
 
 Errors: a record that fails (checksum, bad format, failed at the server, does not fit the layout, a transport error
 that failed that record alone) is counted in :attr:`~HiddenStatesDataset.stats` and then raised
-(``on_error="raise"``, default; iterating again continues with the next record) or logged and skipped
-(``on_error="skip"``).  Errors of the connection itself (producer unreachable, wrong token) always raise.
+(``on_error="raise"``, default) or logged and skipped (``on_error="skip"``).  A raised error ends that
+iteration; the next one continues after the consumed records (export: the failed record was settled and does not
+come back; files: it is read, and fails, again).  Errors of the connection itself (producer unreachable, wrong
+token) always raise.
 """
 
 from __future__ import annotations
