@@ -24,7 +24,7 @@ from vllm_hs_compat.errors import (
 from vllm_hs_compat.export import ExportProducer
 from vllm_hs_compat.export.control import TOKEN_ENV, TOKEN_FILE_ENV
 from vllm_hs_compat.export.files import record_paths, write_failure, write_record
-from vllm_hs_compat.trainer import LAYOUTS, HiddenStatesDataset, to_item
+from vllm_hs_compat.trainer import LAYOUTS, HiddenStatesDataset, collate_padded, to_item
 
 Make = Callable[..., ExportProducer]
 LAYERS = (2, 5, 9, 12)  # 12 = num_hidden_layers of a 12-layer verifier: the base plane
@@ -117,7 +117,9 @@ def test_two_dataloader_workers_share_the_stream_without_duplicates(backend: str
     ids = [f"w-{i}" for i in range(12)]
     for i, rid in enumerate(ids):
         publish(p, rid, i)
-    ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=2.0 if backend == "shm" else 8.0)
+    # max_records: each worker stops at its share (6), so the pass ends as soon as the 12 are taken; wait_s is
+    # the deadline should a worker see none (spawned NIXL workers take seconds to start)
+    ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=30.0, max_records=12)
     got = [item["record_id"] for item in loader(ds, backend)]
     assert sorted(got) == sorted(ids) and len(got) == len(ids)  # each record to exactly one worker
     assert ds.stats["records"] == 12  # the workers' counters reach the main process
@@ -147,7 +149,7 @@ def test_export_resume_continues_with_the_rest_exactly_once(backend: str, make_p
     before = [next(it)["record_id"] for _ in range(4)]  # the trainer stops after 4 records
     state = json.loads(json.dumps(first.state_dict()))  # a checkpoint is JSON
     it.close()  # the iterator (and its consumer) go away: nothing claimed is left behind
-    assert state == {"version": 1, "source": "export", "consumed": before}
+    assert state == {"version": 1, "source": "export", "epoch": 0, "consumed": before}
     assert p.stats()["delivered"] == 4 and p.occupancy() == 6
 
     second = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=0.5, max_records=8)
@@ -252,7 +254,10 @@ def test_file_shards_over_two_workers_and_resume(tmp_path: Path) -> None:
     # with workers the loop reports what it consumed
     resumed.mark_consumed(after)
     assert sorted(resumed.state_dict()["consumed"]) == sorted(recs)
-    assert list(HiddenStatesDataset.from_files(tmp_path, max_records=2)) != []
+    # a pass that runs to its end starts the next epoch, which reads every record again
+    again = HiddenStatesDataset.from_files(tmp_path)
+    assert len(list(again)) == 7 and again.epoch == 1 and again.state_dict()["consumed"] == []
+    assert len(list(again)) == 7 and again.epoch == 2
     assert len(list(HiddenStatesDataset.from_files(tmp_path, max_records=2))) == 2
 
 
@@ -272,3 +277,21 @@ def test_corrupt_and_truncated_files_are_counted(tmp_path: Path) -> None:
     assert st["checksum_failed"] + st["bad_format"] == 3 and st["bad_format"] >= 2
     with pytest.raises(RecordFormatError):
         list(HiddenStatesDataset.from_files(record_paths(tmp_path, "f-02")[1]))
+
+
+def test_collate_padded_batches_items_of_different_lengths(tmp_path: Path) -> None:
+    short = record_of("short", 1)
+    rows = rows_of(2, tokens=9)
+    long_ = CaptureRecord(RecordMeta.for_tensor("long", rows, list(range(9)), LAYERS, pre_norm=True), rows)
+    for rec in (short, long_):
+        write_record(tmp_path, rec)
+    ds = HiddenStatesDataset.from_files(tmp_path, layout="speculators")
+    (batch,) = list(DataLoader(ds, batch_size=2, collate_fn=collate_padded))
+    assert batch["record_id"] == ["long", "short"]
+    assert batch["hidden_states"].shape == (2, 9, 3 * C) and batch["verifier_last_hidden_states"].shape == (2, 9, C)
+    assert batch["lengths"].tolist() == [9, T] and batch["attention_mask"].sum(dim=1).tolist() == [9, T]
+    assert same(batch["verifier_last_hidden_states"][1, :T], short.hidden_states[:, 3])
+    assert batch["verifier_last_hidden_states"][1, T:].abs().sum() == 0 and batch["loss_mask"][1, T:].sum() == 0
+    assert batch["input_ids"][1, :T].tolist() == list(short.meta.token_ids)
+    with pytest.raises(DatasetConfigError):
+        collate_padded([to_item(short, "eagle3"), to_item(short, "dflash")])

@@ -20,13 +20,15 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_hs_compat.commands import progress, stdout_to_stderr
-from vllm_hs_compat.core.records import CaptureRecord, compute_checksum
 from vllm_hs_compat.errors import HsCompatError, RecordFormatError
+
+if TYPE_CHECKING:  # torch is imported when a record is read, not for ``vllm-hs-compat --help``
+    import torch
+
+    from vllm_hs_compat.core.records import CaptureRecord
 
 EXIT_OK = 0
 EXIT_BAD_RECORD = 1
@@ -134,6 +136,8 @@ def plane_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...]) -> list
     """Per plane of ``[T, P, C]``: mean, std, min, max, absmax over the finite values (``None`` when there are
     none), NaN and Inf counts.  Reads ``CHUNK_ROWS`` rows at a time in float64 (chunks merged with Chan's
     formula), so a long record never needs a float64 copy of itself."""
+    import torch
+
     t, p, _ = hidden_states.shape
     out = []
     for i in range(p):
@@ -178,6 +182,10 @@ def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
     """The JSON report of ``record``: ``manifest`` (its metadata), ``tokens``, ``layer_ids``, ``checksum``
     (``algorithm``, ``expected``, ``computed``, ``ok``: None when the record carries none), ``planes``
     (:func:`plane_stats`), ``ok``."""
+    import torch
+
+    from vllm_hs_compat.core.records import compute_checksum
+
     meta = record.meta
     hs = record.hidden_states
     checksum: dict[str, Any] = {"algorithm": meta.checksum_algorithm, "expected": meta.checksum}

@@ -12,7 +12,17 @@
 See docs/trainer.md for the layouts, workers, resume and errors.
 """
 
+from vllm_hs_compat.trainer.collate import collate_padded
 from vllm_hs_compat.trainer.dataset import COUNTERS, STATE_VERSION, HiddenStatesDataset
 from vllm_hs_compat.trainer.layouts import LAYOUTS, LOSS_MASKS, make_loss_mask, to_item
 
-__all__ = ["COUNTERS", "LAYOUTS", "LOSS_MASKS", "STATE_VERSION", "HiddenStatesDataset", "make_loss_mask", "to_item"]
+__all__ = [
+    "COUNTERS",
+    "LAYOUTS",
+    "LOSS_MASKS",
+    "STATE_VERSION",
+    "HiddenStatesDataset",
+    "collate_padded",
+    "make_loss_mask",
+    "to_item",
+]

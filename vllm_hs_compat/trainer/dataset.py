@@ -11,7 +11,8 @@ Two sources, one item format (see :mod:`vllm_hs_compat.trainer.layouts` for the 
   positions ``k, k+N, ...``).
 
 Resume (:meth:`~HiddenStatesDataset.state_dict` / :meth:`~HiddenStatesDataset.load_state_dict`): the state is
-the set of record ids *consumed* so far.  Without workers that is every item the dataset yielded; with workers the
+the set of record ids *consumed* so far in this epoch (files: a pass that runs to its end starts the next epoch,
+:meth:`~HiddenStatesDataset.end_epoch`).  Without workers that is every item the dataset yielded; with workers the
 main process does not see the workers' iterators, so the training loop reports what it consumed with
 :meth:`~HiddenStatesDataset.mark_consumed` (``item["record_id"]``).  A dataset loaded with that state
 
@@ -21,14 +22,17 @@ main process does not see the workers' iterators, so the training loop reports w
   shows up again (another producer instance re-publishing it) is skipped and counted ``resume_skipped``.
 
 What a stop loses, by construction: with ``batch=1`` (default) a record is claimed, read and released one at a
-time just before it is yielded, so stopping between items loses nothing.  With workers, the records already in the
+time just before it is yielded, so stopping between items loses nothing (``batch=B``: up to ``B - 1`` read but
+not yielded).  With workers, the records already in the
 DataLoader's prefetch queue (at most ``num_workers * prefetch_factor``) were delivered by the producer and not
 trained on; compare the producer's ``delivered`` (``ExportConsumer.remote_stats()``) with the state's count.
 
 Errors: a record that fails (checksum, bad format, failed at the server, does not fit the layout, a transport error
 that failed that record alone) is counted in :attr:`~HiddenStatesDataset.stats` and then raised
-(``on_error="raise"``, default; iterating again continues with the next record) or logged and skipped
-(``on_error="skip"``).  Errors of the connection itself (producer unreachable, wrong token) always raise.
+(``on_error="raise"``, default) or logged and skipped (``on_error="skip"``).  A raised error ends that
+iteration; the next one continues after the consumed records (export: the failed record was settled and does not
+come back; files: it is read, and fails, again).  Errors of the connection itself (producer unreachable, wrong
+token) always raise.
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         self.max_records = max_records
         self._consumed: set[str] = set()
         self._consumed_order: list[str] = []
+        self.epoch = 0
         # One row per process (main, workers), in shared memory: the counts of every DataLoader worker reach
         # the dataset object of the main process (fork and spawn alike).
         self._counters = torch.zeros((_MAX_WORKERS + 1, len(COUNTERS)), dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
@@ -221,6 +226,8 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
                 log.warning("skipping a failed record (%s): %s", type(res).__name__, res)
                 continue
             raise res
+        if row == 0 and self.source.kind == "files":  # a pass over the files ran to its end: the epoch is over
+            self.end_epoch()
 
     # --- resume ---------------------------------------------------------------------------------------------
     def _mark(self, record_id: str) -> None:
@@ -235,10 +242,24 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         for rid in [record_ids] if isinstance(record_ids, str) else record_ids:
             self._mark(str(rid))
 
+    def end_epoch(self) -> None:
+        """Start the next epoch: forget the consumed records (``epoch`` + 1), so the next iteration reads every
+        record again.  Files without workers do this themselves when an iteration runs to its end; with workers
+        call it after each epoch.  An export stream has no epochs: calling it there only lets records whose ids
+        come back (a restarted producer) through again."""
+        self._consumed = set()
+        self._consumed_order = []
+        self.epoch += 1
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"version": 1, "source": "export" | "files", "consumed": [record ids, in order]}`` (JSON-safe; no
-        credential)."""
-        return {"version": STATE_VERSION, "source": self.source.kind, "consumed": list(self._consumed_order)}
+        """``{"version": 1, "source": "export" | "files", "epoch": n, "consumed": [record ids, in order]}``
+        (JSON-safe; no credential)."""
+        return {
+            "version": STATE_VERSION,
+            "source": self.source.kind,
+            "epoch": self.epoch,
+            "consumed": list(self._consumed_order),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after ``state`` (from :meth:`state_dict`): its consumed records are skipped and count
@@ -255,10 +276,14 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         consumed = state.get("consumed")
         if not isinstance(consumed, list) or not all(isinstance(r, str) for r in consumed):
             raise E.DatasetConfigError("resume state 'consumed' must be a list of record ids (str)")
+        epoch = state.get("epoch", 0)
+        if not isinstance(epoch, int) or epoch < 0:
+            raise E.DatasetConfigError(f"resume state 'epoch' must be an int >= 0, found {epoch!r}")
         self._consumed = set()
         self._consumed_order = []
         for rid in consumed:
             self._mark(rid)
+        self.epoch = epoch
 
     # --- counters -------------------------------------------------------------------------------------------
     @property
@@ -417,7 +442,8 @@ class _ExportSource(_Source):
                     yield _Skipped()
                     return
                 try:
-                    yield consumer.fetch(self.ticket_record, wait_s=self.wait_s or 0.0)
+                    wait = self.wait_s if self.wait_s is not None else float("inf")
+                    yield consumer.fetch(self.ticket_record, wait_s=wait)
                 except (E.RecordFormatError, E.RecordFailedError, E.LeaseExpiredError, E.TransportError) as exc:
                     yield exc
                 return
