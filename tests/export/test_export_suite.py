@@ -508,6 +508,35 @@ def test_zero_copy_fetch_and_landing_buffer_accounting(backend: str, make_produc
     wait_until(drained(p), 5.0, "every lease to be released")
 
 
+def test_owned_records_borrow_landing_space_until_dropped_and_copy_past_their_share(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    hs = [publish(p, f"o-{i}", 512, 4, 512, seed=i) for i in range(4)]  # 2 MiB (+ 2 KiB of token ids) each
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:  # lent: at most 4 MiB
+        r0 = c.fetch("o-0")
+        r1 = c.fetch("o-1")  # r0 is still alive: r1 must land elsewhere
+        lent = c.stats()["lent_bytes"]
+        assert lent > 0  # r0 views landing space: no copy
+        r2 = c.fetch("o-2")  # past the share: copied into fresh memory, its landing space freed at once
+        assert c.stats()["lent_bytes"] == lent
+        c.release(r0)  # an owned record: release is a no-op
+        assert [digest(r.hidden_states) for r in (r0, r1, r2)] == hs[:3]
+        base = r0.hidden_states.untyped_storage().nbytes()
+        assert base == r0.meta.nbytes  # the storage is the record's bytes, not the whole landing buffer
+        del r0
+        assert c.stats()["lent_bytes"] < lent  # the space came back when the tensor was dropped
+        r3 = c.fetch("o-3")
+        assert digest(r3.hidden_states) == hs[3] and digest(r1.hidden_states) == hs[1]
+    assert digest(r1.hidden_states) == hs[1] and digest(r3.hidden_states) == hs[3]  # still valid after close
+    wait_until(drained(p), 5.0, "every lease to be released")
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB, lend_fraction=0.0) as c:
+        h = publish(p, "o-4", 512, 4, 512, seed=4)
+        r4 = c.fetch("o-4")
+        assert digest(r4.hidden_states) == h and c.stats()["lent_bytes"] == 0
+        assert c.stats()["landing_pages_in_use"] == 0
+
+
 def test_control_plane_binds_loopback_by_default_one_port_per_producer(backend: str, make_producer: Make) -> None:
     a, b = make_producer(), make_producer()
     assert a.endpoint.startswith("127.0.0.1:") and b.endpoint.startswith("127.0.0.1:")

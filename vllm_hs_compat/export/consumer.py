@@ -20,18 +20,24 @@ Every read is verified (hidden-state checksum unless ``verify_checksum=False``; 
 and then released with its outcome; only a record whose lease was still held when the release arrived is handed
 out (:class:`LeaseExpiredError` otherwise).  Not thread-safe: one consumer per thread or process.  With
 ``copy=False`` a record's tensor is a view of the landing buffer, valid until :meth:`ExportConsumer.release`;
-with ``copy=True`` (default) it is owned.
+with ``copy=True`` (default) it is owned: valid as long as it is referenced, after ``release`` and ``close`` too.
+An owned record is not copied while the landing buffer has room (``lend_fraction``, half of it by default): its
+tensor views the landing space it was read into, which comes back to the consumer when the tensor is garbage
+collected.  Past that share it is copied into freshly allocated memory.
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import dataclasses
+import gc
 import logging
 import math
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -133,27 +139,54 @@ class Claim:
 
 
 class _Landing:
-    """First-fit page allocator over the landing buffer."""
+    """First-fit page allocator over the landing buffer.
+
+    Space lent to an owned record (``copy=True``, see :meth:`ExportConsumer.fetch`) comes back when that record's
+    tensor is garbage collected, from whichever thread drops it: its finalizer only appends to ``deferred`` (a
+    thread-safe deque), and the consumer's own thread frees the pages at its next allocation."""
 
     def __init__(self, nbytes: int) -> None:
         self.pages = nbytes // PAGE
         self._used = bytearray(self.pages)
+        self.used = 0
+        self.deferred: collections.deque[tuple[int, int]] = collections.deque()
+        #: bytes lent to owned records that are still alive
+        self.lent = 0
+
+    def _drain(self) -> None:
+        while self.deferred:
+            off, n = self.deferred.popleft()
+            self.free(off, n)
+            self.lent -= n
 
     def alloc(self, nbytes: int) -> int | None:
+        self._drain()
         n = max(1, -(-nbytes // PAGE))
         i = self._used.find(bytes(n))
         if i < 0:
             return None
         self._used[i : i + n] = b"\x01" * n
+        self.used += n
         return i * PAGE
 
     def free(self, offset: int, nbytes: int) -> None:
         n = max(1, -(-nbytes // PAGE))
         i = offset // PAGE
         self._used[i : i + n] = bytes(n)
+        self.used -= n
+
+    def free_bytes(self) -> int:
+        return (self.pages - self.used) * PAGE
 
     def in_use(self) -> int:
-        return self.pages - self._used.count(0)
+        self._drain()
+        return self.used
+
+
+def _give_back(deferred: collections.deque[tuple[int, int]], off: int, n: int, keep: torch.Tensor) -> None:
+    """An owned record's finalizer (any thread): its landing space is free again.  ``keep`` (the landing
+    buffer) is held until then, so the record stays valid after the consumer closes."""
+    deferred.append((off, n))
 
 
 def _token_ids(raw: memoryview) -> tuple[int, ...]:
@@ -180,6 +213,7 @@ class ExportConsumer:
         ucx: UcxSettings | None = None,
         verify_checksum: bool = True,
         max_reply_bytes: int = P.DEFAULT_REPLY_BYTES,
+        lend_fraction: float = 0.75,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -201,6 +235,13 @@ class ExportConsumer:
         #: Checksum verification is on by default.  Turning it off saves one memory pass over every record
         #: and leaves the size checks and the token ids' checksum: do it only where the transport is trusted.
         self.verify_checksum = verify_checksum
+        if not 0.0 <= lend_fraction <= 1.0:
+            raise E.ExportConfigError(f"lend_fraction must be in [0, 1], found {lend_fraction!r}")
+        #: How much of the landing buffer owned records (``copy=True``) may keep: such a record's tensor views
+        #: its landing space, which comes back when the tensor is garbage collected.  A record is lent its space
+        #: only while the lent total stays within this share and the space left free still holds another
+        #: record of its size; otherwise (and always with 0) it is copied into freshly allocated memory.
+        self.lend_bytes = int(landing_bytes * lend_fraction)
         self._transport: ConsumerTransport | None = None
         self._landing = _Landing(landing_bytes)
         self._held: dict[int, tuple[CaptureRecord, int, int]] = {}
@@ -275,6 +316,7 @@ class ExportConsumer:
                 if self._transport is not None:
                     self._transport.close()
                     self._transport = None
+                    self._landing = _Landing(self._landing_bytes)  # records lent from the old buffer keep it
                 if kind == "nixl":
                     self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
                 else:
@@ -495,17 +537,22 @@ class ExportConsumer:
             while todo and len(group) < P.MAX_RELEASES:
                 i, c = todo[0]
                 off = self._landing.alloc(c.extent)
+                if off is None and not group and self._landing.lent:
+                    gc.collect()  # owned records in reference cycles: give their lent space back first
+                    off = self._landing.alloc(c.extent)
                 if off is None:
                     break
                 todo.popleft()
                 group.append((i, c, off))
             if not group:
                 i, c = todo.popleft()
-                cls = E.LandingBufferFullError if self._held else E.RecordTooLargeError
+                busy = self._held or self._landing.lent
+                cls = E.LandingBufferFullError if busy else E.RecordTooLargeError
                 results[i] = cls(
                     f"record {c.record_id!r} needs {c.extent} bytes; the landing buffer has "
-                    f"{self._landing_bytes} bytes with {len(self._held)} record(s) held (copy=False); "
-                    "release held records or raise landing_bytes"
+                    f"{self._landing_bytes} bytes with {len(self._held)} record(s) held (copy=False) and "
+                    f"{self._landing.lent} bytes lent to owned records still alive; release held records, drop "
+                    "old records or raise landing_bytes"
                 )
                 self.abandon([c])
                 continue
@@ -574,17 +621,32 @@ class ExportConsumer:
         t = landing[off : off + c.nbytes].view(meta.torch_dtype).view(meta.shape)
         self.counters["records"] += 1
         self.counters["bytes"] += c.nbytes
-        if copy:
-            rec = CaptureRecord(meta, t.clone())
-            self._landing.free(off, c.extent)
-        else:
+        if not copy:
             rec = CaptureRecord(meta, t)
             self._held[id(rec)] = (rec, off, c.extent)
+        elif (
+            c.nbytes
+            and self._landing.lent + c.extent <= self.lend_bytes
+            and self._landing.free_bytes() >= c.extent + PAGE
+        ):
+            rec = CaptureRecord(meta, self._lend(landing, off, c.extent, c.nbytes, meta))
+        else:
+            rec = CaptureRecord(meta, t.clone())
+            self._landing.free(off, c.extent)
         return rec
 
+    def _lend(self, landing: torch.Tensor, off: int, extent: int, nbytes: int, meta: RecordMeta) -> torch.Tensor:
+        """An owned tensor over the landing space at ``off``: no copy, no page faults.  Its storage is exactly
+        the record's bytes (not the whole buffer); the space is given back when the storage is freed."""
+        buf = (ctypes.c_char * nbytes).from_address(landing.data_ptr() + off)
+        weakref.finalize(buf, _give_back, self._landing.deferred, off, extent, landing)
+        self._landing.lent += extent
+        return torch.frombuffer(buf, dtype=torch.uint8).view(meta.torch_dtype).view(meta.shape)
+
     def release(self, record: CaptureRecord) -> None:
-        """Free the landing space of a record fetched with ``copy=False`` (its tensor is invalid
-        afterwards)."""
+        """Free the landing space of a record fetched with ``copy=False`` (its tensor is invalid afterwards).  A
+        record fetched with ``copy=True`` owns its memory: nothing to do (its landing space, if it was lent
+        one, comes back when its tensor is garbage collected)."""
         held = self._held.pop(id(record), None)
         if held is not None:
             self._landing.free(held[1], held[2])
@@ -593,7 +655,9 @@ class ExportConsumer:
         self, record_id: str, copy: bool = True, timeout_s: float | None = None, wait_s: float = 0.0
     ) -> CaptureRecord:
         """Claim, read, verify and release one record; raises the named error that failed it.  ``wait_s``: how
-        long to wait for a record that is not published yet (see :meth:`claim`)."""
+        long to wait for a record that is not published yet (see :meth:`claim`).  ``copy=True``: the record owns
+        its memory (lent landing space or a copy, see the module docstring); ``copy=False``: a view valid until
+        :meth:`release`."""
         (res,) = self.read([self.claim(record_id, timeout_s, wait_s)], copy, timeout_s)
         if isinstance(res, HsCompatError):
             raise res
@@ -621,6 +685,7 @@ class ExportConsumer:
             **self.counters,
             "landing_pages_in_use": self._landing.in_use(),
             "held_records": len(self._held),
+            "lent_bytes": self._landing.lent,
         }
 
     def remote_stats(self) -> dict[str, Any]:
