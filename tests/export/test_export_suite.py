@@ -23,6 +23,8 @@ from hsx_testdata import digest, make_meta, make_rows
 from vllm_hs_compat.export import (
     AuthError,
     CapabilityError,
+    CaptureRecord,
+    ChecksumMismatchError,
     DescriptorError,
     DuplicateRecordError,
     ExportConfigError,
@@ -38,6 +40,7 @@ from vllm_hs_compat.export import (
     UnknownRecordError,
     nixl_available,
 )
+from vllm_hs_compat.export import consumer as consumer_mod
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlClient, server_key
 
@@ -465,6 +468,29 @@ def test_corrupted_slot_is_caught_by_the_checksum(backend: str, make_producer: M
     wait_until(drained(p), 5.0, "the slot to be released anyway")
     st = p.stats()  # released, but not counted delivered
     assert (st["released"], st["checksum_failed"], st["delivered"]) == (1, 1, 0)
+    ledger_balanced(st)
+
+
+def test_a_large_read_is_verified_piece_by_piece_and_a_late_flip_is_caught(backend: str, make_producer: Make) -> None:
+    """A read of >= OVERLAP_MIN_BYTES is transferred in pieces (the reader thread) and checksummed on the way: a
+    bit flipped in its last piece, or in a record that follows in the same batch, still fails that record alone."""
+    p = make_producer()
+    a = publish(p, "big-a", 1200, 4, 1024)  # 9.4 MiB: several pieces
+    publish(p, "big-b", 600, 4, 1024)
+    c_ = publish(p, "big-c", 3, 4, 1024)
+    lb = p.pool._by_record["big-b"]
+    p.transport.buffer[lb.offset + 600 * 4 * 1024 * 2 - 3] ^= 0x01  # b's last hidden-state byte
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB) as c:
+        assert 1200 * 4 * 1024 * 2 >= consumer_mod.OVERLAP_MIN_BYTES
+        claims = [c.claim(r) for r in ("big-a", "big-b", "big-c")]
+        ra, rb, rc = c.read(claims)
+        assert isinstance(ra, CaptureRecord) and digest(ra.hidden_states) == a
+        assert isinstance(rb, ChecksumMismatchError), rb
+        assert isinstance(rc, CaptureRecord) and digest(rc.hidden_states) == c_
+        assert c.stats()["checksum_failures"] == 1
+    wait_until(drained(p), 5.0, "every lease to be released")
+    st = p.stats()
+    assert (st["delivered"], st["checksum_failed"]) == (2, 1)
     ledger_balanced(st)
 
 

@@ -38,7 +38,6 @@ from typing import Final
 import msgspec
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
@@ -180,6 +179,16 @@ _HANDSHAKE_FAILURES: Final = (
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
+
+
+def _monitor_event(msg: list[bytes]) -> int:
+    """The event number of a socket-monitor message (``zmq.utils.monitor`` is imported here, on first use: it
+    pulls in ``zmq.asyncio`` and ``asyncio``)."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    return int(parse_monitor_message(msg)["event"])
+
+
 _MONITOR_EVENTS: Final = (
     zmq.EVENT_ACCEPTED
     | zmq.EVENT_CONNECTED
@@ -394,7 +403,7 @@ class ControlServer:
             except zmq.Again:
                 return
             try:
-                event = int(parse_monitor_message(msg)["event"])
+                event = _monitor_event(msg)
             except Exception:  # a malformed monitor message is libzmq's bug, not a reason to stop serving
                 continue
             key = names.get(event)
@@ -599,7 +608,7 @@ class ControlClient:
                 msg = self._mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return remade
-            event = parse_monitor_message(msg)["event"]
+            event = _monitor_event(msg)
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 remade = self._handshakes > 0
                 self._handshakes += 1
