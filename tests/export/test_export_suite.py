@@ -494,6 +494,52 @@ def test_a_large_read_is_verified_piece_by_piece_and_a_late_flip_is_caught(backe
     ledger_balanced(st)
 
 
+def test_publish_nowait_writes_in_order_off_the_callers_thread_and_fails_records_by_name(
+    backend: str, make_producer: Make
+) -> None:
+    from vllm_hs_compat.export import RecordFailedError
+
+    p = make_producer()
+    rows = [make_rows(i, 64 * (i + 1), 2, 64) for i in range(4)]
+    for i, r in enumerate(rows):
+        p.publish_nowait(make_meta(f"n-{i}", r, 7), r)
+    p.publish_nowait(make_meta("n-0", rows[0], 7), rows[0])  # a duplicate id: fails in the writer, by name
+    with pytest.raises(RecordFormatError):  # shape against the metadata: refused at once, in this thread
+        p.publish_nowait(make_meta("n-bad", rows[1], 7), rows[2])
+    assert p.flush(10.0)
+    assert p._writer is not None and p._writer.name == "hsx-export-writer"
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = [digest(r.hidden_states) for r in c.iter_records(batch=8, wait_s=0.2, idle_timeout_s=0.5)]
+        assert got == [digest(r) for r in rows]  # in the order handed over
+    st = p.stats()
+    assert (st["published"], st["duplicate"], st["bad_records"], st["queued"]) == (4, 1, 1, 0)
+    wait_until(drained(p), 5.0, "every lease to be released")
+    ledger_balanced(p.stats())
+    # a record that cannot be written is failed with its reason: a consumer waiting for it is told, not left
+    # waiting; the producer's pool is 16 MiB
+    big = make_rows(9, 9000, 2, 1024)  # 36 MiB
+    p.publish_nowait(make_meta("n-big", big, 7), big)
+    assert p.flush(10.0)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        with pytest.raises(RecordFailedError, match="RecordTooLargeError"):
+            c.fetch("n-big", wait_s=5.0)
+    assert p.stats()["too_large"] == 1
+    ledger_balanced(p.stats())
+
+
+def test_close_with_records_still_queued_for_the_writer_counts_them(backend: str, make_producer: Make) -> None:
+    p = make_producer(num_slots=2, on_full="wait", wait_timeout_s=30.0)
+    rows = make_rows(1, 100, 2, 1024)  # 400 KiB: one slot each
+    for i in range(6):  # two fit; the writer then waits for room, four behind it
+        p.publish_nowait(make_meta(f"q-{i}", rows, 7), rows)
+    wait_until(lambda: p.stats()["published"] == 2, 10.0, "two records to be published")
+    p.close()  # wakes the waiting writer; nothing is left uncounted
+    st = p.stats()
+    assert (st["published"], st["discarded_at_close"], st["aborted"], st["queued"]) == (2, 2, 4, 0), st
+    ledger_balanced(st)
+    assert p.flush(0.0)  # nothing is pending after close
+
+
 def test_bad_records_fail_alone_and_are_counted(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer(num_slots=4)
     rows = make_rows(1, 10, 2, 64)
