@@ -52,8 +52,7 @@ from vllm_hs_compat.core.records import (
     RecordMeta,
     byte_view,
     checksum_bytes,
-    compute_checksum,
-    torch_dtype,
+    dtype_itemsize,
 )
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
@@ -72,6 +71,9 @@ OVERLAP_MIN_BYTES = 4 << 20
 #: pieces of a pipelined read: about an eighth of it, between these bounds
 PIECE_MIN_BYTES = 1 << 20
 PIECE_MAX_BYTES = 8 << 20
+#: An owned record smaller than this is copied (malloc'd memory, already faulted in: a copy costs about what
+#: lending costs), so small records a caller keeps do not fragment the landing buffer.
+LEND_MIN_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +104,7 @@ class Claim:
                 f"record {d.record_id!r}: unknown checksum algorithm {m.checksum_algorithm!r}; expected one of "
                 f"{CHECKSUM_ALGORITHMS} (producer and consumer run different vllm-hs-compat releases?)"
             )
-        itemsize = torch.empty((), dtype=torch_dtype(m.dtype)).element_size()
-        want = math.prod(m.shape) * itemsize
+        want = math.prod(m.shape) * dtype_itemsize(m.dtype)
         if d.nbytes != want:
             raise E.RecordFormatError(
                 f"record {d.record_id!r}: descriptor says {d.nbytes} bytes, its shape {list(m.shape)} {m.dtype} "
@@ -268,6 +269,7 @@ class ExportConsumer:
         }
         self._client: ControlClient | None = None
         self._reader: Any = None  # concurrent.futures.ThreadPoolExecutor, made on the first pipelined read
+        self._raw, self._raw_key = memoryview(b""), (0, 0)
         try:
             self._client = ControlClient(
                 endpoint,
@@ -479,8 +481,9 @@ class ExportConsumer:
         """Check the bytes at ``buf[off:]`` (``digest``: their hidden-state checksum, when it was computed while
         they were read): ``(metadata, "delivered")`` or ``(error, outcome)``."""
         algorithm = c.meta.checksum_algorithm
+        raw = self._bytes_of(buf)
         if self.verify_checksum:
-            got = compute_checksum(buf[off : off + c.nbytes], algorithm) if digest is None else digest
+            got = checksum_bytes(raw[off : off + c.nbytes], algorithm) if digest is None else digest
             if got != c.meta.checksum:
                 self.counters["checksum_failures"] += 1
                 return (
@@ -490,7 +493,7 @@ class ExportConsumer:
                     ),
                     "checksum_failed",
                 )
-        ids_raw = byte_view(buf[off + c.ids_offset : off + c.extent])
+        ids_raw = raw[off + c.ids_offset : off + c.extent]
         if checksum_bytes(ids_raw, algorithm) != c.ids_checksum:
             self.counters["checksum_failures"] += 1
             return (
@@ -504,6 +507,14 @@ class ExportConsumer:
             return P.meta_from_wire(c.meta, _token_ids(ids_raw)), "delivered"
         except E.RecordFormatError as e:
             return e, "abandoned"
+
+    def _bytes_of(self, buf: torch.Tensor) -> memoryview:
+        """A byte view of a whole contiguous uint8 buffer (the landing buffer's is kept: slicing it costs less
+        than a tensor slice per record)."""
+        key = (buf.data_ptr(), buf.numel())
+        if key != self._raw_key:
+            self._raw, self._raw_key = byte_view(buf), key
+        return self._raw
 
     def _verdict(self, c: Claim, settled: str) -> HsCompatError | None:
         if settled == "released":
@@ -694,7 +705,7 @@ class ExportConsumer:
             rec = CaptureRecord(meta, t)
             self._held[id(rec)] = (rec, off, c.extent)
         elif (
-            c.nbytes
+            c.nbytes >= LEND_MIN_BYTES
             and self._landing.lent + c.extent <= self.lend_bytes
             and self._landing.free_bytes() >= c.extent + PAGE
         ):
