@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from vllm_hs_compat.core.records import RecordMeta, compute_checksum  # noqa: E402
 from vllm_hs_compat.export import ExportConsumer, ExportProducer, nixl_available  # noqa: E402
+from vllm_hs_compat.export import consumer as consumer_mod  # noqa: E402
 from vllm_hs_compat.export import protocol as P  # noqa: E402
 
 MiB = 1 << 20
@@ -188,7 +189,8 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first
-    keys = ("default", "nocopy", "raw", "claim", "ping", "memcpy", "xxh3", "pub", "pubnw", "pubnw_cpu")
+    keys = ("default", "serial", "nocopy", "raw", "claim", "ping", "memcpy", "xxh3", "pub", "pubnw", "pubnw_cpu")
+    overlap = getattr(consumer_mod, "OVERLAP_MIN_BYTES", None)  # releases that verify while reading
     t: dict[str, list[float]] = {k: [] for k in keys}
     prev = None
     for i in range(iters + 1):  # the first round pays connection wire-up
@@ -196,6 +198,16 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         srv(op="drain", name=name)
         dt, rec = _timed(lambda: c.fetch(f"D{i}"))  # noqa: B023 - the default path, the previous record still alive
         prev = rec
+        sdt = None
+        if overlap is not None and size >= overlap:  # the same, verification after the transfer, not during it
+            srv(op="publish_large", name=name, size=size, id=f"S{i}")
+            srv(op="drain", name=name)
+            consumer_mod.OVERLAP_MIN_BYTES = 1 << 62
+            try:
+                sdt, rec = _timed(lambda: c.fetch(f"S{i}"))  # noqa: B023
+            finally:
+                consumer_mod.OVERLAP_MIN_BYTES = overlap
+            prev = rec
         nw = srv(op="publish_large", name=name, size=size, id=f"Z{i}", nowait=True)
         srv(op="drain", name=name)
         zdt, z = _timed(lambda: c.fetch(f"Z{i}", copy=False))  # noqa: B023
@@ -211,6 +223,8 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         xdt, _ = _timed(lambda: compute_checksum(src))
         if i:
             t["default"].append(dt)
+            if sdt is not None:
+                t["serial"].append(sdt)
             t["nocopy"].append(zdt)
             t["ping"].append(pdt)
             t["memcpy"].append(mdt)
@@ -306,6 +320,8 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
         m, s = size // MiB, f"_{size // MiB}"
         print(f"record of {m} MiB (medians):")
         ms("fetch() as a user calls it (defaults)", r["default" + s], size)
+        if "serial" + s in r:
+            ms("fetch() default, verification after the READ, not during", r["serial" + s], size)
         ms("fetch(copy=False) + release()", r["nocopy" + s], size)
         if "raw" + s in r:
             ms("LIMIT raw NIXL READ of the same bytes (bare agent)", r["raw" + s], size)
@@ -320,6 +336,8 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
         limit = r["raw" + s] if backend == "nixl" else r["memcpy" + s]
         tgt = {64: "(target >= 0.95x)", 2: "(target >= 0.8x)"}.get(m, "") if backend == "nixl" else "(target >= 0.8x)"
         ratio(f"{m} MiB: fetch() default / {lim}", limit, r["default" + s], tgt)
+        if "serial" + s in r:
+            ratio(f"{m} MiB: fetch() default, verification not overlapped / {lim}", limit, r["serial" + s])
         ratio(f"{m} MiB: fetch(copy=False) / {lim}", limit, r["nocopy" + s])
     print(f"{n_small} small records of {SMALL} B:")
     us(f"API iter_records (batches of {BATCH}, defaults)", r["api_small_s"])
