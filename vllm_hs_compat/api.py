@@ -27,7 +27,8 @@ from vllm_hs_compat.core.layout import CaptureView, gather_rows
 from vllm_hs_compat.core.layout import describe_capture_view as _describe
 from vllm_hs_compat.core.slots import request_slots
 from vllm_hs_compat.core.transfer import PendingRows, copy_rows_async
-from vllm_hs_compat.errors import CaptureGroupError
+from vllm_hs_compat.core.transfer import copy_requests_async as _copy_many
+from vllm_hs_compat.errors import CaptureGroupError, SlotError
 
 if TYPE_CHECKING:
     from vllm_hs_compat.adapters import VllmAdapter
@@ -36,6 +37,7 @@ __all__ = [
     "capture_layer_name",
     "check_views_agree",
     "copy_request_async",
+    "copy_requests_async",
     "describe_capture_view",
     "gather_rows",
     "get_adapter",
@@ -149,6 +151,15 @@ def copy_request_async(
     request's blocks until ``PendingRows.done()``.  Synchronous on CPU."""
     slots = request_slots(req_id, block_ids, view, num_tokens=num_tokens, start=start)
     return copy_rows_async(tensor, view, slots, out=out)
+
+
+def copy_requests_async(
+    tensor: torch.Tensor, view: CaptureView, requests: Sequence[tuple[str, Sequence[int], int, int]]
+) -> list[PendingRows | SlotError]:
+    """:func:`copy_request_async` for many ``(req_id, block_ids, start, num_tokens)`` at once (a step's finished
+    requests): one index upload and one gather for all of them, each result a view of one pinned host tensor, or
+    the :class:`~vllm_hs_compat.errors.SlotError` that request's block ids raised."""
+    return _copy_many(tensor, view, requests)
 
 
 def plane_labels(vllm_config: Any, *, adapter: VllmAdapter | None = None) -> PlaneLabels:

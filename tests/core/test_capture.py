@@ -87,6 +87,18 @@ def test_connector_config_validates_every_key() -> None:
             ConnectorConfig.from_extra(bad)
 
 
+def test_every_export_key_is_an_export_producer_argument() -> None:
+    """The connector forwards ``export`` settings to ExportProducer (``token_file`` is the sink's own)."""
+    import inspect
+
+    from vllm_hs_compat.connector.config import EXPORT_KEYS
+    from vllm_hs_compat.export import ExportProducer
+
+    accepted = set(inspect.signature(ExportProducer).parameters)
+    assert EXPORT_KEYS - {"token_file"} <= accepted, sorted(EXPORT_KEYS - {"token_file"} - accepted)
+    assert ConnectorConfig.from_extra({"export": {"handshake_timeout_s": 2.0}}).export["handshake_timeout_s"] == 2.0
+
+
 def _new(rid: str, *blocks: int, computed: int = 0) -> ScheduledNew:
     return ScheduledNew(rid, ((99,), tuple(blocks)), computed)
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parent.parent / "examples"  # minimal_connector.py, the README's connector for authors
 sys.path.insert(0, str(HERE))
 
 import e2e_models  # noqa: E402
@@ -242,7 +243,7 @@ def base_env(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
-    paths = [str(HERE)] + (extra_pythonpath or [])
+    paths = [str(HERE), str(EXAMPLES)] + (extra_pythonpath or [])
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -376,7 +377,7 @@ def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]
     reqs = run.result["requests"]
     recs: list[e2e_pairing.Record | None] = [None] * len(reqs)
     spec = run.spec
-    if spec.connector == "example":
+    if spec.connector in ("example", "minimal"):  # one safetensors file per request, named in its params
         layer_ids = sorted(spec.layer_ids)
         for r in reqs:
             p = (r["kv_transfer_params"] or {}).get("hidden_states_path")
@@ -389,7 +390,7 @@ def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]
                 token_ids=t["token_ids"].tolist(),
                 layer_ids=layer_ids,
                 hidden_states=t["hidden_states"],
-                source="example-file",
+                source=f"{spec.connector}-file",
             )
         return recs, notes
     by_record_id = {}

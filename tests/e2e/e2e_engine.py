@@ -6,6 +6,8 @@
 
 * ``ours``    -- ``HiddenStatesCaptureConnector`` from ``vllm_hs_compat.connector`` (export or file sink);
 * ``example`` -- vLLM's in-tree ``ExampleHiddenStatesConnector`` under the CPU stand-ins of ``e2e_example_cpu``;
+* ``minimal`` -- ``examples/minimal_connector.py``, the README's connector for authors (one safetensors file per
+  request, in the example's file format);
 * ``none``    -- no connector (and, with ``extract`` false, no ``extract_hidden_states`` either): the benchmark's
   baseline.
 
@@ -36,7 +38,7 @@ class EngineSpec:
     prompts: list[list[int]]
     max_tokens: list[int]
     layer_ids: list[int]
-    connector: str = "ours"  # ours | example | none
+    connector: str = "ours"  # ours | example | minimal | none
     extract: bool = True  # extract_hidden_states speculative method on
     sink: str = "export"  # ours: export | file
     capture: str = "prompt"  # ours: prompt | all | output; example: prompt | all (include_output_tokens)
@@ -100,6 +102,13 @@ def _kv_transfer_config(spec: EngineSpec, out: Path) -> Any:
             kv_role="kv_producer",
             kv_connector_extra_config=extra,
         )
+    if spec.connector == "minimal":
+        return KVTransferConfig(
+            kv_connector="MinimalCaptureConnector",
+            kv_connector_module_path="minimal_connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config={"path": str(out / "minimal_sink"), **spec.extra_config},
+        )
     if spec.connector == "none":
         return None
     raise ValueError(f"unknown connector {spec.connector!r}")
@@ -162,7 +171,7 @@ def _expected_files(spec: EngineSpec, out: Path, requests: list[dict[str, Any]])
     files: list[Path] = []
     for r in requests:
         params = r["kv_transfer_params"] or {}
-        if spec.connector == "example":
+        if spec.connector in ("example", "minimal"):
             if "hidden_states_path" in params:
                 files.append(Path(params["hidden_states_path"]))
         elif spec.connector == "ours" and spec.sink == "file":
@@ -178,8 +187,8 @@ def drain(llm: Any, spec: EngineSpec, out: Path, requests: list[dict[str, Any]])
 
     An in-process engine only steps when asked: for our connector the package's own ``flush(llm)`` steps it
     until the records reached their sink (after which the engine must hold no finished request); the in-tree
-    example connector is stepped while vLLM's scheduler has requests.  A multiprocess engine core keeps
-    stepping by itself while a connector holds blocks."""
+    example connector and the minimal one are stepped while vLLM's scheduler has requests.  A multiprocess
+    engine core keeps stepping by itself while a connector holds blocks."""
     from vllm_hs_compat.connector import flush
 
     core = _inproc_core(llm)

@@ -181,6 +181,15 @@ def test_in_tree_example_connector_agrees(runs: Runs) -> None:
     _checked(run, "dense", "example")
 
 
+@pytest.mark.parametrize("name", ["dense", "hybrid_preempt"])
+def test_minimal_example_connector(name: str, runs: Runs) -> None:
+    """examples/minimal_connector.py (the README's connector for authors, built on the public API) passes the same
+    pairing: dense (capture layer merged into the verifier's group) and hybrid under preemption (own group)."""
+    run = runs.get(name, "minimal")
+    _engine_ok(run)
+    _checked(run, name, "minimal")
+
+
 def test_pairing_catches_misattribution(runs: Runs) -> None:
     """Negative controls on real records: the pairing must fail for swapped records, an off-by-one row shift,
     one corrupted row, and planes read in the configured instead of the recorded layer order."""

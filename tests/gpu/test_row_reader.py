@@ -69,3 +69,153 @@ def test_negative_control_unmarked_write_is_caught(order: ViewOrder) -> None:
     # Without the mark the copy waits only for the current stream: it must be seen reading stale rows,
     # or the stress does not exercise the race and the test above proves nothing.
     assert run(order, 1, mark=False) > 0
+
+
+def run_many(order: ViewOrder, split: int, mark: bool, path: str, iters: int = 20, per_step: int = 5) -> int:
+    """The connector's batched read (``read_many``: one index upload, one gather for a step's records) under the
+    same race as :func:`run`."""
+    cache = make_cache(order, split)
+    view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
+    reader = RowReader(cache, view, path=path)
+    writer = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(2)
+    bad = 0
+    base = [17, 64, 3, 90, 82, 1, 45][:per_step]
+    for it in range(-1, iters):  # iteration -1 warms the pinned pools: no allocation inside the race below
+        # Same total every step (so the same pinned sizes), random order, random blocks.
+        lengths = [base[int(k)] for k in torch.randperm(per_step, generator=gen)]
+        need = [-(-t // N) for t in lengths]
+        free = (torch.randperm(NB - 1, generator=gen)[: sum(need)] + 1).tolist()
+        tables = [free[sum(need[:k]) : sum(need[: k + 1])] for k in range(per_step)]
+        values = [float((it * per_step + k) % 60 + 1) for k in range(per_step)]
+        # Device slots made up front: a copy from pageable memory inside the writer's block would wait for the
+        # spin on the host and serialise the race away.
+        dev_slots = [
+            manager_slots(f"r{it}.{k}", tables[k], group_block_size=N, num_tokens=lengths[k]).cuda()
+            for k in range(per_step)
+        ]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(writer):
+            torch.cuda._sleep(5 * SPIN)
+            for k in range(per_step):
+                write(cache, order, dev_slots[k], values[k])
+            if mark:
+                reader.mark_written()
+        got = reader.read_many([(f"r{it}.{k}", tables[k], 0, lengths[k]) for k in range(per_step)])
+        for _ in range(4):
+            junk = torch.zeros((sum(lengths),), dtype=torch.int64, device="cuda")
+            junk += 0
+            del junk
+        for k, pending in enumerate(got):
+            assert not isinstance(pending, Exception)
+            rows = pending.wait()
+            if it >= 0 and not torch.equal(rows, expected(values[k], lengths[k])):
+                bad += 1
+    return bad
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("order", list(ViewOrder))
+def test_batched_read_is_ordered_after_the_marked_write(order: ViewOrder, split: int, path: str) -> None:
+    assert run_many(order, split, mark=True, path=path) == 0
+
+
+@pytest.mark.parametrize("order", list(ViewOrder))
+def test_negative_control_batched_unmarked_write_is_caught(order: ViewOrder) -> None:
+    assert run_many(order, 1, mark=False, path="staged") > 0
+
+
+def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20) -> int:
+    """Two steps' reads back to back while the first still waits for its write: the pinned index buffer of the
+    first must not be handed to the second (its upload has not run yet)."""
+    cache = make_cache(order)
+    view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
+    reader = RowReader(cache, view)
+    if ignore_events:
+        reader.pool._ready = lambda event: True  # type: ignore[method-assign]  # the bug: reuse without the event
+    writer = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(3)
+    bad = 0
+    tokens = 64
+    for it in range(iters):
+        free = (torch.randperm(NB - 1, generator=gen)[: 2 * tokens // N] + 1).tolist()
+        a, b = free[: tokens // N], free[tokens // N :]
+        va, vb = float(2 * (it % 30) + 1), float(2 * (it % 30) + 2)
+        sa = manager_slots("a", a, group_block_size=N, num_tokens=tokens).cuda()
+        sb = manager_slots("b", b, group_block_size=N, num_tokens=tokens).cuda()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(writer):
+            torch.cuda._sleep(SPIN)
+            write(cache, order, sa, va)
+            write(cache, order, sb, vb)
+            reader.mark_written()
+        first = reader.read_many([(f"a{it}", a, 0, tokens)])[0]
+        second = reader.read_many([(f"b{it}", b, 0, tokens)])[0]
+        assert not isinstance(first, Exception) and not isinstance(second, Exception)
+        if not torch.equal(first.wait(), expected(va, tokens)):
+            bad += 1
+        if not torch.equal(second.wait(), expected(vb, tokens)):
+            bad += 1
+    return bad
+
+
+@pytest.mark.parametrize("order", list(ViewOrder))
+def test_pinned_index_buffers_are_reused_only_after_their_upload(order: ViewOrder) -> None:
+    assert run_reuse(order, ignore_events=False) == 0
+
+
+@pytest.mark.parametrize("order", list(ViewOrder))
+def test_negative_control_reusing_a_busy_index_buffer_is_caught(order: ViewOrder) -> None:
+    assert run_reuse(order, ignore_events=True) > 0
+
+
+@pytest.mark.parametrize("dst_kind", ["pinned_host", "device"])
+def test_triton_row_kernel_copies_exactly(dst_kind: str) -> None:
+    pytest.importorskip("triton")
+    from vllm_hs_compat.core._triton_rows import gather_rows_into
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    src = torch.randint(-(2**31), 2**31 - 1, (300, 2056), dtype=torch.int32, device="cuda", generator=gen)
+    src = src.view(torch.bfloat16)[:, 8:4104]  # bf16 rows of 4096 at a row stride of 4112, random bits
+    idx = torch.randint(0, 300, (777,), device="cuda", generator=gen)
+    if dst_kind == "device":
+        dst = torch.full((777, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    else:
+        dst = torch.full((777, 4096), float("nan"), dtype=torch.bfloat16, pin_memory=True)
+    assert gather_rows_into(src, idx, dst)  # the kernel ran (no silent fallback)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cuda().view(torch.int16), src[idx].view(torch.int16))
+
+
+@pytest.mark.parametrize("kernel", ["triton", "index_select"])
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("physical", ["NPC", "LBNHC", "LBHNC"])
+def test_gather_rows_exact_in_every_layout(
+    physical: str, split: int, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random bits through both gathers (the Triton kernel forced for every size, or switched off)."""
+    from vllm_hs_compat.core import gather_rows
+    from vllm_hs_compat.core import layout as L
+
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(L, "TRITON_MIN_BYTES", 0)
+    else:
+        monkeypatch.setattr(L, "_triton", False)
+    nb, n = NB * split, N // split
+    if physical == "LBHNC":
+        cache = torch.empty(nb, P, n, 1024, dtype=torch.bfloat16, device="cuda")
+        order = ViewOrder.BLOCK_PLANE_TOKEN
+    else:
+        cache = torch.empty(nb, n, P, 1024, dtype=torch.bfloat16, device="cuda")
+        order = ViewOrder.BLOCK_TOKEN_PLANE if physical == "NPC" else ViewOrder.BLOCK_PLANE_TOKEN
+        cache = cache if physical == "NPC" else cache.permute(0, 2, 1, 3)
+    cache.view(torch.int16).random_(-(2**15), 2**15)
+    view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
+    gen = torch.Generator().manual_seed(5)
+    blocks = (torch.randperm(NB - 1, generator=gen)[:20] + 1).tolist()
+    slots = manager_slots("r", blocks, group_block_size=N, num_tokens=300, start=7).cuda()
+    blk, off = slots // n, slots % n
+    want = cache[blk, off] if order is ViewOrder.BLOCK_TOKEN_PLANE else cache[blk, :, off]
+    assert torch.equal(gather_rows(cache, view, slots).view(torch.int16), want.view(torch.int16))

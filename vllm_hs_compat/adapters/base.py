@@ -19,7 +19,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_hs_compat.adapters.reader import CAPTURE_LAYER_PREFIX, Ranks, VllmReader
-from vllm_hs_compat.adapters.shims import Shim
+from vllm_hs_compat.adapters.shims import Shim, ShimTargets
 from vllm_hs_compat.core.layout import ViewOrder
 from vllm_hs_compat.errors import CaptureGroupError
 
@@ -296,9 +296,12 @@ class VllmAdapter(VllmReader):
 
     # --- the connector's base classes ------------------------------------------------------------------
     def connector_bases(self) -> tuple[type, ...]:
-        """This era's shims, then vLLM's ``KVConnectorBase_V1`` (and ``SupportsHMA`` from 0.22.0)."""
+        """This era's shims, :class:`~vllm_hs_compat.adapters.shims.ShimTargets` (the no-op methods they forward
+        to: ``capture_on_preemptions``, ``capture_on_handshake``), then vLLM's ``KVConnectorBase_V1`` (and
+        ``SupportsHMA`` from 0.22.0)."""
         mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
         bases: list[type] = [s.mixin for s in self.shims if s.applies(self.version)]
+        bases.append(ShimTargets)
         bases.append(mod.KVConnectorBase_V1)
         if self.supports_hma:
             bases.append(mod.SupportsHMA)

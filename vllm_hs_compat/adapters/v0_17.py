@@ -14,15 +14,16 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from vllm_hs_compat.adapters.base import VllmAdapter
-from vllm_hs_compat.adapters.shims import CrossLayerHooksOff, PreemptionsByMetadata, Shim
+from vllm_hs_compat.adapters.shims import CrossLayerHooksOff, PreemptionsByMetadata, Shim, ShimTargets
 from vllm_hs_compat.core.layout import ViewOrder
 
 
-class PreemptionsBySet:
-    """0.14-0.18: ``handle_preemptions(preempted_req_ids: set[str])``; 0.19.0 passes the metadata instead."""
+class PreemptionsBySet(ShimTargets):
+    """0.14-0.18: ``handle_preemptions(preempted_req_ids: set[str])``; 0.19.0 passes the metadata instead.
+    Delete when the supported floor reaches 0.19.0."""
 
     def handle_preemptions(self, preempted_req_ids: set[str] | Any) -> None:
-        self._on_preemptions()  # type: ignore[attr-defined]
+        self.capture_on_preemptions()
 
 
 class Adapter(VllmAdapter):

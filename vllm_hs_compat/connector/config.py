@@ -27,6 +27,7 @@ EXPORT_KEYS: Final = frozenset(
         "checksum",
         "shm_dir",
         "token_file",
+        "handshake_timeout_s",
     }
 )
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests"})

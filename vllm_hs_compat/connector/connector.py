@@ -123,9 +123,10 @@ class HiddenStatesCaptureConnector(_Bases):  # type: ignore[misc]
         return self._sched().held > 0
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[Any, Any]) -> None:
-        self._on_handshake(dict(metadata))
+        self.capture_on_handshake(dict(metadata))
 
-    def _on_handshake(self, metadata: dict[Any, Any]) -> None:
+    def capture_on_handshake(self, metadata: dict[Any, Any]) -> None:
+        """The workers' handshake metadata (every release's form, through the era's shims)."""
         infos = [m.info for m in metadata.values() if isinstance(m, CaptureHandshake)]
         self._sched().on_handshake(infos)
 
@@ -151,7 +152,7 @@ class HiddenStatesCaptureConnector(_Bases):  # type: ignore[misc]
         if self._hs_worker is not None:
             self._hs_worker.on_step(self._plan())
 
-    def _on_preemptions(self) -> None:
+    def capture_on_preemptions(self) -> None:
         """Nothing to do: held blocks belong to finished requests, which vLLM never preempts."""
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -163,43 +163,70 @@ class CaptureWorker:
         self._group_checked = True
 
     def on_step(self, plan: StepPlan | None) -> None:
-        """Issue the reads of this step's saves (once per step: 0.17 binds the metadata twice)."""
+        """Issue the reads of this step's saves (once per step: 0.17 binds the metadata twice): one batched read
+        (one index upload, one gather) for all records of the step."""
         if plan is None or plan.step <= self._issued_step:
             return
         self._issued_step = plan.step
         self._check_group(plan)
+        batch: list[tuple[SaveRequest, int]] = []
         for save in plan.saves:
             self._count("saves")
             if not self.owner:
                 self._done(save.req_id)
                 continue
-            try:
-                self._issue(save)
-            except HsCompatError as e:
-                self._fail(save, REASON_BLOCKS, str(e))
-                self._done(save.req_id)
+            nbytes = self._admit(save)
+            if nbytes is not None:
+                batch.append((save, nbytes))
+        if batch:
+            self._issue(batch)
 
-    def _issue(self, save: SaveRequest) -> None:
+    def _admit(self, save: SaveRequest) -> int | None:
+        """The save's host bytes, reserved in the backlog; None when it failed here (reported)."""
         if self.reader is None:
-            raise CaptureViewError("the capture owner has no registered capture view")
+            self._fail(save, REASON_BLOCKS, "the capture owner has no registered capture view")
+            self._done(save.req_id)
+            return None
         bad = self._bad.pop(save.req_id, None)
         if bad is not None:
             self._fail(save, REASON_SLOT_CHECK, bad)
             self._done(save.req_id)
-            return
+            return None
         nbytes = save.num_tokens * self.labels.num_planes * self.hidden_size * self.reader.cache.element_size()
         with self._backlog_lock:
             over = self._backlog + nbytes > MAX_BACKLOG_BYTES
+            if not over:
+                self._backlog += nbytes
         if over:
             self._fail(save, REASON_BACKLOG, f"{self._backlog} bytes of records wait for the sink already")
             self._done(save.req_id)
-            return
-        pending = self.reader.read(save.req_id, save.block_ids, start=save.start, num_tokens=save.num_tokens)
+            return None
+        return nbytes
+
+    def _release(self, nbytes: int) -> None:
         with self._backlog_lock:
-            self._backlog += nbytes
-        if pending.event is None:  # CPU: the copy was synchronous, the blocks may go at once
-            self._done(save.req_id)
-        self._queue.put((save, pending, nbytes))
+            self._backlog -= nbytes
+
+    def _issue(self, batch: list[tuple[SaveRequest, int]]) -> None:
+        if self.reader is None:
+            raise CaptureViewError("the capture owner has no registered capture view")
+        try:
+            results = self.reader.read_many([(s.req_id, s.block_ids, s.start, s.num_tokens) for s, _ in batch])
+        except HsCompatError as e:
+            for save, nbytes in batch:
+                self._release(nbytes)
+                self._fail(save, REASON_BLOCKS, str(e))
+                self._done(save.req_id)
+            return
+        for (save, nbytes), pending in zip(batch, results, strict=True):
+            if isinstance(pending, HsCompatError):
+                self._release(nbytes)
+                self._fail(save, REASON_BLOCKS, str(pending))
+                self._done(save.req_id)
+                continue
+            if pending.event is None:  # CPU: the copy was synchronous, the blocks may go at once
+                self._done(save.req_id)
+            self._queue.put((save, pending, nbytes))
 
     def _done(self, req_id: str) -> None:
         with self._report_lock:

@@ -15,7 +15,11 @@ blocks of ``N`` tokens and ``num_blocks = manager_blocks * r``.
 from __future__ import annotations
 
 import enum
+import math
+import os
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -176,6 +180,74 @@ def gather_rows(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor) ->
     ``tensor``'s device.  The index tensors are made on the caller's current stream; a caller reading on a
     side stream must call this under that stream (and make the stream wait for the compute stream).
     """
+    table = cached_row_table(tensor, view)
+    if table is None:
+        return _gather_indexed(tensor, view, slots)
+    return table.unpack(gather_slots(table, slots), int(slots.numel()))
+
+
+_triton: Any = None  # the Triton row kernel module, False where unavailable (resolved on first CUDA gather)
+
+#: Reads of at least this many bytes use the Triton row kernel where it exists (0.89-0.93x of a device copy at
+#: 256 MiB - 4 GiB on an H200 against 0.86-0.88x for ``index_select``); smaller ones use ``index_select``, whose
+#: lower launch cost keeps a 64 MiB read on the device's pace (0.92-1.0x).  Per-plane tables (LBHNC) always take
+#: the kernel, which computes their row indices itself.  docs/benchmarks.md has the figures.
+TRITON_MIN_BYTES = 128 << 20
+
+
+def _triton_rows() -> Any:
+    global _triton
+    if _triton is None:
+        _triton = False
+        if os.environ.get("VLLM_HS_COMPAT_TRITON", "1") != "0":
+            try:
+                from . import _triton_rows as module
+            except ImportError:
+                pass
+            else:
+                _triton = module
+    return _triton
+
+
+def gather_slots(
+    table: RowTable, slots: torch.Tensor, out: torch.Tensor | None = None, *, kernel_min_bytes: int | None = None
+) -> torch.Tensor:
+    """The rows of manager ``slots`` (on the table's device) as ``[len(slots) * rows_per_token, W]``.
+
+    On CUDA the Triton row kernel reads reads of at least ``kernel_min_bytes`` (default
+    :data:`TRITON_MIN_BYTES`) and per-plane tables (``VLLM_HS_COMPAT_TRITON=0`` turns it off), else
+    ``torch.index_select`` over :meth:`RowTable.rows`.  ``out``: a contiguous destination of that shape (device
+    memory, or pinned host memory for the kernel)."""
+    m = int(slots.numel()) * table.rows_per_token
+    width = int(table.table.shape[1])
+    if slots.is_cuda:
+        limit = TRITON_MIN_BYTES if kernel_min_bytes is None else kernel_min_bytes
+        big = m * width * table.table.element_size() >= limit
+        kernel: Any = _triton_rows() if big or not table.identity else False
+        if kernel:
+            dst = out if out is not None else table.table.new_empty((m, width))
+            if kernel.gather_rows_into(
+                table.table,
+                slots,
+                dst,
+                n=table.block_tokens,
+                block_stride=table.block_stride,
+                token_stride=table.token_stride,
+                planes=table.rows_per_token,
+                plane_stride=table.plane_stride,
+            ):
+                return dst
+    rows = table.rows(slots)
+    if out is None:
+        return torch.index_select(table.table, 0, rows)
+    if out.device != table.table.device:
+        out.copy_(torch.index_select(table.table, 0, rows), non_blocking=True)
+        return out
+    return torch.index_select(table.table, 0, rows, out=out)
+
+
+def _gather_indexed(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor) -> torch.Tensor:
+    """Fallback for views no :class:`RowTable` describes (a hidden axis that is not contiguous)."""
     n = view.block_tokens
     blk = torch.div(slots, n, rounding_mode="floor")
     off = slots - blk * n
@@ -186,6 +258,109 @@ def gather_rows(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor) ->
         # Advanced indices separated by a slice: the indexed dims come first -> [T, P, C].
         rows = wide[blk, :, off]
     return rows if wide is tensor else rows.view(tensor.dtype)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """The capture tensor as a 2-D table of contiguous rows (an alias of its storage, widest element type).
+
+    A token's values are one row of ``P * C`` when its planes are packed (``[nb, N, P, C]`` and LBNHC), else
+    ``P`` rows of ``C`` (LBHNC).  Reading a request is then one ``index_select`` (or one kernel) over row
+    indices computed once per request, instead of block/offset arithmetic and a 2-index gather on the device.
+    """
+
+    table: torch.Tensor
+    """``[R, W]`` alias of the cache (rows of ``W`` wide elements)."""
+    rows_per_token: int
+    block_tokens: int
+    block_stride: int
+    """Rows between consecutive (kernel) blocks."""
+    token_stride: int
+    """Rows between consecutive tokens of a block."""
+    plane_stride: int
+    """Rows between planes of a token (0 when ``rows_per_token == 1``)."""
+    num_planes: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    @property
+    def identity(self) -> bool:
+        """True when a manager slot is its own row index (no index arithmetic at all)."""
+        return self.rows_per_token == 1 and self.token_stride == 1 and self.block_stride == self.block_tokens
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Row indices (int64, on ``slots``' device, ``len(slots) * rows_per_token``) of manager ``slots``."""
+        n = self.block_tokens
+        if self.token_stride * n == self.block_stride:
+            tok = slots if self.token_stride == 1 else slots * self.token_stride
+        else:
+            blk = torch.div(slots, n, rounding_mode="floor")
+            tok = blk * self.block_stride + (slots - blk * n) * self.token_stride
+        if self.rows_per_token == 1:
+            return tok
+        planes = torch.arange(self.rows_per_token, dtype=torch.int64, device=slots.device) * self.plane_stride
+        return (tok.view(-1, 1) + planes).view(-1)
+
+    def unpack(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens * rows_per_token, W]`` gathered rows as ``[num_tokens, P, C]`` in the cache's dtype."""
+        out = rows if rows.dtype == self.dtype else rows.view(self.dtype)
+        return out.view(num_tokens, self.num_planes, self.hidden_size)
+
+    def out_alias(self, out: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``[T, P, C]`` destination in the cache's dtype as the ``[T * rows_per_token, W]`` rows a
+        gather of this table writes."""
+        flat = out.view(-1, self.num_planes * self.hidden_size // self.rows_per_token)
+        return flat if flat.dtype == self.table.dtype else flat.view(self.table.dtype)
+
+
+_TABLES: dict[int, tuple[weakref.ref[torch.Tensor], CaptureView, RowTable | None]] = {}
+
+
+def cached_row_table(tensor: torch.Tensor, view: CaptureView) -> RowTable | None:
+    """:func:`row_table`, remembered per tensor object and view (the entry goes when the tensor does)."""
+    key = id(tensor)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is tensor and hit[1] == view:
+        return hit[2]
+    table = row_table(tensor, view)
+    _TABLES[key] = (weakref.ref(tensor, lambda _, key=key: _TABLES.pop(key, None)), view, table)  # type: ignore[misc]
+    return table
+
+
+def row_table(tensor: torch.Tensor, view: CaptureView) -> RowTable | None:
+    """The :class:`RowTable` of a capture tensor, or None when its hidden axis is not contiguous."""
+    p, c, n, nb = view.num_planes, view.hidden_size, view.block_tokens, view.num_blocks
+    if c > 1 and int(tensor.stride(3)) != 1:
+        return None
+    s0 = int(tensor.stride(0)) if nb > 1 else 0
+    sn = int(tensor.stride(view.order.token_axis)) if n > 1 else 0
+    sp = int(tensor.stride(view.order.plane_axis)) if p > 1 else 0
+    packed = p == 1 or sp == c
+    width, per_token = (p * c, 1) if packed else (c, p)
+    unit = math.gcd(math.gcd(s0, sn), 0 if packed else sp)
+    if unit <= 0:
+        if s0 or sn or sp or nb * n > 1:
+            return None  # broadcast (zero) strides: not a cache
+        unit = 1
+    if min(s0, sn, sp) < 0:
+        return None
+    last = (nb - 1) * s0 + (n - 1) * sn + (0 if packed else (p - 1) * sp)
+    table = tensor.as_strided((last // unit + 1, width), (unit, 1), tensor.storage_offset())
+    block_stride = s0 // unit
+    token_stride = sn // unit if n > 1 else block_stride  # one token per block: the block's row
+    if nb == 1:
+        block_stride = n * token_stride
+    return RowTable(
+        table=_widest_alias(table),
+        rows_per_token=per_token,
+        block_tokens=n,
+        block_stride=block_stride,
+        token_stride=token_stride,
+        plane_stride=0 if packed else sp // unit,
+        num_planes=p,
+        hidden_size=c,
+        dtype=tensor.dtype,
+    )
 
 
 # Gathering 2-byte elements one by one runs at ~0.18x of a device copy on an H200; the same bytes moved as

@@ -16,6 +16,7 @@ On CPU the copy is synchronous and the handle is complete at once.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..errors import TransferError
-from .layout import CaptureView, gather_rows
-from .slots import request_slots
+from ..errors import SlotError, TransferError
+from .layout import CaptureView, RowTable, _triton_rows, gather_rows, gather_slots, row_table
+from .slots import batch_slots, request_slots
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
 _streams: dict[int, Any] = {}
@@ -65,11 +66,135 @@ class PendingRows:
 
 
 def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if tuple(out.shape) != shape or out.dtype != dtype:
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
         raise TransferError(
-            f"destination has shape {list(out.shape)} dtype {out.dtype}; expected {list(shape)} {dtype} "
-            "([tokens, planes, hidden] in the capture cache's dtype)"
+            f"destination has shape {list(out.shape)} dtype {out.dtype} contiguous={out.is_contiguous()}; "
+            f"expected {list(shape)} {dtype} contiguous ([tokens, planes, hidden] in the capture cache's dtype)"
         )
+
+
+#: Largest device staging buffer of one gather (bytes): a big step is gathered and copied in chunks of this size,
+#: so the read never holds more than this much extra device memory.
+STAGE_BYTES = 256 << 20
+
+#: How rows reach host memory on CUDA: ``staged`` (gather into a device buffer, then one D2H copy per chunk) or
+#: ``direct`` (a Triton kernel gathers straight into the pinned host destination; falls back to ``staged`` where
+#: Triton is missing).  ``VLLM_HS_COMPAT_CAPTURE_PATH`` overrides the default.
+CAPTURE_PATHS = ("staged", "direct")
+
+
+def _default_path() -> str:
+    path = os.environ.get("VLLM_HS_COMPAT_CAPTURE_PATH", "staged")
+    if path not in CAPTURE_PATHS:
+        raise TransferError(f"VLLM_HS_COMPAT_CAPTURE_PATH={path!r}; expected one of {list(CAPTURE_PATHS)}")
+    return path
+
+
+class PinnedIndexPool:
+    """Pinned host buffers for row indices, reused across reads.
+
+    A buffer goes back to the pool with the completion event of the read that uploads from it; it is handed out
+    again only once that event completed -- the upload of a read still waiting on the side stream (behind the
+    compute stream) must not see the next read's indices.  Busy buffers are never waited for: a new one is
+    allocated instead, so the engine thread never blocks here.
+    """
+
+    def __init__(self, max_buffers: int = 8) -> None:
+        self.max_buffers = max_buffers
+        self._free: list[tuple[torch.Tensor, Any]] = []
+        self.allocated = 0
+
+    @staticmethod
+    def _ready(event: Any) -> bool:
+        return event is None or bool(event.query())
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A pinned int64 buffer of at least ``numel`` elements that no queued upload still reads."""
+        for i, (buf, event) in enumerate(self._free):
+            if buf.numel() >= numel and self._ready(event):
+                del self._free[i]
+                return buf
+        self.allocated += 1
+        return torch.empty(max(4096, 1 << max(0, numel - 1).bit_length()), dtype=torch.int64, pin_memory=True)
+
+    def give(self, buf: torch.Tensor, uploaded: Any) -> None:
+        """Return ``buf``; ``uploaded`` is an event recorded (on the side stream) after the copy that reads it."""
+        self._free.append((buf, uploaded))
+        if len(self._free) > self.max_buffers:
+            self._free.sort(key=lambda item: item[0].numel())
+            del self._free[0]
+
+
+def _gather_to_host(
+    cache: torch.Tensor,
+    table: RowTable,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    side: Any,
+    written: Any,
+    pool: PinnedIndexPool | None,
+    path: str,
+) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """Queue the copy of the rows of manager ``slots`` (int64, CPU) into the pinned host ``out`` on ``side`` after
+    ``written``; returns the completion event and the tensors to keep alive until it completes."""
+    t = int(slots.numel())
+    buf = None
+    if pool is not None:
+        buf = pool.take(t)
+        host_idx = buf[:t]
+        host_idx.copy_(slots)
+    else:
+        host_idx = slots if slots.is_pinned() else slots.pin_memory()
+    dst = table.out_alias(out)
+    per = table.rows_per_token
+    with torch.cuda.stream(side):
+        _wait(side, written)
+        # Rule 2: the index tensor is born on the side stream and lives until the copy is done.
+        idx = host_idx.to(cache.device, non_blocking=True)
+        if path != "direct" or not _direct_gather(table, idx, dst):
+            row_bytes = int(dst.shape[1]) * dst.element_size() * per
+            step = max(1, STAGE_BYTES // max(1, row_bytes))
+            for lo in range(0, t, step):
+                whole = t <= step
+                # Born on the side stream and freed there: the allocator reuses it only after this copy.  The
+                # copy to host dominates, so packed tables take index_select (its launch costs the engine thread
+                # less than the Triton kernel's); per-plane tables take the kernel (no index kernels before it).
+                chunk = idx if whole else idx[lo : lo + step]
+                stage = gather_slots(table, chunk, kernel_min_bytes=1 << 62)
+                (dst if whole else dst[lo * per : (lo + step) * per]).copy_(stage, non_blocking=True)
+        finished = _cuda.Event()
+        finished.record(side)
+    if buf is not None and pool is not None:
+        pool.give(buf, finished)  # reusable once this read completed (its upload long before)
+    return finished, (idx, host_idx)
+
+
+def _wait(side: Any, written: Any) -> None:
+    """Make ``side`` wait for ``written``: an event, or a stream (everything queued on it so far)."""
+    if isinstance(written, _cuda.Event):
+        side.wait_event(written)
+    else:
+        side.wait_stream(written)
+
+
+def _direct_gather(table: RowTable, idx: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Gather straight into ``dst`` (pinned host) with the Triton row kernel; False where it cannot."""
+    kernel = _triton_rows()
+    if not kernel:
+        return False
+    return bool(
+        kernel.gather_rows_into(
+            table.table,
+            idx,
+            dst,
+            n=table.block_tokens,
+            block_stride=table.block_stride,
+            token_stride=table.token_stride,
+            planes=table.rows_per_token,
+            plane_stride=table.plane_stride,
+        )
+    )
 
 
 def copy_rows_async(
@@ -80,6 +205,9 @@ def copy_rows_async(
     out: torch.Tensor | None = None,
     stream: Any = None,
     after: Any = None,
+    pool: PinnedIndexPool | None = None,
+    path: str | None = None,
+    table: RowTable | None = None,
 ) -> PendingRows:
     """Copy the rows at ``slots`` (CPU int64, validated) into ``out`` (default: a new host tensor).
 
@@ -96,41 +224,100 @@ def copy_rows_async(
             return PendingRows(rows)
         out.copy_(rows)
         return PendingRows(out)
+    if table is None:
+        table = row_table(cache, view)
+    if out is None:
+        out = torch.empty(shape, dtype=cache.dtype, pin_memory=True)
     side = stream if stream is not None else side_stream(cache.device)
+    written = after
+    if written is None:
+        written = torch.cuda.current_stream(cache.device)
+    if table is None or not out.is_pinned():
+        return _copy_indexed(cache, view, slots, out, side, written)
+    event, keep = _gather_to_host(
+        cache, table, slots, out, side=side, written=written, pool=pool, path=path or _default_path()
+    )
+    return PendingRows(out, event, (*keep, out))
+
+
+def _copy_indexed(
+    cache: torch.Tensor, view: CaptureView, slots: torch.Tensor, out: torch.Tensor, side: Any, written: Any
+) -> PendingRows:
+    """The general path (views without a row table, pageable destinations)."""
     if not slots.is_pinned():
         # A copy from pageable memory would block this (the engine's) thread until the side stream -- and
         # through the event below, the compute stream -- reached it.
         slots = slots.pin_memory()
-    written = after
-    if written is None:
-        written = _cuda.Event()
-        written.record(torch.cuda.current_stream(cache.device))
     with torch.cuda.stream(side):
-        side.wait_event(written)
+        _wait(side, written)
         # Rule 2: the index tensor is born on the side stream and lives until the copy is done.
         idx = slots.to(cache.device, non_blocking=True)
         rows = gather_rows(cache, view, idx)
-        if out is None:
-            out = torch.empty(shape, dtype=cache.dtype, pin_memory=True)
         out.copy_(rows, non_blocking=True)
         finished = _cuda.Event()
         finished.record(side)
     return PendingRows(out, finished, (idx, rows, slots))
 
 
+#: One request's token range: ``(req_id, block_ids, start, num_tokens)``.
+RowRequest = tuple[str, Sequence[int], int, int]
+
+
+def copy_requests_async(
+    cache: torch.Tensor,
+    view: CaptureView,
+    requests: Sequence[RowRequest],
+    *,
+    stream: Any = None,
+    after: Any = None,
+    pool: PinnedIndexPool | None = None,
+    path: str | None = None,
+    table: RowTable | None = None,
+) -> list[PendingRows | SlotError]:
+    """Copy many requests' rows to host with one index upload and one gather (per chunk) for all of them.
+
+    Per request: a :class:`PendingRows` whose ``rows`` is a view of one pinned host tensor shared by the batch
+    (all complete together), or the :class:`~vllm_hs_compat.errors.SlotError` its block ids raised (that request
+    alone is left out).  Ordering as :func:`copy_rows_async`.
+    """
+    slots, where = batch_slots(
+        requests, group_block_size=view.group_block_size, num_manager_blocks=view.num_manager_blocks
+    )
+    total = int(slots.numel())
+    pending = None
+    if cache.device.type == "cuda" and total:
+        pending = copy_rows_async(cache, view, slots, stream=stream, after=after, pool=pool, path=path, table=table)
+    result: list[PendingRows | SlotError] = []
+    for (_, _, _, num_tokens), at in zip(requests, where, strict=True):
+        if isinstance(at, SlotError):
+            result.append(at)
+        elif pending is not None:
+            # A view of the batch's pinned tensor: the block goes back to the allocator with the last view.
+            result.append(PendingRows(pending.rows[at : at + num_tokens], pending.event, pending._keepalive))
+        elif cache.device.type == "cuda":  # nothing to read at all (zero-token ranges)
+            result.append(PendingRows(torch.empty((0, view.num_planes, view.hidden_size), dtype=cache.dtype)))
+        else:  # CPU (synchronous): a tensor of its own per record, as before
+            result.append(PendingRows(gather_rows(cache, view, slots[at : at + num_tokens])))
+    return result
+
+
 class RowReader:
     """Reads requests' rows out of one capture cache, ordered after the cache's last write.
 
     The connector calls :meth:`mark_written` right after vLLM writes the capture layer (``save_kv_layer``, on
-    the stream that wrote), and :meth:`read` later (a following step), from whatever stream is current then:
-    the side-stream copy waits for the marked write, not for the work queued on the current stream -- which
-    may be another stream than the writer's, and would also make the copy wait for this step's forward.
+    the stream that wrote), and :meth:`read` / :meth:`read_many` later (a following step), from whatever stream
+    is current then: the side-stream copy waits for the marked write, not for the work queued on the current
+    stream -- which may be another stream than the writer's, and would also make the copy wait for this step's
+    forward.
     """
 
-    def __init__(self, cache: torch.Tensor, view: CaptureView) -> None:
+    def __init__(self, cache: torch.Tensor, view: CaptureView, *, path: str | None = None) -> None:
         self.cache = cache
         self.view = view
+        self.path = path
         self._written: Any = None
+        self.pool = PinnedIndexPool()
+        self.table = row_table(cache, view) if cache.device.type == "cuda" else None
 
     def mark_written(self) -> None:
         """Record the point after the latest capture write on the current (writing) stream (CUDA only)."""
@@ -151,4 +338,19 @@ class RowReader:
         """Copy positions ``[start, start + num_tokens)`` of ``req_id`` to host; raises the named
         :class:`~vllm_hs_compat.errors.SlotError` when its blocks cannot address them."""
         slots = request_slots(req_id, block_ids, self.view, num_tokens=num_tokens, start=start)
-        return copy_rows_async(self.cache, self.view, slots, out=out, after=self._written)
+        return copy_rows_async(
+            self.cache,
+            self.view,
+            slots,
+            out=out,
+            after=self._written,
+            pool=self.pool,
+            path=self.path,
+            table=self.table,
+        )
+
+    def read_many(self, requests: Sequence[RowRequest]) -> list[PendingRows | SlotError]:
+        """:func:`copy_requests_async` of ``requests`` (one step's finished records) after the marked write."""
+        return copy_requests_async(
+            self.cache, self.view, requests, after=self._written, pool=self.pool, path=self.path, table=self.table
+        )
