@@ -189,7 +189,20 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first
-    keys = ("default", "serial", "nocopy", "raw", "claim", "ping", "memcpy", "xxh3", "pub", "pubnw", "pubnw_cpu")
+    keys = (
+        "default",
+        "serial",
+        "noverify",
+        "nocopy",
+        "raw",
+        "claim",
+        "ping",
+        "memcpy",
+        "xxh3",
+        "pub",
+        "pubnw",
+        "pubnw_cpu",
+    )
     overlap = getattr(consumer_mod, "OVERLAP_MIN_BYTES", None)  # releases that verify while reading
     t: dict[str, list[float]] = {k: [] for k in keys}
     prev = None
@@ -208,6 +221,14 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
             finally:
                 consumer_mod.OVERLAP_MIN_BYTES = overlap
             prev = rec
+        srv(op="publish_large", name=name, size=size, id=f"V{i}")  # the default path without verification
+        srv(op="drain", name=name)
+        c.verify_checksum = False
+        try:
+            vdt, rec = _timed(lambda: c.fetch(f"V{i}"))  # noqa: B023
+        finally:
+            c.verify_checksum = True
+        prev = rec
         nw = srv(op="publish_large", name=name, size=size, id=f"Z{i}", nowait=True)
         srv(op="drain", name=name)
         zdt, z = _timed(lambda: c.fetch(f"Z{i}", copy=False))  # noqa: B023
@@ -223,6 +244,7 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         xdt, _ = _timed(lambda: compute_checksum(src))
         if i:
             t["default"].append(dt)
+            t["noverify"].append(vdt)
             if sdt is not None:
                 t["serial"].append(sdt)
             t["nocopy"].append(zdt)
@@ -322,6 +344,8 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
         ms("fetch() as a user calls it (defaults)", r["default" + s], size)
         if "serial" + s in r:
             ms("fetch() default, verification after the READ, not during", r["serial" + s], size)
+        if "noverify" + s in r:
+            ms("fetch() default, verify_checksum=False", r["noverify" + s], size)
         ms("fetch(copy=False) + release()", r["nocopy" + s], size)
         if "raw" + s in r:
             ms("LIMIT raw NIXL READ of the same bytes (bare agent)", r["raw" + s], size)
@@ -338,6 +362,8 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
         ratio(f"{m} MiB: fetch() default / {lim}", limit, r["default" + s], tgt)
         if "serial" + s in r:
             ratio(f"{m} MiB: fetch() default, verification not overlapped / {lim}", limit, r["serial" + s])
+        if "noverify" + s in r:
+            ratio(f"{m} MiB: fetch() default, verify_checksum=False / {lim}", limit, r["noverify" + s])
         ratio(f"{m} MiB: fetch(copy=False) / {lim}", limit, r["nocopy" + s])
     print(f"{n_small} small records of {SMALL} B:")
     us(f"API iter_records (batches of {BATCH}, defaults)", r["api_small_s"])
