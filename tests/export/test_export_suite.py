@@ -472,15 +472,15 @@ def test_corrupted_slot_is_caught_by_the_checksum(backend: str, make_producer: M
 
 
 def test_a_large_read_is_verified_piece_by_piece_and_a_late_flip_is_caught(backend: str, make_producer: Make) -> None:
-    """A read of >= OVERLAP_MIN_BYTES is transferred in pieces (the reader thread) and checksummed on the way: a
-    bit flipped in its last piece, or in a record that follows in the same batch, still fails that record alone."""
+    """With overlap_verification, a read of >= OVERLAP_MIN_BYTES is transferred in pieces (the reader thread) and
+    checksummed on the way: a bit flipped in a later record of the batch fails that record alone."""
     p = make_producer()
     a = publish(p, "big-a", 1200, 4, 1024)  # 9.4 MiB: several pieces
     publish(p, "big-b", 600, 4, 1024)
     c_ = publish(p, "big-c", 3, 4, 1024)
     lb = p.pool._by_record["big-b"]
     p.transport.buffer[lb.offset + 600 * 4 * 1024 * 2 - 3] ^= 0x01  # b's last hidden-state byte
-    with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB) as c:
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB, overlap_verification=True) as c:
         assert 1200 * 4 * 1024 * 2 >= consumer_mod.OVERLAP_MIN_BYTES
         claims = [c.claim(r) for r in ("big-a", "big-b", "big-c")]
         ra, rb, rc = c.read(claims)

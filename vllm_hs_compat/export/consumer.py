@@ -65,8 +65,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 MAX_BATCH = P.MAX_BATCH
-#: A read of at least this many bytes is cut into pieces: the reader thread transfers piece k + 1 (NIXL's
-#: ``transfer`` and the shm copy release the GIL) while this thread checksums piece k.
+#: With ``overlap_verification``, a read of at least this many bytes is cut into pieces: the reader thread
+#: transfers piece k + 1 (NIXL's ``transfer`` and the shm copy release the GIL) while this thread checksums piece k.
 OVERLAP_MIN_BYTES = 4 << 20
 #: pieces of a pipelined read: about an eighth of it, between these bounds
 PIECE_MIN_BYTES = 1 << 20
@@ -222,6 +222,7 @@ class ExportConsumer:
         verify_checksum: bool = True,
         max_reply_bytes: int = P.DEFAULT_REPLY_BYTES,
         lend_fraction: float = 0.75,
+        overlap_verification: bool = False,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -243,6 +244,10 @@ class ExportConsumer:
         #: Checksum verification is on by default.  Turning it off saves one memory pass over every record
         #: and leaves the size checks and the token ids' checksum: do it only where the transport is trusted.
         self.verify_checksum = verify_checksum
+        #: Checksum a large read piece by piece while a reader thread transfers the next piece (see
+        #: :meth:`_transfer`).  Off by default: it needs a free core, and on the 2-vCPU box it was measured on
+        #: (docs/benchmarks.md) it was slower than verifying after the transfer.
+        self.overlap_verification = overlap_verification
         if not 0.0 <= lend_fraction <= 1.0:
             raise E.ExportConfigError(f"lend_fraction must be in [0, 1], found {lend_fraction!r}")
         #: How much of the landing buffer owned records (``copy=True``) may keep: such a record's tensor views
@@ -614,7 +619,7 @@ class ExportConsumer:
         thread checksums piece k, so verification costs only the last piece's checksum on top of the transfer
         when a second core is free (one core: it costs what it costs serially, plus about 50 us per piece)."""
         total = sum(c.extent for _, c, _ in group)
-        if not self.verify_checksum or total < OVERLAP_MIN_BYTES:
+        if not (self.overlap_verification and self.verify_checksum) or total < OVERLAP_MIN_BYTES:
             transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
             return [None] * len(group)
         size = max(PIECE_MIN_BYTES, min(PIECE_MAX_BYTES, -(-total // 8)))
