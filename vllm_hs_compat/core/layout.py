@@ -69,7 +69,7 @@ class CaptureView:
         return self.num_blocks * self.block_tokens
 
     def token_is_contiguous(self) -> bool:
-        """True when one token's ``P x C`` rows are one contiguous run (``[nb, N, P, C]`` packed)."""
+        """True when one token's ``P x C`` rows are one contiguous run (``BLOCK_TOKEN_PLANE`` packed)."""
         if self.order is ViewOrder.BLOCK_TOKEN_PLANE:
             return self.strides[3] == 1 and self.strides[2] == self.hidden_size
         return self.strides[3] == 1 and self.strides[1] == self.hidden_size
@@ -264,7 +264,7 @@ def _gather_indexed(tensor: torch.Tensor, view: CaptureView, slots: torch.Tensor
 class RowTable:
     """The capture tensor as a 2-D table of contiguous rows (an alias of its storage, widest element type).
 
-    A token's values are one row of ``P * C`` when its planes are packed (``[nb, N, P, C]`` and LBNHC), else
+    A token's values are one row of ``P * C`` when its planes are packed (``BLOCK_TOKEN_PLANE`` and LBNHC), else
     ``P`` rows of ``C`` (LBHNC).  Reading a request is then one ``index_select`` (or one kernel) over row
     indices computed once per request, instead of block/offset arithmetic and a 2-index gather on the device.
     """

@@ -73,14 +73,17 @@ def write_failure(directory: str | os.PathLike[str], record_id: str, reason: str
 
 
 def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -> CaptureRecord:
-    """Read a record from its manifest (``.json``) or tensor (``.safetensors``) path and verify it.
+    """Read a record from its manifest (``.json``), tensor (``.safetensors``) or error (``.error.json``) path and
+    verify it.
 
     Raises :class:`RecordFailedError` when only the error file exists, :class:`RecordFormatError` (or its
     checksum subclass) when the files are damaged."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     p = Path(path)
-    stem = p.name.removesuffix(".json").removesuffix(".safetensors")
+    stem = p.name.removesuffix(".error.json") if p.name.endswith(".error.json") else p.name
+    stem = stem.removesuffix(".json").removesuffix(".safetensors")
     manifest_path, error_path = p.with_name(f"{stem}.json"), p.with_name(f"{stem}.error.json")
     if not manifest_path.exists():
         if error_path.exists():
@@ -95,7 +98,11 @@ def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -
         raise RecordFormatError(f"{manifest_path}: manifest is not JSON ({e})") from None
     tensors_name = raw.pop("tensors", f"{stem}.safetensors")
     meta = RecordMeta.from_dict(raw)
-    tensors = load_file(str(manifest_path.with_name(str(tensors_name))))
+    tensors_path = manifest_path.with_name(str(tensors_name))
+    try:
+        tensors = load_file(str(tensors_path))
+    except (SafetensorError, OSError) as e:
+        raise RecordFormatError(f"{tensors_path}: cannot read the record's tensors ({type(e).__name__}: {e})") from None
     if "hidden_states" not in tensors or "token_ids" not in tensors:
         raise RecordFormatError(
             f"{tensors_name}: expected tensors 'hidden_states' and 'token_ids', found {sorted(tensors)}"

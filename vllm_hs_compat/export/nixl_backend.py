@@ -302,3 +302,38 @@ class NixlConsumerTransport:
             self._agent.deregister_memory(self._reg)
         except Exception as e:
             log.debug("NIXL deregistration failed: %s", e)
+
+
+def describe_nixl(ucx: UcxSettings | None = None, create_agent: bool = True) -> dict[str, Any]:
+    """What this host's NIXL can do, for ``vllm-hs-compat doctor``: ``importable`` (and ``module``), the installed
+    ``packages`` and their versions, ``plugins`` (the backend plugins NIXL found), whether an agent with the UCX
+    backend starts (``ucx_agent``; ``error`` says why not) and the ``ucx_env`` in effect.  Never raises."""
+    import importlib.metadata
+
+    packages: dict[str, str] = {}
+    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            packages[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    out: dict[str, Any] = {
+        "importable": nixl_available(),
+        "module": next((m for m in NIXL_MODULES if _findable(m)), None),
+        "packages": packages,
+        "plugins": [],
+        "ucx_agent": False,
+        "error": None,
+    }
+    if not out["importable"]:
+        out["error"] = f"no NIXL package; install the lean way: {LEAN_INSTALL}"
+    elif create_agent:
+        try:
+            api = _load(ucx or UcxSettings())
+            agent = _agent(api, f"hsx-doctor-{uuid.uuid4().hex[:8]}")
+            out["plugins"] = sorted(str(p) for p in agent.get_plugin_list())
+            out["backends"] = sorted(str(b) for b in getattr(agent, "backends", {}))
+            out["ucx_agent"] = "UCX" in out["backends"]
+        except Exception as e:  # a doctor reports, it does not fail
+            out["error"] = f"{type(e).__name__}: {e}"
+    out["ucx_env"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    return out

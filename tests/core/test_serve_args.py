@@ -1,0 +1,137 @@
+"""``serve-args`` without vLLM: the cost arithmetic from model configs, and each era's answers (asked of the
+adapter of that release, constructed by version -- no vLLM import)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_hs_compat.adapters import adapter_for_version
+from vllm_hs_compat.commands import serve_args as S
+from vllm_hs_compat.errors import ModelConfigError
+
+LLAMA_8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+}
+GEMMA_LIKE = {  # hybrid: 5 sliding layers to 1 full, as Gemma 3 does
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 12,
+    "hidden_size": 1024,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "torch_dtype": "bfloat16",
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
+}
+MLA = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "torch_dtype": "bfloat16",
+}
+
+
+def args(model: Path, layers: str, **kw: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    S.register(sub)
+    ns = parser.parse_args(["serve-args", "--model", str(model), "--layers", layers])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def model_dir(tmp_path: Path, config: dict[str, object]) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_dense_cost_is_planes_times_hidden_times_dtype(tmp_path: Path) -> None:
+    m = model_dir(tmp_path, LLAMA_8B)
+    plan = S.plan(
+        args(m, "2,16,29,32", kv_budget_gib=40.0), adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m))
+    )
+    c = plan.cost
+    assert c["hs_bytes_per_token"] == 4 * 4096 * 2
+    assert c["hs_bytes_per_block"] == 4 * 4096 * 2 * 16
+    assert c["hs_bytes_for_tokens"] == 4 * 4096 * 2 * (1 << 20)
+    assert c["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128
+    assert c["hs_over_kv"] == pytest.approx(0.25)
+    assert c["token_capacity_loss"] == pytest.approx(0.2)
+    assert c["tokens_without_capture"] == (40 << 30) // (2 * 32 * 8 * 128 * 2)
+    assert c["tokens_with_capture"] == (40 << 30) // (2 * 32 * 8 * 128 * 2 + 4 * 4096 * 2)
+    assert not plan.errors and not plan.warnings
+
+
+def test_mla_kv_is_one_latent_per_layer() -> None:
+    f = S.model_facts(MLA)
+    assert f.mla and f.kv_bytes_per_token == 61 * (512 + 64) * 2
+
+
+def test_dtype_override_and_unknown_dtype() -> None:
+    assert S.model_facts(LLAMA_8B, "float32").kv_bytes_per_token == 2 * 32 * 8 * 128 * 4
+    with pytest.raises(ModelConfigError, match="unknown dtype"):
+        S.model_facts(LLAMA_8B, "int3")
+    with pytest.raises(ModelConfigError, match="hidden_size"):
+        S.model_facts({"num_hidden_layers": 2})
+
+
+@pytest.mark.parametrize(
+    ("release", "bad"),
+    [("0.17.1", [32]), ("0.18.1", []), ("0.33.0", [])],
+)
+def test_layer_id_bounds_are_the_releases(tmp_path: Path, release: str, bad: list[int]) -> None:
+    """0.17.x cannot capture id 0 nor id num_hidden_layers (0.18.0 made them capturable)."""
+    m = model_dir(tmp_path, LLAMA_8B)
+    plan = S.plan(args(m, "2,16,29,32"), adapter_for_version(release), release, S.load_config(str(m)))
+    assert bool(plan.errors) == bool(bad)
+    if bad:
+        assert f"{bad}" in plan.errors[0] and "[1, 31]" in plan.errors[0]
+
+
+def test_hybrid_verifier_per_era(tmp_path: Path) -> None:
+    m = model_dir(tmp_path, GEMMA_LIKE)
+    cfg = S.load_config(str(m))
+    old = S.plan(args(m, "2,6,9,12"), adapter_for_version("0.21.0"), "0.21.0", cfg)
+    assert any("turns the hybrid KV-cache manager off" in w for w in old.warnings) and not old.errors
+    forced = S.plan(args(m, "2,6,9,12", hybrid_kv_cache_manager="on"), adapter_for_version("0.21.0"), "0.21.0", cfg)
+    assert any("refused" in e for e in forced.errors)
+    assert "--no-disable-hybrid-kv-cache-manager" in forced.argv
+    new = S.plan(args(m, "2,6,9,12", hybrid_kv_cache_manager="on"), adapter_for_version("0.22.1"), "0.22.1", cfg)
+    assert not new.errors and any("group of its own" in w for w in new.warnings)
+    # Sliding layers hold KV per token too (bounded by the window with HMA on).
+    assert new.facts.kv_bytes_per_token == 12 * 2 * 1 * 256 * 2 and new.facts.sliding_layers == 10
+
+
+def test_flags_and_warnings(tmp_path: Path) -> None:
+    m = model_dir(tmp_path, LLAMA_8B)
+    plan = S.plan(
+        args(m, "29,2,16", sink="file", file_path="/data/hs"),
+        adapter_for_version("0.29.0"),
+        "0.29.0",
+        S.load_config(str(m)),
+    )
+    assert any("ascending" in w for w in plan.warnings) and any("no base plane" in w for w in plan.warnings)
+    spec = json.loads(plan.argv[plan.argv.index("--speculative-config") + 1])
+    kv = json.loads(plan.argv[plan.argv.index("--kv-transfer-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [29, 2, 16]
+    assert kv["kv_connector_extra_config"] == {"capture": "prompt", "sink": "file", "file": {"path": "/data/hs"}}
+    assert plan.layer_ids == [2, 16, 29] and plan.env == {}
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(ModelConfigError):
+        S.load_config(str(tmp_path))

@@ -1,0 +1,133 @@
+"""``vllm-hs-compat demo`` and ``vllm-hs-compat verify`` on a real vLLM CPU engine, as a user runs them (the
+console script, in a process of its own).
+
+* the demo passes: every record streamed to the trainer process and verified, the drafter's loss falls;
+* the demo fails when one record is corrupted in the serving process BEFORE the export checksums it (so the
+  transport delivers it intact and only the comparison with transformers can catch it): exit status 1, that
+  record named, the others verified;
+* verify (0.27.1 and 0.32.0 sessions) maps every plane of the tiny model to its HF index; its analysis names an
+  off-by-one and a post-norm capture when handed them (negative controls over transformers' own planes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import e2e_report
+import pytest
+import torch
+
+from vllm_hs_compat.commands import verify as V
+from vllm_hs_compat.demo import reference as R
+
+pytestmark = pytest.mark.e2e
+
+CLI = [sys.executable, "-m", "vllm_hs_compat.cli"]
+demo_only = pytest.mark.skipif(
+    os.environ.get("HS_E2E_DEMO") != "1", reason="the demo runs with HS_E2E_DEMO=1 (nox: the e2e session of 0.32.0)"
+)
+
+
+def _run(args: list[str], timeout_s: float = 480.0) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+
+
+def _work(tmp_path: Path, name: str) -> Path:
+    root = os.environ.get("HS_E2E_WORK")
+    out = Path(root) / name if root else tmp_path / name
+    shutil.rmtree(out, ignore_errors=True)
+    return out
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+@demo_only
+def test_demo_streams_verifies_and_trains(tmp_path: Path) -> None:
+    out = _work(tmp_path, "demo")
+    proc = _run(["demo", "--out", str(out), "--records", "16", "--steps", "40"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = _summary(out)
+    assert s["ok"] and s["records"] == s["records_ok"] == 16 and not s["records_failed"]
+    assert s["trainer_pid"] not in (None, s["engine_pid"]), "the trainer must run in another process"
+    assert s["transport"] in ("shm", "nixl")
+    assert s["max_rel_err"] < R.ROW_TOL
+    assert len(s["losses"]) == 40 and s["losses"][-1] < 0.8 * s["losses"][0], s["losses"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "all verified" in proc.stdout and "records" in proc.stdout
+    ledger = s["ledger"]
+    e2e_report.add(
+        f"demo: {s['records']} records, {s['tokens']} tokens, {s['bytes']} B over {s['transport']}, max rel err "
+        f"{s['max_rel_err']:.4f}, loss {s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}, times {s['times']}, "
+        f"total {s['wall_s']:.1f} s; producer ledger delivered={ledger.get('delivered')}"
+    )
+
+
+@demo_only
+def test_demo_fails_on_a_corrupted_record(tmp_path: Path) -> None:
+    out = _work(tmp_path, "demo-corrupt")
+    proc = _run(["demo", "--out", str(out), "--records", "4", "--steps", "3", "--corrupt-record", "1"])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = _summary(out)
+    assert not s["ok"] and s["records"] == 4 and s["records_ok"] == 3
+    (bad,) = s["records_failed"]
+    assert "differs from transformers" in bad["reason"] and bad["max_rel"][0] > 1.0
+    assert "FAIL" in proc.stdout and "failed verification" in proc.stdout
+
+
+verify_only = pytest.mark.skipif(
+    os.environ.get("HS_E2E_VERIFY") != "1",
+    reason="verify runs with HS_E2E_VERIFY=1 (nox: the e2e sessions of 0.27.1 and 0.32.0)",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from vllm_hs_compat.demo.models import make_model
+
+    return make_model(str(tmp_path_factory.mktemp("verify") / "dense"), "dense", seed=3).path
+
+
+@verify_only
+def test_verify_maps_every_plane(tiny: str) -> None:
+    proc = _run(["verify", "--model", tiny, "--layers", "0,1,3,4", "--json"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] and [p["layer_id"] for p in report["planes"]] == [0, 1, 3, 4]
+    got = [(p["best"]["label"], p["best"]["norm"]) for p in report["planes"]]
+    assert got == [
+        ("hidden_states[0]", "pre-norm"),
+        ("hidden_states[1]", "pre-norm"),
+        ("hidden_states[3]", "pre-norm"),
+        ("final norm input", "pre-norm"),
+    ]
+    # The runner-up is far away: the match is not a tie.
+    assert all(p["runner_up"]["max_rel"] > 4 * R.ROW_TOL for p in report["planes"])
+    e2e_report.add(
+        "verify: "
+        + "; ".join(f"{p['layer_id']}->{p['best']['label']} {p['best']['max_rel']:.4f}" for p in report["planes"])
+    )
+
+
+def test_verify_names_off_by_one_and_post_norm(tiny: str) -> None:
+    """Negative controls: planes built from transformers' own hidden states, labelled the way peers broke."""
+    hf = R.load_hf(tiny)
+    ids = list(range(3, 70))
+    planes = R.hf_planes(hf, ids)
+    n = planes.num_layers
+    rows = torch.stack([planes.hidden_states[2], planes.hidden_states[n], planes.hidden_states[1]], dim=1)
+    reports = V.analyse([(ids, [1, n, 0], rows)], hf)
+    by_id = {r.layer_id: r for r in reports}
+    assert not by_id[1].ok and "OFF BY ONE" in by_id[1].note and "next" in by_id[1].note
+    assert not by_id[n].ok and "POST-NORM" in by_id[n].note
+    assert not by_id[0].ok and by_id[0].best.label == "hidden_states[1]"
+    good = V.analyse([(ids, [1, n], torch.stack([planes.hidden_states[1], planes.pre_norm], dim=1))], hf)
+    assert all(r.ok for r in good)

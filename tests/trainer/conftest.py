@@ -1,0 +1,42 @@
+"""Fixtures of the trainer suite: real export producers (shared memory and NIXL over loopback) and file-sink
+records, built with the export suite's deterministic test data."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+# UCX reads its environment once, when NIXL is first imported: set it before anything imports nixl.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export"))
+
+from hsx_harness import BACKENDS  # noqa: E402
+
+from vllm_hs_compat.export import ExportProducer  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_producer(backend: str) -> Iterator[Callable[..., ExportProducer]]:
+    made: list[ExportProducer] = []
+
+    def make(**kw: Any) -> ExportProducer:
+        kw.setdefault("num_slots", 16)  # 16 MiB: CI containers often have a 64 MiB /dev/shm
+        kw.setdefault("slot_bytes", MiB)
+        p = ExportProducer(backend=backend, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()

@@ -1,0 +1,71 @@
+"""``vllm-hs-compat doctor`` against the installed vLLM release: every probe printed with its expected and
+observed value, a probe that reads False shown as ok, progress on stderr, ``--json`` alone on stdout, exit
+codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_hs_compat import adapters
+from vllm_hs_compat.cli import main
+from vllm_hs_compat.commands.doctor import probe_line
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hs_compat.cli", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_every_probe_is_printed_with_expected_and_observed(capsys: pytest.CaptureFixture[str]) -> None:
+    js = doctor("--json")
+    assert js.returncode == 0, js.stderr
+    report = json.loads(js.stdout)  # vLLM's import-time logging went to stderr: stdout is the report alone
+    assert report["exit_code"] == 0 and report["ok"] is True
+    assert report["vllm"] == adapters.installed_vllm_version()
+    assert "importing vLLM" in js.stderr and "importing vLLM" not in js.stdout  # progress on stderr
+    probes = report["probes"]
+    assert len(probes) >= 9
+    # the text form in this process (vLLM is imported already: one subprocess per release is enough)
+    capsys.readouterr()
+    assert main(["doctor", "--no-nixl-agent"]) == 0
+    text = capsys.readouterr()
+    assert "importing vLLM" in text.err and "importing vLLM" not in text.out
+    assert "FAIL" not in text.out
+    falsy = 0
+    for p in probes:
+        assert p["ok"] is True and p["expected"] == p["observed"] and p["question"]
+        line = probe_line(p["name"], True, p["expected"], p["observed"])
+        assert line in text.out.splitlines(), line
+        falsy += p["observed"] in (False, None)
+    # a probe that reads False (e.g. requires_kv_delivery before 0.27, cross_layer_hooks from 0.29) looks ok
+    assert falsy >= 1
+    assert f"adapter {report['adapter']} confirmed by {len(probes)} probes" in text.out
+    assert "RESULT: exit 0 (ok)" in text.out
+    assert report["cuda"]["available"] is False and "nixl" in report and "shm" in report  # CPU-only session
+
+
+def test_a_contradictory_override_prints_the_failing_probes_and_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    right = adapters.select_adapter(adapters.installed_vllm_version(), None)
+    wrong = next(a.name for a in adapters.ADAPTERS if a.name != right.name)
+    monkeypatch.setenv(adapters.OVERRIDE_ENV, wrong)
+    capsys.readouterr()
+    assert main(["doctor", "--json", "--no-nixl-agent"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 1 and report["adapter"] == wrong and report["override"] == wrong
+    failing = [p for p in report["probes"] if not p["ok"]]
+    assert failing and all(p["expected"] != p["observed"] for p in failing)
+    assert f"contradict adapter {wrong}" in report["error"]
+    assert main(["doctor", "--no-nixl-agent"]) == 1
+    out = capsys.readouterr().out
+    for p in failing:
+        assert probe_line(p["name"], False, p["expected"], p["observed"]) in out.splitlines()

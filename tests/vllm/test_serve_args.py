@@ -1,0 +1,87 @@
+"""``vllm-hs-compat serve-args`` against the installed release: its flags parse with that release's own
+``EngineArgs`` command line into the speculative and KV-transfer configs the capture needs, and the connector's
+own config reader accepts the extra config."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import harness as h
+import pytest
+
+from vllm_hs_compat import api
+from vllm_hs_compat.commands import serve_args as S
+from vllm_hs_compat.connector import ConnectorConfig
+
+pytestmark = pytest.mark.vllm
+
+LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+}
+
+
+def _engine_args(flags: list[str]) -> Any:
+    """The release's ``EngineArgs`` from ``flags``, through its own argument parser (``vllm serve`` adds these
+    engine arguments to its parser on every supported release)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    mod = None
+    for name in ("vllm.utils.argparse_utils", "vllm.utils"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "FlexibleArgumentParser"):
+            break
+    assert mod is not None
+    parser = EngineArgs.add_cli_args(mod.FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(flags))
+
+
+@pytest.mark.parametrize("sink", ["export", "file"])
+def test_flags_parse_with_the_releases_cli(tmp_path: Path, sink: str, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    rc = S.main(["--model", str(tmp_path), "--layers", "2,16,29,32", "--sink", sink, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"]
+    assert out["vllm"] == h.vllm_version()
+    assert out["adapter"].startswith(api.get_adapter().name + " ")
+    argv = out["argv"]
+    assert argv[:2] == ["serve", str(tmp_path)]
+    ea = _engine_args(["--model", argv[1], *argv[2:]])
+    spec = ea.speculative_config
+    spec = spec if isinstance(spec, dict) else json.loads(spec)
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29, 32]
+    kv = ea.kv_transfer_config
+    assert kv.kv_connector == "HiddenStatesCaptureConnector"
+    assert kv.kv_connector_module_path == "vllm_hs_compat.connector"
+    assert kv.kv_role == "kv_producer"
+    cfg = ConnectorConfig.from_extra(kv.kv_connector_extra_config)
+    assert cfg.sink == sink and cfg.capture.mode == "prompt"
+    assert out["cost"]["hs_bytes_per_token"] == 4 * 4096 * 2
+
+
+def test_layer_ids_outside_the_releases_bounds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    lo, hi = api.get_adapter().layer_id_bounds(32)
+    rc = S.main(["--model", str(tmp_path), "--layers", f"2,{hi + 1}"])
+    text = capsys.readouterr().out
+    assert rc == 1 and f"[{lo}, {hi}]" in text and "ERROR" in text
+
+
+def test_text_output_names_release_and_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert S.main(["--model", str(tmp_path), "--layers", "2,16,29,32", "--kv-budget-gib", "40"]) == 0
+    text = capsys.readouterr().out
+    assert f"vLLM {h.vllm_version()}" in text and "32,768 B per token" in text and "262,144 with" in text

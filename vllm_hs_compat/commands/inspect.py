@@ -1,0 +1,251 @@
+"""``vllm-hs-compat inspect PATH|TICKET``: one record's manifest and per-plane statistics.
+
+``PATH``: a file-sink record (its ``.json`` manifest or its ``.safetensors``).  ``TICKET``: a response's
+``kv_transfer_params`` (JSON text, or a file holding it; a whole response with a ``kv_transfer_params`` key, or
+the bare ``hs_export`` entry, work too).  An ``hs_file`` ticket names its manifest; an ``hs_export`` ticket is
+fetched through the export with the trainer token if this host has it, else with the ticket's own capability.
+Fetching through the export *takes* the record: the producer hands each record out once, so a trainer
+streaming the same producer will not see it.
+
+Statistics per plane (layer id): mean, std (population), min, max, absmax over the finite values, and the NaN
+and Inf counts; plus the token count, layer ids and whether the checksum matches.
+
+Exit codes: 0 the record was read and its checksum matches (or it carries none); 1 the checksum does not match,
+or the record cannot be read (damaged, failed at the server, not found); 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm_hs_compat.commands import progress, stdout_to_stderr
+from vllm_hs_compat.errors import HsCompatError, RecordFormatError
+
+if TYPE_CHECKING:  # torch is imported when a record is read, not for ``vllm-hs-compat --help``
+    import torch
+
+    from vllm_hs_compat.core.records import CaptureRecord
+
+EXIT_OK = 0
+EXIT_BAD_RECORD = 1
+CHUNK_ROWS = 4096
+
+
+def register(sub: Any) -> None:
+    """Add ``inspect`` to the ``vllm-hs-compat`` subparsers."""
+    p = sub.add_parser(
+        "inspect",
+        help="a record's manifest and per-plane statistics (file-sink record or export ticket)",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", metavar="PATH|TICKET", help="record .json/.safetensors, or kv_transfer_params JSON")
+    p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for an exported record (default 10)")
+    p.add_argument("--tokens", type=int, default=16, help="token ids to show in the text report (default 16)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``inspect`` command: print the report; return the exit code."""
+    with stdout_to_stderr(True):  # NIXL logs to stdout
+        try:
+            record, source = load(args.target, wait_s=args.wait)
+        except HsCompatError as exc:
+            report = {"ok": False, "error": type(exc).__name__, "message": str(exc), "target": args.target}
+            record = None
+    if record is None:
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(f"cannot read the record: {report['error']}: {report['message']}")
+        return EXIT_BAD_RECORD
+    report = describe(record, source)
+    print(json.dumps(report, indent=2) if args.json else "\n".join(text_lines(report, args.tokens)))
+    return EXIT_OK if report["ok"] else EXIT_BAD_RECORD
+
+
+# --- loading ----------------------------------------------------------------------------------------------------
+def _as_params(obj: Any) -> dict[str, Any] | None:
+    """``kv_transfer_params`` from a ticket-like JSON value, or None when it is not a ticket."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("kv_transfer_params"), dict):
+        obj = obj["kv_transfer_params"]
+    if "hs_export" in obj or "hs_file" in obj:
+        return dict(obj)
+    if "endpoint" in obj and "record_id" in obj:  # the bare hs_export entry
+        return {"hs_export": obj}
+    return None
+
+
+def load(target: str, wait_s: float = 10.0) -> tuple[CaptureRecord, dict[str, Any]]:
+    """The record ``target`` names, read without checksum verification (the report checks it), and where it came
+    from.  Raises the named error that kept it from being read."""
+    from vllm_hs_compat.export.files import read_record
+
+    text = target.strip()
+    params: dict[str, Any] | None = None
+    path = Path(target)
+    if text.startswith("{"):
+        try:
+            params = _as_params(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise RecordFormatError(f"the ticket is not JSON ({e})") from None
+        if params is None:
+            raise RecordFormatError("the JSON given holds no hs_export or hs_file ticket")
+    elif not path.exists():
+        raise RecordFormatError(f"{target}: no such file, and not a JSON ticket")
+    elif path.suffix == ".json" and not path.name.endswith(".error.json"):
+        try:
+            params = _as_params(json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            params = None  # read_record names the damage
+    if params is None:
+        return read_record(path, verify_checksum=False), {"kind": "file", "path": str(path)}
+    if "hs_file" in params and "hs_export" not in params:
+        manifest = params["hs_file"].get("manifest") if isinstance(params["hs_file"], dict) else None
+        if not isinstance(manifest, str):
+            raise RecordFormatError("the hs_file ticket names no manifest path")
+        return read_record(manifest, verify_checksum=False), {"kind": "file", "path": manifest}
+    return _fetch(params, wait_s)
+
+
+def _fetch(params: dict[str, Any], wait_s: float) -> tuple[CaptureRecord, dict[str, Any]]:
+    from vllm_hs_compat.export.consumer import ExportConsumer
+    from vllm_hs_compat.export.protocol import ExportTicket
+
+    ticket = ExportTicket.parse(params)
+    progress(f"fetching record {ticket.record_id!r} from {ticket.endpoint} (this takes it from the producer) ...")
+    with ExportConsumer.from_params(params, verify_checksum=False) as consumer:
+        record = consumer.fetch(ticket.record_id, wait_s=wait_s)
+        principal = consumer.principal
+    return record, {"kind": "export", "endpoint": ticket.endpoint, "principal": principal}
+
+
+# --- statistics ---------------------------------------------------------------------------------------------
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def plane_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Per plane of ``[T, P, C]``: mean, std, min, max, absmax over the finite values (``None`` when there are
+    none), NaN and Inf counts.  Reads ``CHUNK_ROWS`` rows at a time in float64 (chunks merged with Chan's
+    formula), so a long record never needs a float64 copy of itself."""
+    import torch
+
+    t, p, _ = hidden_states.shape
+    out = []
+    for i in range(p):
+        n, mean, m2 = 0, 0.0, 0.0
+        lo, hi = math.inf, -math.inf
+        nans = infs = 0
+        for s in range(0, t, CHUNK_ROWS):
+            x = hidden_states[s : s + CHUNK_ROWS, i].to(torch.float64).reshape(-1)
+            isnan, isinf = torch.isnan(x), torch.isinf(x)
+            nans += int(isnan.sum())
+            infs += int(isinf.sum())
+            f = x[~(isnan | isinf)]
+            k = int(f.numel())
+            if k == 0:
+                continue
+            cmean = float(f.mean())
+            cm2 = float(((f - cmean) ** 2).sum())
+            delta, total = cmean - mean, n + k
+            mean += delta * k / total
+            m2 += cm2 + delta * delta * n * k / total
+            n = total
+            lo, hi = min(lo, float(f.min())), max(hi, float(f.max()))
+        finite = n > 0
+        out.append(
+            {
+                "plane": i,
+                "layer_id": layer_ids[i],
+                "mean": mean if finite else None,
+                "std": math.sqrt(m2 / n) if finite else None,
+                "min": _num(lo),
+                "max": _num(hi),
+                "absmax": max(abs(lo), abs(hi)) if finite else None,
+                "finite": n,
+                "nan": nans,
+                "inf": infs,
+            }
+        )
+    return out
+
+
+def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
+    """The JSON report of ``record``: ``manifest`` (its metadata), ``tokens``, ``layer_ids``, ``checksum``
+    (``algorithm``, ``expected``, ``computed``, ``ok``: None when the record carries none), ``planes``
+    (:func:`plane_stats`), ``ok``."""
+    import torch
+
+    from vllm_hs_compat.core.records import compute_checksum
+
+    meta = record.meta
+    hs = record.hidden_states
+    checksum: dict[str, Any] = {"algorithm": meta.checksum_algorithm, "expected": meta.checksum}
+    shape_ok = tuple(hs.shape) == meta.shape and hs.dtype == meta.torch_dtype
+    if meta.checksum is not None and shape_ok:
+        got = compute_checksum(hs.detach().contiguous().cpu().view(torch.uint8).reshape(-1), meta.checksum_algorithm)
+        checksum.update(computed=got, ok=got == meta.checksum)
+    else:
+        checksum.update(computed=None, ok=None if shape_ok else False)
+    planes = plane_stats(hs, meta.layer_ids)
+    return {
+        "source": source,
+        "record_id": meta.request_id,
+        "manifest": meta.to_dict(),
+        "tokens": meta.shape[0],
+        "layer_ids": list(meta.layer_ids),
+        "checksum": checksum,
+        "nonfinite": sum(p["nan"] + p["inf"] for p in planes),
+        "planes": planes,
+        "ok": checksum["ok"] is not False,
+    }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def text_lines(report: dict[str, Any], show_tokens: int = 16) -> list[str]:
+    """The human-readable form of :func:`describe`'s report."""
+    m = report["manifest"]
+    src = report["source"]
+    where = src.get("path") or f"{src.get('endpoint')} as {src.get('principal')}"
+    ids = m["token_ids"]
+    shown = ", ".join(map(str, ids[:show_tokens])) + (f", ... ({len(ids)} in all)" if len(ids) > show_tokens else "")
+    ck = report["checksum"]
+    if ck["ok"] is None:
+        ck_line = "none recorded"
+    elif ck["ok"]:
+        ck_line = f"{ck['algorithm']} {ck['expected']:#018x} ok"
+    elif ck["computed"] is None:
+        ck_line = "FAILED (the tensor's shape or dtype differs from the manifest)"
+    else:
+        ck_line = f"{ck['algorithm']} MISMATCH: manifest {ck['expected']:#018x}, bytes {ck['computed']:#018x}"
+    lines = [
+        f"record {report['record_id']!r}  ({src['kind']}: {where})",
+        f"  shape {m['shape']} (tokens, planes, hidden)  dtype {m['dtype']}  pre_norm {m['pre_norm']}",
+        f"  tokens {report['tokens']}  start {m['start']}  prompt tokens {m['num_prompt_tokens']}",
+        f"  layer ids {report['layer_ids']} (plane i = i-th smallest; the last is the base hidden)",
+        f"  vLLM {m['vllm_version'] or '?'}  adapter {m['adapter'] or '?'}  schema {m['schema_version']}",
+        f"  checksum {ck_line}",
+        f"  token ids [{shown}]",
+        f"  {'plane':>5} {'layer':>5} {'mean':>11} {'std':>11} {'min':>11} {'max':>11} {'absmax':>11} {'nan':>6} "
+        f"{'inf':>6}",
+    ]
+    for p in report["planes"]:
+        lines.append(
+            f"  {p['plane']:>5} {p['layer_id']:>5} {_fmt(p['mean']):>11} {_fmt(p['std']):>11} {_fmt(p['min']):>11} "
+            f"{_fmt(p['max']):>11} {_fmt(p['absmax']):>11} {p['nan']:>6} {p['inf']:>6}"
+        )
+    if report["nonfinite"]:
+        lines.append(f"  WARNING: {report['nonfinite']} NaN/Inf value(s)")
+    lines.append("RESULT: ok" if report["ok"] else "RESULT: checksum FAILED")
+    return lines

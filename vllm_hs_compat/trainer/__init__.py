@@ -1,0 +1,28 @@
+"""Trainer side: capture records as PyTorch datasets (torch only; no vLLM).
+
+::
+
+    from torch.utils.data import DataLoader
+    from vllm_hs_compat.trainer import HiddenStatesDataset
+
+    ds = HiddenStatesDataset.from_export("tcp://10.0.0.5:7001", layout="eagle3")   # token from the env/file
+    for item in DataLoader(ds, batch_size=None, num_workers=2):
+        item["input_ids"], item["hidden_states"], item["aux_hidden_states"], item["loss_mask"]
+
+See docs/trainer.md for the layouts, workers, resume and errors.
+"""
+
+from vllm_hs_compat.trainer.collate import collate_padded
+from vllm_hs_compat.trainer.dataset import COUNTERS, STATE_VERSION, HiddenStatesDataset
+from vllm_hs_compat.trainer.layouts import LAYOUTS, LOSS_MASKS, make_loss_mask, to_item
+
+__all__ = [
+    "COUNTERS",
+    "LAYOUTS",
+    "LOSS_MASKS",
+    "STATE_VERSION",
+    "HiddenStatesDataset",
+    "collate_padded",
+    "make_loss_mask",
+    "to_item",
+]

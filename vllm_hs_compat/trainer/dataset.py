@@ -1,0 +1,480 @@
+"""``HiddenStatesDataset``: capture records as a ``torch.utils.data.IterableDataset`` of training items.
+
+Two sources, one item format (see :mod:`vllm_hs_compat.trainer.layouts` for the layouts):
+
+* :meth:`HiddenStatesDataset.from_export` streams every record a producer publishes (the trainer token), through
+  an :class:`~vllm_hs_compat.export.ExportConsumer` opened in the iterating process itself: with
+  ``DataLoader(num_workers=N)`` every worker opens its own consumer (no socket, NIXL agent or landing buffer
+  crosses a fork), and the producer's claims hand each record to exactly one claimant.
+* :meth:`HiddenStatesDataset.from_files` reads the file sink's records (``<record>.json`` +
+  ``<record>.safetensors``); workers take disjoint shards of the sorted record list (worker ``k`` of ``N`` takes
+  positions ``k, k+N, ...``).
+
+Resume (:meth:`~HiddenStatesDataset.state_dict` / :meth:`~HiddenStatesDataset.load_state_dict`): the state is
+the set of record ids *consumed* so far in this epoch (files: a pass that runs to its end starts the next epoch,
+:meth:`~HiddenStatesDataset.end_epoch`).  Without workers that is every item the dataset yielded; with workers the
+main process does not see the workers' iterators, so the training loop reports what it consumed with
+:meth:`~HiddenStatesDataset.mark_consumed` (``item["record_id"]``).  A dataset loaded with that state
+
+* (files) skips those records and yields the rest exactly once;
+* (export) yields what the producer still holds: a record handed to a trainer was released ``delivered``, so the
+  producer never hands it out again; ``max_records`` counts the consumed records as spent; a consumed id that
+  shows up again (another producer instance re-publishing it) is skipped and counted ``resume_skipped``.
+
+What a stop loses, by construction: with ``batch=1`` (default) a record is claimed, read and released one at a
+time just before it is yielded, so stopping between items loses nothing (``batch=B``: up to ``B - 1`` read but
+not yielded).  With workers, the records already in the
+DataLoader's prefetch queue (at most ``num_workers * prefetch_factor``) were delivered by the producer and not
+trained on; compare the producer's ``delivered`` (``ExportConsumer.remote_stats()``) with the state's count.
+
+Errors: a record that fails (checksum, bad format, failed at the server, does not fit the layout, a transport error
+that failed that record alone) is counted in :attr:`~HiddenStatesDataset.stats` and then raised
+(``on_error="raise"``, default) or logged and skipped (``on_error="skip"``).  A raised error ends that
+iteration; the next one continues after the consumed records (export: the failed record was settled and does not
+come back; files: it is read, and fails, again).  Errors of the connection itself (producer unreachable, wrong
+token) always raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.records import CaptureRecord
+from vllm_hs_compat.trainer.layouts import LossMaskFn, check_layout, check_loss_mask, to_item
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION: Final = 1
+#: Counter names of :attr:`HiddenStatesDataset.stats`.
+COUNTERS: Final = (
+    "records",  # items yielded
+    "errors",  # failed records (the sum of the kinds below)
+    "skipped",  # failed records skipped (on_error="skip"); the rest were raised
+    "checksum_failed",  # ChecksumMismatchError
+    "bad_format",  # RecordFormatError (other than checksum and layout): damaged manifest, tensor, descriptor
+    "failed_at_source",  # RecordFailedError: the server recorded why the record will not exist
+    "layout_refused",  # LayoutError: the record cannot take the layout (e.g. one plane for eagle3)
+    "transport_failed",  # ExportError failing one record (lease expired, landing buffer full, ...)
+    "resume_skipped",  # records skipped because the resume state says they were consumed
+)
+_IDX: Final = {name: i for i, name in enumerate(COUNTERS)}
+#: Rows of the shared counter table: row 0 is the main process, row k+1 DataLoader worker k.
+_MAX_WORKERS: Final = 256
+
+
+def _kind(exc: E.HsCompatError) -> str:
+    if isinstance(exc, E.ChecksumMismatchError):
+        return "checksum_failed"
+    if isinstance(exc, E.LayoutError):
+        return "layout_refused"
+    if isinstance(exc, E.RecordFormatError | E.DescriptorError):
+        return "bad_format"
+    if isinstance(exc, E.RecordFailedError):
+        return "failed_at_source"
+    return "transport_failed"
+
+
+def _share(n_workers: int, budget: int | None, worker: int) -> int | None:
+    """Worker ``worker``'s share of ``budget`` records (the shares add up to ``budget``)."""
+    if budget is None:
+        return None
+    return budget // n_workers + (1 if worker < budget % n_workers else 0)
+
+
+class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
+    """Capture records as training items (``dict``); build it with :meth:`from_export` or :meth:`from_files`.
+
+    Item keys (every layout): ``input_ids`` LongTensor ``[T]``, ``hidden_states``, ``loss_mask`` LongTensor
+    ``[T]``, ``record_id`` str, ``layer_ids`` LongTensor ``[P]``, ``num_prompt_tokens`` int, ``start`` int; plus,
+    by ``layout``:
+
+    * ``"eagle3"``: ``hidden_states`` ``[T, C]`` = the base hidden (the plane of the largest layer id, pre-norm),
+      ``aux_hidden_states`` ``[T, (P-1)*C]`` = the other planes concatenated in ascending layer-id order;
+    * ``"speculators"``: ``hidden_states`` ``[T, (P-1)*C]`` (aux), ``verifier_last_hidden_states`` ``[T, C]``,
+      ``lengths`` ``[1]``, ``position_ids`` ``[T]``;
+    * ``"dflash"``: ``hidden_states`` ``[T, P*C]`` (every plane, ascending layer id);
+    * ``"planes"``: ``hidden_states`` ``[T, P, C]``.
+
+    Items vary in T: use ``DataLoader(batch_size=None)`` or a collate function that pads or packs.
+    """
+
+    def __init__(
+        self,
+        source: _Source,
+        *,
+        layout: str = "eagle3",
+        loss_mask: str | LossMaskFn = "all",
+        dtype: torch.dtype | None = None,
+        on_error: str = "raise",
+        max_records: int | None = None,
+    ) -> None:
+        """Use :meth:`from_export` or :meth:`from_files`."""
+        if on_error not in ("raise", "skip"):
+            raise E.DatasetConfigError(f"on_error must be 'raise' or 'skip', found {on_error!r}")
+        if max_records is not None and (not isinstance(max_records, int) or max_records < 0):
+            raise E.DatasetConfigError(f"max_records must be None or an int >= 0, found {max_records!r}")
+        self.source = source
+        self.layout = check_layout(layout)
+        self.loss_mask = check_loss_mask(loss_mask)
+        self.dtype = dtype
+        self.on_error = on_error
+        self.max_records = max_records
+        self._consumed: set[str] = set()
+        self._consumed_order: list[str] = []
+        self.epoch = 0
+        # One row per process (main, workers), in shared memory: the counts of every DataLoader worker reach
+        # the dataset object of the main process (fork and spawn alike).
+        self._counters = torch.zeros((_MAX_WORKERS + 1, len(COUNTERS)), dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+
+    # --- constructors ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_export(
+        cls,
+        endpoint_or_params: str | Mapping[str, Any],
+        token: str | None = None,
+        *,
+        max_records: int | None = None,
+        wait_s: float | None = 30.0,
+        layout: str = "eagle3",
+        loss_mask: str | LossMaskFn = "all",
+        dtype: torch.dtype | None = None,
+        on_error: str = "raise",
+        batch: int = 1,
+        poll_s: float = 1.0,
+        consumer_kwargs: Mapping[str, Any] | None = None,
+    ) -> HiddenStatesDataset:
+        """Stream records from an export producer.
+
+        ``endpoint_or_params``: the producer's endpoint (``"tcp://host:port"``), or a response's
+        ``kv_transfer_params`` (a ticket: its endpoint is used).  ``token``: the trainer token (default:
+        ``$VLLM_HS_COMPAT_EXPORT_TOKEN`` or the token file, see :func:`~vllm_hs_compat.export.control.read_token`).
+        With a ticket and no trainer token on this host, the dataset yields that ticket's one record.
+
+        The stream ends after ``max_records`` records (split over the DataLoader workers), or when no record
+        arrived for ``wait_s`` seconds (``None``: never).  ``batch``: records claimed and read per round trip
+        (> 1 is faster for small records; a stop then loses up to ``batch - 1`` records read but not yielded,
+        counted nowhere but the producer's ``delivered``).  ``poll_s``: the long-poll of each claim.
+        ``consumer_kwargs``: passed to :class:`~vllm_hs_compat.export.ExportConsumer` (``landing_bytes``,
+        ``backend``, ``timeout_s``, ``ucx``, ``verify_checksum``, ...)."""
+        source = _ExportSource(endpoint_or_params, token, wait_s, batch, poll_s, dict(consumer_kwargs or {}))
+        return cls(source, layout=layout, loss_mask=loss_mask, dtype=dtype, on_error=on_error, max_records=max_records)
+
+    @classmethod
+    def from_files(
+        cls,
+        path: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+        *,
+        layout: str = "eagle3",
+        loss_mask: str | LossMaskFn = "all",
+        dtype: torch.dtype | None = None,
+        on_error: str = "raise",
+        max_records: int | None = None,
+        verify_checksum: bool = True,
+    ) -> HiddenStatesDataset:
+        """Read the file sink's records: ``path`` is a directory (every ``<record>.json`` in it, sorted by name;
+        ``<record>.error.json`` files count as failed records), one record's ``.json`` / ``.safetensors``, or a
+        list of those.  ``max_records``: the first N records of the sorted list."""
+        source = _FileSource(path, verify_checksum)
+        return cls(source, layout=layout, loss_mask=loss_mask, dtype=dtype, on_error=on_error, max_records=max_records)
+
+    # --- iteration ------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, n_workers = (0, 1) if info is None else (int(info.id), int(info.num_workers))
+        row = 0 if info is None else worker + 1
+        return self._iterate(worker, n_workers, row)
+
+    def _count(self, row: int, name: str, n: int = 1) -> None:
+        if row <= _MAX_WORKERS:
+            self._counters[row, _IDX[name]] += n
+
+    def _iterate(self, worker: int, n_workers: int, row: int) -> Iterator[dict[str, Any]]:
+        budget = None if self.max_records is None else max(0, self.max_records - len(self._consumed))
+        if budget == 0:
+            return
+        for res in self.source.records(worker, n_workers, budget, frozenset(self._consumed)):
+            if isinstance(res, _Skipped):
+                self._count(row, "resume_skipped")
+                continue
+            if isinstance(res, CaptureRecord):
+                if res.meta.request_id in self._consumed:
+                    self._count(row, "resume_skipped")
+                    continue
+                try:
+                    item = to_item(res, self.layout, self.loss_mask, self.dtype)
+                except E.HsCompatError as exc:
+                    res = exc
+                else:
+                    self._count(row, "records")
+                    if row == 0:  # no workers: what was yielded is what the trainer consumed
+                        self._mark(item["record_id"])
+                    yield item
+                    continue
+            self._count(row, "errors")
+            self._count(row, _kind(res))
+            if self.on_error == "skip":
+                self._count(row, "skipped")
+                log.warning("skipping a failed record (%s): %s", type(res).__name__, res)
+                continue
+            raise res
+        if row == 0 and self.source.kind == "files":  # a pass over the files ran to its end: the epoch is over
+            self.end_epoch()
+
+    # --- resume ---------------------------------------------------------------------------------------------
+    def _mark(self, record_id: str) -> None:
+        if record_id not in self._consumed:
+            self._consumed.add(record_id)
+            self._consumed_order.append(record_id)
+
+    def mark_consumed(self, record_ids: str | Iterable[str]) -> None:
+        """Record that the training loop consumed these records (``item["record_id"]``, or a batch's list of
+        them).  Needed with DataLoader workers, whose iterators the main process does not see; without workers
+        the dataset marks every item it yields itself."""
+        for rid in [record_ids] if isinstance(record_ids, str) else record_ids:
+            self._mark(str(rid))
+
+    def end_epoch(self) -> None:
+        """Start the next epoch: forget the consumed records (``epoch`` + 1), so the next iteration reads every
+        record again.  Files without workers do this themselves when an iteration runs to its end; with workers
+        call it after each epoch.  An export stream has no epochs: calling it there only lets records whose ids
+        come back (a restarted producer) through again."""
+        self._consumed = set()
+        self._consumed_order = []
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version": 1, "source": "export" | "files", "epoch": n, "consumed": [record ids, in order]}``
+        (JSON-safe; no credential)."""
+        return {
+            "version": STATE_VERSION,
+            "source": self.source.kind,
+            "epoch": self.epoch,
+            "consumed": list(self._consumed_order),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after ``state`` (from :meth:`state_dict`): its consumed records are skipped and count
+        against ``max_records``.  Raises :class:`DatasetConfigError` for a state of another version or source."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise E.DatasetConfigError(
+                f"resume state must be a mapping with version {STATE_VERSION} (from HiddenStatesDataset.state_dict)"
+                f", found {state if not isinstance(state, Mapping) else {'version': state.get('version')}!r}"
+            )
+        if state.get("source") != self.source.kind:
+            raise E.DatasetConfigError(
+                f"resume state is of a {state.get('source')!r} dataset, this one reads {self.source.kind!r}"
+            )
+        consumed = state.get("consumed")
+        if not isinstance(consumed, list) or not all(isinstance(r, str) for r in consumed):
+            raise E.DatasetConfigError("resume state 'consumed' must be a list of record ids (str)")
+        epoch = state.get("epoch", 0)
+        if not isinstance(epoch, int) or epoch < 0:
+            raise E.DatasetConfigError(f"resume state 'epoch' must be an int >= 0, found {epoch!r}")
+        self._consumed = set()
+        self._consumed_order = []
+        for rid in consumed:
+            self._mark(rid)
+        self.epoch = epoch
+
+    # --- counters -------------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters summed over the main process and every DataLoader worker (see :data:`COUNTERS`), plus
+        ``consumed`` (the resume state's size)."""
+        totals = self._counters.sum(dim=0).tolist()
+        out = {name: int(totals[i]) for i, name in enumerate(COUNTERS)}
+        out["consumed"] = len(self._consumed)
+        return out
+
+    def __repr__(self) -> str:
+        return f"HiddenStatesDataset({self.source!r}, layout={self.layout!r}, on_error={self.on_error!r})"
+
+
+# --- sources --------------------------------------------------------------------------------------------------
+class _Skipped:
+    """A record the source skipped because the resume state lists it (counted, never yielded)."""
+
+
+SourceItem = CaptureRecord | E.HsCompatError | _Skipped
+
+
+class _Source:
+    kind: str = ""
+
+    def records(
+        self, worker: int, n_workers: int, budget: int | None, consumed: frozenset[str]
+    ) -> Iterator[SourceItem]:
+        """Worker ``worker`` of ``n_workers``'s records (at most ``budget`` records over all workers), or the
+        named error of each record that failed."""
+        raise NotImplementedError
+
+
+class _FileSource(_Source):
+    kind = "files"
+
+    def __init__(self, path: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], verify_checksum: bool):
+        if isinstance(path, str | os.PathLike):
+            self.paths = [Path(path)]
+        else:
+            self.paths = [Path(p) for p in path]
+        if not self.paths:
+            raise E.DatasetConfigError("from_files needs a directory or at least one record path")
+        for p in self.paths:
+            if not p.exists():
+                raise E.DatasetConfigError(f"no record directory or file at {p}")
+        self.verify_checksum = verify_checksum
+
+    def __repr__(self) -> str:
+        return f"files:{','.join(map(str, self.paths))}"
+
+    def manifests(self) -> list[Path]:
+        """Every record's manifest (``.json``, ``.error.json`` included), sorted by name."""
+        found: set[Path] = set()
+        for p in self.paths:
+            if p.is_dir():  # the sink writes to hidden temporary names first
+                for m in p.glob("*.json"):
+                    if m.name.startswith(".") or not m.is_file():
+                        continue
+                    if (
+                        m.name.endswith(".error.json")
+                        and m.with_name(m.name.removesuffix(".error.json") + ".json").exists()
+                    ):
+                        continue  # a record and its error file: the record wins
+                    found.add(m)
+            else:
+                stem = p.name.removesuffix(".json").removesuffix(".safetensors").removesuffix(".error")
+                good, bad = p.with_name(f"{stem}.json"), p.with_name(f"{stem}.error.json")
+                found.add(good if good.exists() or not bad.exists() else bad)
+        return sorted(found, key=lambda m: (str(m.parent), m.name))
+
+    def records(
+        self, worker: int, n_workers: int, budget: int | None, consumed: frozenset[str]
+    ) -> Iterator[SourceItem]:
+        from vllm_hs_compat.export.files import read_record, record_stem
+
+        skip = {record_stem(r) for r in consumed}
+        todo: list[Path] = []
+        for m in self.manifests():
+            stem = m.name.removesuffix(".json").removesuffix(".error")
+            if stem in skip:
+                if len(todo) % n_workers == worker:  # count each skipped record once, in one worker
+                    yield _Skipped()
+                continue
+            todo.append(m)
+        if budget is not None:
+            todo = todo[:budget]
+        for i, m in enumerate(todo):
+            if i % n_workers != worker:
+                continue
+            try:  # an error file: read_record names why the record failed (RecordFailedError)
+                yield read_record(m, verify_checksum=self.verify_checksum)
+            except E.HsCompatError as exc:
+                yield exc
+            except (OSError, ValueError) as exc:  # an unreadable manifest (permissions, encoding)
+                yield E.RecordFormatError(f"{m}: cannot read the record ({type(exc).__name__}: {exc})")
+
+
+class _ExportSource(_Source):
+    kind = "export"
+
+    def __init__(
+        self,
+        endpoint_or_params: str | Mapping[str, Any],
+        token: str | None,
+        wait_s: float | None,
+        batch: int,
+        poll_s: float,
+        consumer_kwargs: dict[str, Any],
+    ) -> None:
+        from vllm_hs_compat.export.control import read_token
+        from vllm_hs_compat.export.protocol import ExportTicket
+
+        if not isinstance(batch, int) or not 1 <= batch <= 1024:
+            raise E.DatasetConfigError(f"batch must be an int in [1, 1024], found {batch!r}")
+        if wait_s is not None and wait_s < 0:
+            raise E.DatasetConfigError(f"wait_s must be None or >= 0, found {wait_s!r}")
+        if not poll_s > 0:
+            raise E.DatasetConfigError(f"poll_s must be > 0, found {poll_s!r}")
+        self.params: dict[str, Any] | None = None
+        self.ticket_record: str | None = None
+        if isinstance(endpoint_or_params, str):
+            self.endpoint = endpoint_or_params
+            self.token: str | None = token if token is not None else read_token()
+        else:
+            ticket = ExportTicket.parse(endpoint_or_params)  # ProtocolError / ExportConfigError when malformed
+            self.params = dict(endpoint_or_params)
+            self.endpoint = ticket.endpoint
+            self.ticket_record = ticket.record_id
+            self.token = token
+        self.wait_s = wait_s
+        self.batch = batch
+        self.poll_s = poll_s
+        self.consumer_kwargs = consumer_kwargs
+
+    def __repr__(self) -> str:  # never the token
+        return f"export:{self.endpoint}"
+
+    def _open(self) -> Any:
+        from vllm_hs_compat.export.consumer import ExportConsumer
+
+        if self.params is not None:
+            return ExportConsumer.from_params(self.params, self.token, **self.consumer_kwargs)
+        return ExportConsumer(self.endpoint, self.token, **self.consumer_kwargs)
+
+    def records(
+        self, worker: int, n_workers: int, budget: int | None, consumed: frozenset[str]
+    ) -> Iterator[SourceItem]:
+        consumer = self._open()  # in this process: never shared across a fork
+        try:
+            if consumer.principal == "record":  # a ticket alone: its one record
+                if worker != 0 or self.ticket_record is None:
+                    return
+                if self.ticket_record in consumed:
+                    yield _Skipped()
+                    return
+                try:
+                    wait = self.wait_s if self.wait_s is not None else float("inf")
+                    yield consumer.fetch(self.ticket_record, wait_s=wait)
+                except (E.RecordFormatError, E.RecordFailedError, E.LeaseExpiredError, E.TransportError) as exc:
+                    yield exc
+                return
+            share = _share(n_workers, budget, worker)  # the workers' shares add up to the budget
+            if share != 0:
+                yield from self._stream(consumer, share)
+        finally:
+            consumer.close()
+
+    def _stream(self, consumer: Any, budget: int | None) -> Iterator[SourceItem]:
+        bad_seen = consumer.counters["bad_descriptors"]
+        last = time.monotonic()
+        taken = 0
+        while budget is None or taken < budget:
+            if self.wait_s is None:
+                poll = self.poll_s
+            else:
+                left = self.wait_s - (time.monotonic() - last)
+                if left <= 0:
+                    return
+                poll = min(self.poll_s, left)
+            want = self.batch if budget is None else min(self.batch, budget - taken)
+            claims = consumer.claim_next(max_records=want, wait_s=poll)
+            bad = consumer.counters["bad_descriptors"] - bad_seen
+            bad_seen += bad
+            for _ in range(bad):  # claim_next gave these leases back (abandoned) and logged them
+                yield E.DescriptorError("a record's descriptor was refused (see the log); its lease was given back")
+            if not claims:
+                continue
+            last = time.monotonic()
+            for res in consumer.read(claims):
+                if isinstance(res, CaptureRecord):
+                    taken += 1
+                yield res
