@@ -494,6 +494,39 @@ def test_a_large_read_is_verified_piece_by_piece_and_a_late_flip_is_caught(backe
     ledger_balanced(st)
 
 
+def test_landing_space_of_a_timed_out_read_is_never_reused(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer past its deadline may still write later: its landing space is quarantined, not freed, so no later
+    record (lent to its owner) can be overwritten after it was verified."""
+    from vllm_hs_compat.export import ExportTimeoutError
+
+    p = make_producer()
+    publish(p, "late", 512, 4, 512)
+    h = publish(p, "next", 512, 4, 512, seed=5)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:
+        assert c._transport is not None
+        real = c._transport.read
+        seen: list[int] = []
+
+        def stalled(items: Any, notif: bytes, deadline: float) -> None:
+            seen.extend(lo for _, lo, _ in items)
+            raise ExportTimeoutError("simulated: the READ is still in progress at its deadline")
+
+        monkeypatch.setattr(c._transport, "read", stalled)
+        with pytest.raises(ExportTimeoutError):
+            c.fetch("late")
+        monkeypatch.setattr(c._transport, "read", real)
+        st = c.stats()
+        assert st["quarantined_bytes"] > 0 and st["landing_pages_in_use"] > 0
+        rec = c.fetch("next")
+        assert digest(rec.hidden_states) == h
+        got = rec.hidden_states.data_ptr() - c._transport.landing.data_ptr()
+        assert not 0 <= got - seen[0] < st["quarantined_bytes"]  # not in the quarantined range
+    wait_until(drained(p), 10.0, "the timed-out lease to be given back")
+    ledger_balanced(p.stats())
+
+
 def test_publish_nowait_writes_in_order_off_the_callers_thread_and_fails_records_by_name(
     backend: str, make_producer: Make
 ) -> None:

@@ -271,6 +271,7 @@ class ExportConsumer:
             "abandoned": 0,
             "bad_descriptors": 0,
             "lease_expired": 0,
+            "quarantined_bytes": 0,
         }
         self._client: ControlClient | None = None
         self._reader: Any = None  # concurrent.futures.ThreadPoolExecutor, made on the first pipelined read
@@ -589,7 +590,12 @@ class ExportConsumer:
                 self.counters["read_failures"] += len(group)
                 for i, c, off in group:
                     results[i] = e
-                    self._landing.free(off, c.extent)
+                    if isinstance(e, E.ExportTimeoutError):
+                        # the transfer may still complete and write here: never reuse this space (it could be
+                        # lent to an owned record, verified and handed out, before the late write lands)
+                        self.counters["quarantined_bytes"] += c.extent
+                    else:
+                        self._landing.free(off, c.extent)
                 if not isinstance(e, E.RemoteDisconnectedError | E.StaleMetadataError):
                     self.abandon([c for _, c, _ in group])
                 continue
