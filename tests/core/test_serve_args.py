@@ -131,6 +131,19 @@ def test_flags_and_warnings(tmp_path: Path) -> None:
     assert plan.layer_ids == [2, 16, 29] and plan.env == {}
 
 
+def test_export_network_settings_reach_a_config_the_connector_accepts(tmp_path: Path) -> None:
+    from vllm_hs_compat.connector.config import ConnectorConfig
+
+    m = model_dir(tmp_path, LLAMA_8B)
+    ns = args(m, "2,16,29,32", backend="nixl", export_host="0.0.0.0", export_port=7001, advertise_host="10.0.0.5")
+    plan = S.plan(ns, adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m)))
+    kv = json.loads(plan.argv[plan.argv.index("--kv-transfer-config") + 1])
+    export = kv["kv_connector_extra_config"]["export"]
+    assert export == {"backend": "nixl", "host": "0.0.0.0", "port": 7001, "advertise_host": "10.0.0.5"}
+    assert ConnectorConfig.from_extra(kv["kv_connector_extra_config"]).export == export
+    assert "VLLM_HS_COMPAT_EXPORT_TOKEN" in plan.env
+
+
 def test_missing_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("[1]")
     with pytest.raises(ModelConfigError):

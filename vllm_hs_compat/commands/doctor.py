@@ -120,7 +120,7 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
         lines.append(probe_line(r.name, r.ok, r.expected, r.observed))
         lines.append(f"        {r.question}")
     facts = {
-        "view_order": adapter.view_order.value,
+        "view_order": adapter.view_order.label,
         "capture_spec_types": sorted(adapter.capture_spec_types),
         "hma_with_connector": adapter.hma_with_connector,
         "default_runner": adapter.default_runner,

@@ -31,6 +31,19 @@ def register(sub: Any) -> None:
     p.add_argument("--model", required=True, help="model folder or hub id (its config.json is read)")
     p.add_argument("--layers", required=True, help="comma-separated layer ids, e.g. 2,16,29,32")
     p.add_argument("--sink", choices=("export", "file", "callback"), default="export")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "nixl", "shm"),
+        default="auto",
+        help="export sink: the transport (auto: NIXL if installed)",
+    )
+    p.add_argument(
+        "--export-host", default=None, help="export sink: bind address (0.0.0.0 for trainers on other hosts)"
+    )
+    p.add_argument("--export-port", type=int, default=None, help="export sink: fixed port (offset by the DP rank)")
+    p.add_argument(
+        "--advertise-host", default=None, help="export sink: the address trainers dial (with a wildcard bind)"
+    )
     p.add_argument("--file-path", default="/tmp/hidden-states", help="file sink: the records' folder")
     p.add_argument("--callback", default=None, help="callback sink: module:function")
     p.add_argument("--capture", choices=("prompt", "all", "output"), default="prompt")
@@ -202,7 +215,15 @@ def cost(facts: ModelFacts, num_planes: int, block_size: int, tokens: int, budge
 def extra_config(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"capture": args.capture, "sink": args.sink}
     if args.sink == "export":
-        extra["export"] = {"backend": "auto"}
+        export: dict[str, Any] = {"backend": getattr(args, "backend", "auto")}
+        for key, value in (
+            ("host", getattr(args, "export_host", None)),
+            ("port", getattr(args, "export_port", None)),
+            ("advertise_host", getattr(args, "advertise_host", None)),
+        ):
+            if value is not None:
+                export[key] = value
+        extra["export"] = export
     elif args.sink == "file":
         extra["file"] = {"path": args.file_path}
     else:

@@ -33,6 +33,11 @@ class ViewOrder(enum.Enum):
     BLOCK_PLANE_TOKEN = "[blocks, planes, tokens, hidden]"
 
     @property
+    def label(self) -> str:
+        """The one name used in logs, errors, the doctor and the docs: ``BLOCK_TOKEN_PLANE [blocks, tokens, ...]``."""
+        return f"{self.name} {self.value}"
+
+    @property
     def plane_axis(self) -> int:
         return 2 if self is ViewOrder.BLOCK_TOKEN_PLANE else 1
 
@@ -77,7 +82,7 @@ class CaptureView:
     def describe(self) -> str:
         split = f", kernel split x{self.kernel_split}" if self.kernel_split > 1 else ""
         return (
-            f"{self.order.value} blocks={self.num_blocks} N={self.block_tokens} P={self.num_planes} "
+            f"{self.order.label} blocks={self.num_blocks} N={self.block_tokens} P={self.num_planes} "
             f"C={self.hidden_size} strides={self.strides} dtype={self.dtype} "
             f"group_block_size={self.group_block_size}{split}"
         )
@@ -93,8 +98,8 @@ def _infer_order(shape: tuple[int, ...], num_planes: int, group_block_size: int)
         return candidates[0]
     if not candidates:
         raise CaptureViewError(
-            f"capture tensor of shape {list(shape)} fits neither {ViewOrder.BLOCK_TOKEN_PLANE.value} nor "
-            f"{ViewOrder.BLOCK_PLANE_TOKEN.value} with P={num_planes} planes and group block size "
+            f"capture tensor of shape {list(shape)} fits neither {ViewOrder.BLOCK_TOKEN_PLANE.label} nor "
+            f"{ViewOrder.BLOCK_PLANE_TOKEN.label} with P={num_planes} planes and group block size "
             f"{group_block_size}. Check that P equals len(eagle_aux_hidden_state_layer_ids) and that the "
             "tensor is the one registered for the capture layer (cache_only_layers.<n>)."
         )
@@ -121,7 +126,7 @@ def describe_capture_view(
     if tensor.dim() != 4:
         raise CaptureViewError(
             f"capture tensor has {tensor.dim()} dims (shape {list(tensor.shape)}); expected 4 "
-            f"({ViewOrder.BLOCK_TOKEN_PLANE.value} or {ViewOrder.BLOCK_PLANE_TOKEN.value}). Register the "
+            f"({ViewOrder.BLOCK_TOKEN_PLANE.label} or {ViewOrder.BLOCK_PLANE_TOKEN.label}). Register the "
             "capture layer's own tensor, not a backing buffer or another layer's KV tensor."
         )
     if num_planes <= 0 or group_block_size <= 0:
@@ -134,18 +139,18 @@ def describe_capture_view(
     if planes != num_planes:
         other = ViewOrder.BLOCK_PLANE_TOKEN if order is ViewOrder.BLOCK_TOKEN_PLANE else ViewOrder.BLOCK_TOKEN_PLANE
         hint = (
-            f" The shape matches {other.value} instead: the adapter's declared order does not fit this "
+            f" The shape matches {other.label} instead: the adapter's declared order does not fit this "
             "vLLM build; set VLLM_HS_COMPAT_ADAPTER to the adapter of the right era."
             if shape[other.plane_axis] == num_planes
             else " Check that P equals len(eagle_aux_hidden_state_layer_ids)."
         )
         raise CaptureViewError(
-            f"capture tensor of shape {list(shape)} read as {order.value} has {planes} planes on axis "
+            f"capture tensor of shape {list(shape)} read as {order.label} has {planes} planes on axis "
             f"{order.plane_axis}; expected P={num_planes}.{hint}"
         )
     if tokens <= 0 or group_block_size % tokens != 0:
         raise CaptureViewError(
-            f"capture tensor of shape {list(shape)} read as {order.value} has N={tokens} tokens per block on "
+            f"capture tensor of shape {list(shape)} read as {order.label} has N={tokens} tokens per block on "
             f"axis {order.token_axis}; expected the group block size {group_block_size} or a kernel block "
             "size dividing it. Take the block size from the capture group's kv_cache_spec, not from "
             "cache_config.block_size (vLLM changes the latter for hybrid models)."
