@@ -1,17 +1,24 @@
-"""Export benchmark (not a test): the API against raw NIXL READs of the same bytes and against memcpy.
+"""Export benchmark (not a test): the API against the limits it is compared with, measured side by side.
 
-UCX_NET_DEVICES=lo python benchmarks/bench_export.py [--iters 10] [--small 10000] [--backends nixl,shm]
+UCX_NET_DEVICES=lo python benchmarks/bench_export.py [--iters 10] [--small 10000] [--backends nixl,shm] [--json F]
 
-The producer runs in a second process (this script with ``--serve``); the consumer side runs here.  Printed:
+The producer runs in a second process (this script with ``--serve``); the consumer side runs here.  Every case
+prints the limit it is compared with, measured in the same run, interleaved with it:
 
-* large: one 64 MiB record per fetch (claim over the control plane + READ + checksum verify + release over the
-  control plane), against one raw NIXL READ of the same 64 MiB of the producer's registered pool, a 64 MiB memcpy
-  and the xxh3_64 checksum of 64 MiB alone;
-* small: 10,000 records of 4 KiB streamed with ``iter_records`` (batches of 256), against raw NIXL READs of
-  the same 10,000 ranges (256 descriptors per request, and one request per range), and memcpy of the same
-  bytes.
+* large records (64, 16 and 2 MiB; NIXL): ``fetch()`` as a user calls it (a trainer consumer built with the
+  defaults, ``copy`` left at its default, the previous record still referenced, as in a loop) and
+  ``fetch(copy=False)`` + ``release``, against one raw NIXL READ of the same bytes of the producer's pool by a
+  bare agent; plus what bounds the difference: the checksum of the same bytes alone, the claim and a ping round
+  trip alone, a memcpy of the same size;
+* large records (shm): the same fetches against a memcpy of the same size between warm buffers;
+* small records: 10,000 records of 4 KiB streamed with ``iter_records`` (batches of 256, defaults otherwise),
+  against raw NIXL READs of the same 10,000 ranges at the same batching (256 descriptors per request) and
+  one request per range (NIXL), or one memcpy per record (shm);
+* publish: the time ``ExportProducer.publish`` takes in the calling (serving) thread, per small record and per
+  64 MiB record.
 
-Ratios are throughput ratios (higher is better for the first named).  Medians over ``--iters``.
+Ratios are throughput ratios, the API over its limit (higher is better; 1.0 is the limit).  Medians over the
+iterations of one run.
 """
 
 from __future__ import annotations
@@ -31,13 +38,26 @@ import torch  # noqa: E402
 
 from vllm_hs_compat.core.records import RecordMeta, compute_checksum  # noqa: E402
 from vllm_hs_compat.export import ExportConsumer, ExportProducer, nixl_available  # noqa: E402
+from vllm_hs_compat.export import consumer as consumer_mod  # noqa: E402
+from vllm_hs_compat.export import protocol as P  # noqa: E402
 
 MiB = 1 << 20
-LARGE = 64 * MiB
+SIZES = (64 * MiB, 16 * MiB, 2 * MiB)
 SMALL = 4096
 #: a small record's slot: its 4 KiB of rows and its token id (4 bytes), rounded up to 64
 SMALL_SLOT = SMALL + 64
 BATCH = 256
+HIDDEN, PLANES = 1024, 4  # bf16 rows: 8 KiB per token
+
+
+def _rows(nbytes: int) -> torch.Tensor:
+    tokens = nbytes // (HIDDEN * PLANES * 2)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8).view(torch.bfloat16).view(tokens, PLANES, HIDDEN)
+
+
+def _publisher(p: ExportProducer, nowait: bool) -> Any:
+    """``publish_nowait`` where asked for and this release has it (earlier releases: ``publish``)."""
+    return getattr(p, "publish_nowait", p.publish) if nowait else p.publish
 
 
 # --- producer process ---------------------------------------------------------------------------------------
@@ -45,7 +65,7 @@ def serve() -> None:
     chan = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # NIXL logs go to stderr
     producers: dict[str, ExportProducer] = {}
-    big = torch.randint(0, 256, (LARGE,), dtype=torch.uint8).view(torch.bfloat16).view(8192, 4, 1024)
+    rows = {n: _rows(n) for n in SIZES}
     small = torch.randint(0, 256, (SMALL,), dtype=torch.uint8).view(torch.bfloat16).view(1, 4, 512)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -65,15 +85,29 @@ def serve() -> None:
             ans = {"endpoint": p.endpoint, "token": p.token}
         elif op == "publish_large":
             p = producers[cmd["name"]]
-            t0 = time.perf_counter()
-            p.publish(RecordMeta.for_tensor(cmd["id"], big, [0] * 8192, [1, 2, 3, 4], True), big)
-            ans = {"publish_s": time.perf_counter() - t0}
+            big = rows[cmd["size"]]
+            meta = RecordMeta.for_tensor(cmd["id"], big, [0] * big.shape[0], [1, 2, 3, 4], True)
+            fn = _publisher(p, cmd.get("nowait", False))
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn(meta, big)
+            ans = {"publish_s": time.perf_counter() - t0, "publish_cpu_s": time.thread_time() - c0}
         elif op == "publish_small":
             p = producers[cmd["name"]]
+            fn = _publisher(p, cmd.get("nowait", False))
+            metas = [
+                RecordMeta.for_tensor(f"{cmd['prefix']}{i}", small, [0], [1, 2, 3, 4], True) for i in range(cmd["n"])
+            ]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for meta in metas:
+                fn(meta, small)
+            ans = {"publish_s": time.perf_counter() - t0, "publish_cpu_s": time.thread_time() - c0}
+        elif op == "drain":  # wait until every record handed to publish is fetchable (a no-op if publish is sync)
+            p = producers[cmd["name"]]
+            flush = getattr(p, "flush", None)
             t0 = time.perf_counter()
-            for i in range(cmd["n"]):
-                p.publish(RecordMeta.for_tensor(f"{cmd['prefix']}{i}", small, [0], [1, 2, 3, 4], True), small)
-            ans = {"publish_s": time.perf_counter() - t0}
+            if flush is not None:
+                flush(30.0)
+            ans = {"drain_s": time.perf_counter() - t0}
         elif op == "stop":
             for p in producers.values():
                 p.close()
@@ -141,120 +175,151 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def gbps(nbytes: int, s: float) -> str:
-    return f"{nbytes / s / 1e9:6.2f} GB/s"
+def _timed(fn: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    r = fn()
+    return time.perf_counter() - t0, r
+
+
+def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, float]:
+    name = f"L{size}"
+    ep = srv(op="start", name=name, backend=backend, num_slots=2 * (size // MiB) + 8, slot_bytes=MiB)
+    c = ExportConsumer(ep["endpoint"], ep["token"])  # the defaults, as a user builds it
+    raw = RawNixl(c.hello["transport"], size) if backend == "nixl" else None
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first
+    keys = (
+        "default",
+        "overlap",
+        "noverify",
+        "nocopy",
+        "raw",
+        "claim",
+        "ping",
+        "memcpy",
+        "xxh3",
+        "pub",
+        "pubnw",
+        "pubnw_cpu",
+    )
+    # releases that can verify while reading (opt-in: overlap_verification=True)
+    overlap = getattr(consumer_mod, "OVERLAP_MIN_BYTES", None) if hasattr(c, "overlap_verification") else None
+    t: dict[str, list[float]] = {k: [] for k in keys}
+    prev = None
+    for i in range(iters + 1):  # the first round pays connection wire-up
+        pub = srv(op="publish_large", name=name, size=size, id=f"D{i}")["publish_s"]
+        srv(op="drain", name=name)
+        dt, rec = _timed(lambda: c.fetch(f"D{i}"))  # noqa: B023 - the default path, the previous record still alive
+        prev = rec
+        sdt = None
+        if overlap is not None and size >= overlap:  # the same, checksumming piece k while piece k + 1 moves
+            srv(op="publish_large", name=name, size=size, id=f"S{i}")
+            srv(op="drain", name=name)
+            c.overlap_verification = True
+            try:
+                sdt, rec = _timed(lambda: c.fetch(f"S{i}"))  # noqa: B023
+            finally:
+                c.overlap_verification = False
+            prev = rec
+        srv(op="publish_large", name=name, size=size, id=f"V{i}")  # the default path without verification
+        srv(op="drain", name=name)
+        c.verify_checksum = False
+        try:
+            vdt, rec = _timed(lambda: c.fetch(f"V{i}"))  # noqa: B023
+        finally:
+            c.verify_checksum = True
+        prev = rec
+        nw = srv(op="publish_large", name=name, size=size, id=f"Z{i}", nowait=True)
+        srv(op="drain", name=name)
+        zdt, z = _timed(lambda: c.fetch(f"Z{i}", copy=False))  # noqa: B023
+        zdt += _timed(lambda: c.release(z))[0]  # noqa: B023
+        pdt, _ = _timed(lambda: c._call(P.PingReq()))
+        if raw is not None:
+            srv(op="publish_large", name=name, size=size, id=f"B{i}")
+            srv(op="drain", name=name)
+            cdt, claim = _timed(lambda: c.claim(f"B{i}"))  # noqa: B023
+            rdt, _ = _timed(lambda: raw.read([(claim.offset, 0, claim.nbytes)]))  # noqa: B023
+            c.abandon([claim])
+        mdt, _ = _timed(lambda: dst.copy_(src))
+        xdt, _ = _timed(lambda: compute_checksum(src))
+        if i:
+            t["default"].append(dt)
+            t["noverify"].append(vdt)
+            if sdt is not None:
+                t["overlap"].append(sdt)
+            t["nocopy"].append(zdt)
+            t["ping"].append(pdt)
+            t["memcpy"].append(mdt)
+            t["xxh3"].append(xdt)
+            t["pub"].append(pub)
+            t["pubnw"].append(nw["publish_s"])
+            t["pubnw_cpu"].append(nw["publish_cpu_s"])
+            if raw is not None:
+                t["raw"].append(rdt)
+                t["claim"].append(cdt)
+    del prev
+    c.close()
+    return {k: med(v) for k, v in t.items() if v}
+
+
+def bench_small(srv: Server, backend: str, n_small: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    ep = srv(op="start", name="S", backend=backend, num_slots=n_small + 64, slot_bytes=SMALL_SLOT)
+    c = ExportConsumer(ep["endpoint"], ep["token"], landing_bytes=BATCH * SMALL_SLOT * 4, timeout_s=60)
+    srv(op="publish_small", name="S", prefix="w", n=BATCH)
+    srv(op="drain", name="S")
+    for _ in c.iter_records(batch=BATCH, wait_s=0.5, idle_timeout_s=0.5):
+        pass
+    sync = srv(op="publish_small", name="S", prefix="s", n=n_small)
+    out["publish_small_s"] = sync["publish_s"]
+    for _ in c.iter_records(batch=BATCH, wait_s=0.5, idle_timeout_s=0.5):
+        pass
+    nw = srv(op="publish_small", name="S", prefix="n", n=n_small, nowait=True)
+    out["publish_nowait_small_s"], out["publish_nowait_small_cpu_s"] = nw["publish_s"], nw["publish_cpu_s"]
+    out["drain_small_s"] = srv(op="drain", name="S")["drain_s"]
+    t0 = time.perf_counter()
+    got = 0
+    for _rec in c.iter_records(batch=BATCH, wait_s=1.0, idle_timeout_s=1.0):
+        got += 1
+        if got == n_small:
+            break
+    out["api_small_s"] = time.perf_counter() - t0
+    if got != n_small:
+        raise RuntimeError(f"streamed {got} of {n_small} small records")
+    slot_offsets = [i * SMALL_SLOT for i in range(n_small)]
+    if backend == "nixl":
+        raw = RawNixl(c.hello["transport"], BATCH * SMALL)
+        raw.read([(0, 0, SMALL)])
+        t0 = time.perf_counter()
+        for b in range(0, n_small, BATCH):
+            raw.read([(o, j * SMALL, SMALL) for j, o in enumerate(slot_offsets[b : b + BATCH])])
+        out["raw_small_batched_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for o in slot_offsets:
+            raw.read([(o, 0, SMALL)])
+        out["raw_small_single_s"] = time.perf_counter() - t0
+    c.close()
+    src = torch.randint(0, 256, (n_small * SMALL_SLOT,), dtype=torch.uint8)
+    dst = torch.empty(BATCH * SMALL, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    for i, o in enumerate(slot_offsets):
+        j = (i % BATCH) * SMALL
+        dst[j : j + SMALL].copy_(src[o : o + SMALL])
+    out["memcpy_small_loop_s"] = time.perf_counter() - t0
+    return out
 
 
 def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
     out: dict[str, float] = {}
     srv = Server()
     try:
-        # ---- large ----
-        ep = srv(op="start", name="L", backend=backend, num_slots=80, slot_bytes=MiB)
-        c = ExportConsumer(ep["endpoint"], ep["token"], landing_bytes=LARGE + MiB, timeout_s=60)
-        raw = RawNixl(c.hello["transport"], LARGE) if backend == "nixl" else None
-        api, pub, rt, cl = [], [], [], []
-        # Interleaved, both on freshly published bytes: record A_i through the API, record B_i claimed through
-        # the API (untimed) and then read with one bare NIXL READ (timed), then given back.
-        for i in range(iters + 1):
-            pub.append(srv(op="publish_large", name="L", id=f"A{i}")["publish_s"])
-            t0 = time.perf_counter()
-            rec = c.fetch(f"A{i}", copy=False)
-            dt = time.perf_counter() - t0
-            c.release(rec)
-            if raw is not None:
-                srv(op="publish_large", name="L", id=f"B{i}")
-                t0 = time.perf_counter()
-                claim = c.claim(f"B{i}")
-                cdt = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                raw.read([(claim.offset, 0, claim.nbytes)])
-                rdt = time.perf_counter() - t0
-                c.abandon([claim])
-            if i:  # the first round pays connection wire-up
-                api.append(dt)
-                if raw is not None:
-                    rt.append(rdt)
-                    cl.append(cdt)
-        out["api_large_s"] = med(api)
-        c.verify_checksum = False
-        nv = []
-        for i in range(iters):
-            srv(op="publish_large", name="L", id=f"N{i}")
-            t0 = time.perf_counter()
-            rec = c.fetch(f"N{i}", copy=False)
-            nv.append(time.perf_counter() - t0)
-            c.release(rec)
-        c.verify_checksum = True
-        out["api_large_noverify_s"] = med(nv)
-        out["publish_large_s"] = med(pub[1:])
-        if rt:
-            out["raw_large_s"] = med(rt)
-            out["claim_s"] = med(cl)
-        land = c._transport.landing if c._transport is not None else None
-        verify = []
-        if land is not None:
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                compute_checksum(land[:LARGE])
-                verify.append(time.perf_counter() - t0)
-        out["verify_large_s"] = med(verify)
-        c.close()
-        src = torch.randint(0, 256, (LARGE,), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # fault the pages in first
-        mc, ck = [], []
-        for _ in range(iters):  # interleaved: memcpy, then the checksum of the same bytes
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            mc.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            compute_checksum(src)
-            ck.append(time.perf_counter() - t0)
-        out["memcpy_large_s"] = med(mc)
-        out["xxh3_large_s"] = med(ck)
-
-        # ---- small ----
-        ep = srv(op="start", name="S", backend=backend, num_slots=n_small + 64, slot_bytes=SMALL_SLOT)
-        c = ExportConsumer(ep["endpoint"], ep["token"], landing_bytes=BATCH * SMALL_SLOT * 4, timeout_s=60)
-        warm = srv(op="publish_small", name="S", prefix="w", n=BATCH)
-        for _ in c.iter_records(batch=BATCH, wait_s=0.5, idle_timeout_s=0.5):
-            pass
-        out["publish_small_s"] = srv(op="publish_small", name="S", prefix="s", n=n_small)["publish_s"]
-        del warm
-        t0 = time.perf_counter()
-        got = 0
-        for _rec in c.iter_records(batch=BATCH, wait_s=1.0, idle_timeout_s=1.0):
-            got += 1
-            if got == n_small:
-                break
-        out["api_small_s"] = time.perf_counter() - t0
-        if got != n_small:
-            raise RuntimeError(f"streamed {got} of {n_small} small records")
-        slot_offsets = [i * SMALL_SLOT for i in range(n_small)]
-        if backend == "nixl":
-            raw = RawNixl(c.hello["transport"], BATCH * SMALL)
-            raw.read([(0, 0, SMALL)])
-            t0 = time.perf_counter()
-            for b in range(0, n_small, BATCH):
-                raw.read([(o, j * SMALL, SMALL) for j, o in enumerate(slot_offsets[b : b + BATCH])])
-            out["raw_small_batched_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for o in slot_offsets:
-                raw.read([(o, 0, SMALL)])
-            out["raw_small_single_s"] = time.perf_counter() - t0
-        c.close()
-        src = torch.randint(0, 256, (n_small * SMALL_SLOT,), dtype=torch.uint8)
-        dst = torch.empty(BATCH * SMALL, dtype=torch.uint8)
-        t0 = time.perf_counter()
-        for i, o in enumerate(slot_offsets):
-            j = (i % BATCH) * SMALL
-            dst[j : j + SMALL].copy_(src[o : o + SMALL])
-        out["memcpy_small_loop_s"] = time.perf_counter() - t0
-        big_dst = torch.empty_like(src[: n_small * SMALL])
-        t0 = time.perf_counter()
-        big_dst.copy_(src[: n_small * SMALL])
-        out["memcpy_small_contig_s"] = time.perf_counter() - t0
+        for size in SIZES:
+            n = iters * {64 * MiB: 1, 16 * MiB: 2}.get(size, 4)
+            for k, v in bench_large(srv, backend, size, n).items():
+                out[f"{k}_{size // MiB}"] = v
+            srv(op="stop")
+        out.update(bench_small(srv, backend, n_small))
         srv(op="stop")
     finally:
         srv.close()
@@ -262,40 +327,57 @@ def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
 
 
 def report(backend: str, r: dict[str, float], n_small: int) -> None:
-    def line(label: str, nbytes: int, secs: float, unit: str = "ms") -> None:
-        per = f"{secs * 1e3:8.2f} ms" if unit == "ms" else f"{secs / n_small * 1e6:8.1f} us/record"
-        print(f"  {label:<44} {gbps(nbytes, secs)}  {per}")
+    def ms(label: str, secs: float, nbytes: int = 0) -> None:
+        bw = f"{nbytes / secs / 1e9:6.2f} GB/s" if nbytes else " " * 11
+        print(f"  {label:<58} {bw}  {secs * 1e3:8.3f} ms")
 
-    def ratio(label: str, num: float, den: float, note: str = "") -> None:
-        print(f"  RATIO {label:<58} {num / den:6.3f}x {note}")
+    def us(label: str, secs: float) -> None:
+        print(f"  {label:<58} {secs / n_small * 1e6:8.2f} us/record")
+
+    def ratio(label: str, limit: float, api: float, note: str = "") -> None:
+        print(f"  RATIO {label:<64} {limit / api:6.3f}x {note}")
 
     print(f"\n=== backend: {backend} ===")
-    print("large record, 64 MiB (medians):")
-    line("API fetch (claim + READ + verify + release)", LARGE, r["api_large_s"])
-    line("API fetch, verify_checksum=False", LARGE, r["api_large_noverify_s"])
-    line("checksum verification alone (xxh3_64)", LARGE, r["verify_large_s"])
-    if "raw_large_s" in r:
-        line("raw NIXL READ of the same bytes", LARGE, r["raw_large_s"])
-        print(f"  {'claim round trip alone (control plane)':<44} {'':>10}  {r['claim_s'] * 1e3:8.2f} ms")
-    line("memcpy (torch copy_)", LARGE, r["memcpy_large_s"])
-    line("xxh3_64 of the same bytes (interleaved with it)", LARGE, r["xxh3_large_s"])
-    line("producer publish (copy into pool + checksum)", LARGE, r["publish_large_s"])
-    if "raw_large_s" in r:
-        ratio("large: API / raw NIXL", r["raw_large_s"], r["api_large_s"], "(target >= 0.95x)")
-        ratio("large: API without checksum verification / raw NIXL", r["raw_large_s"], r["api_large_noverify_s"])
-    ratio("large: API / memcpy", r["memcpy_large_s"], r["api_large_s"])
-    ratio("checksum speed / memcpy speed (xxh3_64, 64 MiB)", r["memcpy_large_s"], r["xxh3_large_s"])
-    nb = n_small * SMALL
+    lim = "raw NIXL READ" if backend == "nixl" else "memcpy"
+    for size in SIZES:
+        m, s = size // MiB, f"_{size // MiB}"
+        print(f"record of {m} MiB (medians):")
+        ms("fetch() as a user calls it (defaults)", r["default" + s], size)
+        if "overlap" + s in r:
+            ms("fetch(), overlap_verification=True (opt-in)", r["overlap" + s], size)
+        if "noverify" + s in r:
+            ms("fetch() default, verify_checksum=False", r["noverify" + s], size)
+        ms("fetch(copy=False) + release()", r["nocopy" + s], size)
+        if "raw" + s in r:
+            ms("LIMIT raw NIXL READ of the same bytes (bare agent)", r["raw" + s], size)
+            ms("claim round trip alone", r["claim" + s])
+        ms("ping round trip alone (control plane)", r["ping" + s])
+        ms(("LIMIT " if backend == "shm" else "") + "memcpy of the same size (warm buffers)", r["memcpy" + s], size)
+        ms("xxh3_64 of the same size alone", r["xxh3" + s], size)
+        ms("producer publish(), in the calling thread", r["pub" + s], size)
+        if "pubnw" + s in r:
+            ms("producer publish_nowait(), calling thread: wall", r["pubnw" + s])
+            ms("producer publish_nowait(), calling thread: its CPU", r["pubnw_cpu" + s])
+        limit = r["raw" + s] if backend == "nixl" else r["memcpy" + s]
+        tgt = {64: "(target >= 0.95x)", 2: "(target >= 0.8x)"}.get(m, "") if backend == "nixl" else "(target >= 0.8x)"
+        ratio(f"{m} MiB: fetch() default / {lim}", limit, r["default" + s], tgt)
+        if "overlap" + s in r:
+            ratio(f"{m} MiB: fetch(), overlap_verification=True / {lim}", limit, r["overlap" + s])
+        if "noverify" + s in r:
+            ratio(f"{m} MiB: fetch() default, verify_checksum=False / {lim}", limit, r["noverify" + s])
+        ratio(f"{m} MiB: fetch(copy=False) / {lim}", limit, r["nocopy" + s])
     print(f"{n_small} small records of {SMALL} B:")
-    line(f"API iter_records (batches of {BATCH})", nb, r["api_small_s"], "us")
+    us(f"API iter_records (batches of {BATCH}, defaults)", r["api_small_s"])
     if "raw_small_batched_s" in r:
-        line(f"raw NIXL, {BATCH} descriptors per request", nb, r["raw_small_batched_s"], "us")
-        line("raw NIXL, one request per record", nb, r["raw_small_single_s"], "us")
-    line("memcpy, one copy per record", nb, r["memcpy_small_loop_s"], "us")
-    line("memcpy, one contiguous copy", nb, r["memcpy_small_contig_s"], "us")
-    line("producer publish", nb, r["publish_small_s"], "us")
+        us(f"LIMIT raw NIXL, {BATCH} descriptors per request", r["raw_small_batched_s"])
+        us("raw NIXL, one request per record", r["raw_small_single_s"])
+    us(("LIMIT " if backend == "shm" else "") + "memcpy, one copy per record", r["memcpy_small_loop_s"])
+    us("producer publish(), in the calling thread", r["publish_small_s"])
+    us("producer publish_nowait(), calling thread: wall", r["publish_nowait_small_s"])
+    us("producer publish_nowait(), calling thread: its CPU", r["publish_nowait_small_cpu_s"])
+    us("producer publish_nowait(): then until all are fetchable", r["drain_small_s"])
     if "raw_small_batched_s" in r:
-        ratio("small: API / raw NIXL (same batching)", r["raw_small_batched_s"], r["api_small_s"])
+        ratio("small: API / raw NIXL (same batching)", r["raw_small_batched_s"], r["api_small_s"], "(target >= 0.9x)")
         ratio("small: API / raw NIXL (one request per record)", r["raw_small_single_s"], r["api_small_s"])
     ratio("small: API / memcpy (one copy per record)", r["memcpy_small_loop_s"], r["api_small_s"])
 

@@ -15,11 +15,10 @@ chosen for the installed vLLM, so your connector carries no version branches::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from vllm_hs_compat.adapters import CAPTURE_LAYER_PREFIX, VllmAdapter, get_adapter
 from vllm_hs_compat.core.groups import CaptureGroup, check_views_agree
 from vllm_hs_compat.core.groups import resolve_capture_group as _resolve
 from vllm_hs_compat.core.labels import PlaneLabels
@@ -30,6 +29,9 @@ from vllm_hs_compat.core.slots import request_slots
 from vllm_hs_compat.core.transfer import PendingRows, copy_rows_async
 from vllm_hs_compat.core.transfer import copy_requests_async as _copy_many
 from vllm_hs_compat.errors import CaptureGroupError, SlotError
+
+if TYPE_CHECKING:
+    from vllm_hs_compat.adapters import VllmAdapter
 
 __all__ = [
     "capture_layer_name",
@@ -45,6 +47,14 @@ __all__ = [
     "request_slots",
     "resolve_capture_group",
 ]
+
+
+def get_adapter() -> VllmAdapter:
+    """The probed adapter for the installed vLLM (computed once per process; the adapters, and with them
+    ``packaging``, are imported on this first call, not with this module)."""
+    from vllm_hs_compat.adapters import get_adapter as _get
+
+    return _get()
 
 
 def _adapter(adapter: VllmAdapter | None) -> VllmAdapter:
@@ -65,6 +75,8 @@ def capture_layer_name(
     if len(names) == 1 and expected in (None, names[0]):
         return names[0]
     if not names and expected is None:
+        from vllm_hs_compat.adapters import CAPTURE_LAYER_PREFIX
+
         raise CaptureGroupError(
             f"no '{CAPTURE_LAYER_PREFIX}<n>' layer in the KV-cache groups; start vLLM with the "
             "extract_hidden_states speculative method"

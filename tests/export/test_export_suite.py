@@ -23,6 +23,8 @@ from hsx_testdata import digest, make_meta, make_rows
 from vllm_hs_compat.export import (
     AuthError,
     CapabilityError,
+    CaptureRecord,
+    ChecksumMismatchError,
     DescriptorError,
     DuplicateRecordError,
     ExportConfigError,
@@ -38,6 +40,7 @@ from vllm_hs_compat.export import (
     UnknownRecordError,
     nixl_available,
 )
+from vllm_hs_compat.export import consumer as consumer_mod
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import ControlClient, server_key
 
@@ -468,6 +471,108 @@ def test_corrupted_slot_is_caught_by_the_checksum(backend: str, make_producer: M
     ledger_balanced(st)
 
 
+def test_a_large_read_is_verified_piece_by_piece_and_a_late_flip_is_caught(backend: str, make_producer: Make) -> None:
+    """With overlap_verification, a read of >= OVERLAP_MIN_BYTES is transferred in pieces (the reader thread) and
+    checksummed on the way: a bit flipped in a later record of the batch fails that record alone."""
+    p = make_producer()
+    a = publish(p, "big-a", 1200, 4, 1024)  # 9.4 MiB: several pieces
+    publish(p, "big-b", 600, 4, 1024)
+    c_ = publish(p, "big-c", 3, 4, 1024)
+    lb = p.pool._by_record["big-b"]
+    p.transport.buffer[lb.offset + 600 * 4 * 1024 * 2 - 3] ^= 0x01  # b's last hidden-state byte
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB, overlap_verification=True) as c:
+        assert 1200 * 4 * 1024 * 2 >= consumer_mod.OVERLAP_MIN_BYTES
+        claims = [c.claim(r) for r in ("big-a", "big-b", "big-c")]
+        ra, rb, rc = c.read(claims)
+        assert isinstance(ra, CaptureRecord) and digest(ra.hidden_states) == a
+        assert isinstance(rb, ChecksumMismatchError), rb
+        assert isinstance(rc, CaptureRecord) and digest(rc.hidden_states) == c_
+        assert c.stats()["checksum_failures"] == 1
+    wait_until(drained(p), 5.0, "every lease to be released")
+    st = p.stats()
+    assert (st["delivered"], st["checksum_failed"]) == (2, 1)
+    ledger_balanced(st)
+
+
+def test_landing_space_of_a_timed_out_read_is_never_reused(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer past its deadline may still write later: its landing space is quarantined, not freed, so no later
+    record (lent to its owner) can be overwritten after it was verified."""
+    from vllm_hs_compat.export import ExportTimeoutError
+
+    p = make_producer()
+    publish(p, "late", 512, 4, 512)
+    h = publish(p, "next", 512, 4, 512, seed=5)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:
+        assert c._transport is not None
+        real = c._transport.read
+        seen: list[int] = []
+
+        def stalled(items: Any, notif: bytes, deadline: float) -> None:
+            seen.extend(lo for _, lo, _ in items)
+            raise ExportTimeoutError("simulated: the READ is still in progress at its deadline")
+
+        monkeypatch.setattr(c._transport, "read", stalled)
+        with pytest.raises(ExportTimeoutError):
+            c.fetch("late")
+        monkeypatch.setattr(c._transport, "read", real)
+        st = c.stats()
+        assert st["quarantined_bytes"] > 0 and st["landing_pages_in_use"] > 0
+        rec = c.fetch("next")
+        assert digest(rec.hidden_states) == h
+        got = rec.hidden_states.data_ptr() - c._transport.landing.data_ptr()
+        assert not 0 <= got - seen[0] < st["quarantined_bytes"]  # not in the quarantined range
+    wait_until(drained(p), 10.0, "the timed-out lease to be given back")
+    ledger_balanced(p.stats())
+
+
+def test_publish_nowait_writes_in_order_off_the_callers_thread_and_fails_records_by_name(
+    backend: str, make_producer: Make
+) -> None:
+    from vllm_hs_compat.export import RecordFailedError
+
+    p = make_producer()
+    rows = [make_rows(i, 64 * (i + 1), 2, 64) for i in range(4)]
+    for i, r in enumerate(rows):
+        p.publish_nowait(make_meta(f"n-{i}", r, 7), r)
+    p.publish_nowait(make_meta("n-0", rows[0], 7), rows[0])  # a duplicate id: fails in the writer, by name
+    with pytest.raises(RecordFormatError):  # shape against the metadata: refused at once, in this thread
+        p.publish_nowait(make_meta("n-bad", rows[1], 7), rows[2])
+    assert p.flush(10.0)
+    assert p._writer is not None and p._writer.name == "hsx-export-writer"
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = [digest(r.hidden_states) for r in c.iter_records(batch=8, wait_s=0.2, idle_timeout_s=0.5)]
+        assert got == [digest(r) for r in rows]  # in the order handed over
+    st = p.stats()
+    assert (st["published"], st["duplicate"], st["bad_records"], st["queued"]) == (4, 1, 1, 0)
+    wait_until(drained(p), 5.0, "every lease to be released")
+    ledger_balanced(p.stats())
+    # a record that cannot be written is failed with its reason: a consumer waiting for it is told, not left
+    # waiting; the producer's pool is 16 MiB
+    big = make_rows(9, 9000, 2, 1024)  # 36 MiB
+    p.publish_nowait(make_meta("n-big", big, 7), big)
+    assert p.flush(10.0)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        with pytest.raises(RecordFailedError, match="RecordTooLargeError"):
+            c.fetch("n-big", wait_s=5.0)
+    assert p.stats()["too_large"] == 1
+    ledger_balanced(p.stats())
+
+
+def test_close_with_records_still_queued_for_the_writer_counts_them(backend: str, make_producer: Make) -> None:
+    p = make_producer(num_slots=2, on_full="wait", wait_timeout_s=30.0)
+    rows = make_rows(1, 100, 2, 1024)  # 400 KiB: one slot each
+    for i in range(6):  # two fit; the writer then waits for room, four behind it
+        p.publish_nowait(make_meta(f"q-{i}", rows, 7), rows)
+    wait_until(lambda: p.stats()["published"] == 2, 10.0, "two records to be published")
+    p.close()  # wakes the waiting writer; nothing is left uncounted
+    st = p.stats()
+    assert (st["published"], st["discarded_at_close"], st["aborted"], st["queued"]) == (2, 2, 4, 0), st
+    ledger_balanced(st)
+    assert p.flush(0.0)  # nothing is pending after close
+
+
 def test_bad_records_fail_alone_and_are_counted(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer(num_slots=4)
     rows = make_rows(1, 10, 2, 64)
@@ -506,6 +611,35 @@ def test_zero_copy_fetch_and_landing_buffer_accounting(backend: str, make_produc
         assert digest(r1.hidden_states) == hs[1]  # untouched by the later read
         assert c.stats()["held_records"] == 2
     wait_until(drained(p), 5.0, "every lease to be released")
+
+
+def test_owned_records_borrow_landing_space_until_dropped_and_copy_past_their_share(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    hs = [publish(p, f"o-{i}", 512, 4, 512, seed=i) for i in range(4)]  # 2 MiB (+ 2 KiB of token ids) each
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:  # lent: at most 4 MiB
+        r0 = c.fetch("o-0")
+        r1 = c.fetch("o-1")  # r0 is still alive: r1 must land elsewhere
+        lent = c.stats()["lent_bytes"]
+        assert lent > 0  # r0 views landing space: no copy
+        r2 = c.fetch("o-2")  # past the share: copied into fresh memory, its landing space freed at once
+        assert c.stats()["lent_bytes"] == lent
+        c.release(r0)  # an owned record: release is a no-op
+        assert [digest(r.hidden_states) for r in (r0, r1, r2)] == hs[:3]
+        base = r0.hidden_states.untyped_storage().nbytes()
+        assert base == r0.meta.nbytes  # the storage is the record's bytes, not the whole landing buffer
+        del r0
+        assert c.stats()["lent_bytes"] < lent  # the space came back when the tensor was dropped
+        r3 = c.fetch("o-3")
+        assert digest(r3.hidden_states) == hs[3] and digest(r1.hidden_states) == hs[1]
+    assert digest(r1.hidden_states) == hs[1] and digest(r3.hidden_states) == hs[3]  # still valid after close
+    wait_until(drained(p), 5.0, "every lease to be released")
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB, lend_fraction=0.0) as c:
+        h = publish(p, "o-4", 512, 4, 512, seed=4)
+        r4 = c.fetch("o-4")
+        assert digest(r4.hidden_states) == h and c.stats()["lent_bytes"] == 0
+        assert c.stats()["landing_pages_in_use"] == 0
 
 
 def test_control_plane_binds_loopback_by_default_one_port_per_producer(backend: str, make_producer: Make) -> None:

@@ -68,6 +68,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     )
 
 
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of a wire dtype name (:class:`RecordFormatError` for an unknown one)."""
+    torch_dtype(name)
+    return _ITEMSIZE[name]
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """torch dtype of a wire dtype name."""
     try:

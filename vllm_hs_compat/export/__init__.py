@@ -17,6 +17,8 @@ its ticket (whose capability opens that one record)::
 See docs/export.md for the wire protocol, the capability model, the ledger, UCX settings and fault semantics.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
 from vllm_hs_compat.errors import (
     AuthError,
@@ -45,11 +47,44 @@ from vllm_hs_compat.errors import (
     UnknownRecordError,
     WireVersionError,
 )
-from vllm_hs_compat.export.capabilities import CapabilityKey, mint
-from vllm_hs_compat.export.consumer import Claim, ExportConsumer
-from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
-from vllm_hs_compat.export.producer import ExportProducer
-from vllm_hs_compat.export.protocol import PARAMS_KEY, WIRE_VERSION, ExportTicket
+
+if TYPE_CHECKING:
+    from vllm_hs_compat.export.capabilities import CapabilityKey, mint
+    from vllm_hs_compat.export.consumer import Claim, ExportConsumer
+    from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
+    from vllm_hs_compat.export.producer import ExportProducer
+    from vllm_hs_compat.export.protocol import PARAMS_KEY, WIRE_VERSION, ExportTicket
+
+#: Imported on first use (PEP 562), so ``import vllm_hs_compat.export`` does not pay for ZeroMQ and msgspec
+#: until a producer, a consumer or a ticket is asked for.
+_LAZY = {
+    "CapabilityKey": "capabilities",
+    "mint": "capabilities",
+    "Claim": "consumer",
+    "ExportConsumer": "consumer",
+    "UcxSettings": "nixl_backend",
+    "nixl_available": "nixl_backend",
+    "ExportProducer": "producer",
+    "PARAMS_KEY": "protocol",
+    "WIRE_VERSION": "protocol",
+    "ExportTicket": "protocol",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "PARAMS_KEY",

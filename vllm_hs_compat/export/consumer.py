@@ -20,18 +20,24 @@ Every read is verified (hidden-state checksum unless ``verify_checksum=False``; 
 and then released with its outcome; only a record whose lease was still held when the release arrived is handed
 out (:class:`LeaseExpiredError` otherwise).  Not thread-safe: one consumer per thread or process.  With
 ``copy=False`` a record's tensor is a view of the landing buffer, valid until :meth:`ExportConsumer.release`;
-with ``copy=True`` (default) it is owned.
+with ``copy=True`` (default) it is owned: valid as long as it is referenced, after ``release`` and ``close`` too.
+An owned record is not copied while the landing buffer has room (``lend_fraction``, half of it by default): its
+tensor views the landing space it was read into, which comes back to the consumer when the tensor is garbage
+collected.  Past that share it is copied into freshly allocated memory.
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import dataclasses
+import gc
 import logging
 import math
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,11 +48,11 @@ from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import (
     CHECKSUM_ALGORITHMS,
     CaptureRecord,
+    ChecksumState,
     RecordMeta,
     byte_view,
     checksum_bytes,
-    compute_checksum,
-    torch_dtype,
+    dtype_itemsize,
 )
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
@@ -59,6 +65,15 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 MAX_BATCH = P.MAX_BATCH
+#: With ``overlap_verification``, a read of at least this many bytes is cut into pieces: the reader thread
+#: transfers piece k + 1 (NIXL's ``transfer`` and the shm copy release the GIL) while this thread checksums piece k.
+OVERLAP_MIN_BYTES = 4 << 20
+#: pieces of a pipelined read: about an eighth of it, between these bounds
+PIECE_MIN_BYTES = 1 << 20
+PIECE_MAX_BYTES = 8 << 20
+#: An owned record smaller than this is copied (malloc'd memory, already faulted in: a copy costs about what
+#: lending costs), so small records a caller keeps do not fragment the landing buffer.
+LEND_MIN_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +104,7 @@ class Claim:
                 f"record {d.record_id!r}: unknown checksum algorithm {m.checksum_algorithm!r}; expected one of "
                 f"{CHECKSUM_ALGORITHMS} (producer and consumer run different vllm-hs-compat releases?)"
             )
-        itemsize = torch.empty((), dtype=torch_dtype(m.dtype)).element_size()
-        want = math.prod(m.shape) * itemsize
+        want = math.prod(m.shape) * dtype_itemsize(m.dtype)
         if d.nbytes != want:
             raise E.RecordFormatError(
                 f"record {d.record_id!r}: descriptor says {d.nbytes} bytes, its shape {list(m.shape)} {m.dtype} "
@@ -133,27 +147,54 @@ class Claim:
 
 
 class _Landing:
-    """First-fit page allocator over the landing buffer."""
+    """First-fit page allocator over the landing buffer.
+
+    Space lent to an owned record (``copy=True``, see :meth:`ExportConsumer.fetch`) comes back when that record's
+    tensor is garbage collected, from whichever thread drops it: its finalizer only appends to ``deferred`` (a
+    thread-safe deque), and the consumer's own thread frees the pages at its next allocation."""
 
     def __init__(self, nbytes: int) -> None:
         self.pages = nbytes // PAGE
         self._used = bytearray(self.pages)
+        self.used = 0
+        self.deferred: collections.deque[tuple[int, int]] = collections.deque()
+        #: bytes lent to owned records that are still alive
+        self.lent = 0
+
+    def _drain(self) -> None:
+        while self.deferred:
+            off, n = self.deferred.popleft()
+            self.free(off, n)
+            self.lent -= n
 
     def alloc(self, nbytes: int) -> int | None:
+        self._drain()
         n = max(1, -(-nbytes // PAGE))
         i = self._used.find(bytes(n))
         if i < 0:
             return None
         self._used[i : i + n] = b"\x01" * n
+        self.used += n
         return i * PAGE
 
     def free(self, offset: int, nbytes: int) -> None:
         n = max(1, -(-nbytes // PAGE))
         i = offset // PAGE
         self._used[i : i + n] = bytes(n)
+        self.used -= n
+
+    def free_bytes(self) -> int:
+        return (self.pages - self.used) * PAGE
 
     def in_use(self) -> int:
-        return self.pages - self._used.count(0)
+        self._drain()
+        return self.used
+
+
+def _give_back(deferred: collections.deque[tuple[int, int]], off: int, n: int, keep: torch.Tensor) -> None:
+    """An owned record's finalizer (any thread): its landing space is free again.  ``keep`` (the landing
+    buffer) is held until then, so the record stays valid after the consumer closes."""
+    deferred.append((off, n))
 
 
 def _token_ids(raw: memoryview) -> tuple[int, ...]:
@@ -180,6 +221,8 @@ class ExportConsumer:
         ucx: UcxSettings | None = None,
         verify_checksum: bool = True,
         max_reply_bytes: int = P.DEFAULT_REPLY_BYTES,
+        lend_fraction: float = 0.75,
+        overlap_verification: bool = False,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -201,6 +244,17 @@ class ExportConsumer:
         #: Checksum verification is on by default.  Turning it off saves one memory pass over every record
         #: and leaves the size checks and the token ids' checksum: do it only where the transport is trusted.
         self.verify_checksum = verify_checksum
+        #: Checksum a large read piece by piece while a reader thread transfers the next piece (see
+        #: :meth:`_transfer`).  Off by default: it needs a free core, and on the 2-vCPU box it was measured on
+        #: (docs/benchmarks.md) it was slower than verifying after the transfer.
+        self.overlap_verification = overlap_verification
+        if not 0.0 <= lend_fraction <= 1.0:
+            raise E.ExportConfigError(f"lend_fraction must be in [0, 1], found {lend_fraction!r}")
+        #: How much of the landing buffer owned records (``copy=True``) may keep: such a record's tensor views
+        #: its landing space, which comes back when the tensor is garbage collected.  A record is lent its space
+        #: only while the lent total stays within this share and the space left free still holds another
+        #: record of its size; otherwise (and always with 0) it is copied into freshly allocated memory.
+        self.lend_bytes = int(landing_bytes * lend_fraction)
         self._transport: ConsumerTransport | None = None
         self._landing = _Landing(landing_bytes)
         self._held: dict[int, tuple[CaptureRecord, int, int]] = {}
@@ -217,8 +271,11 @@ class ExportConsumer:
             "abandoned": 0,
             "bad_descriptors": 0,
             "lease_expired": 0,
+            "quarantined_bytes": 0,
         }
         self._client: ControlClient | None = None
+        self._reader: Any = None  # concurrent.futures.ThreadPoolExecutor, made on the first pipelined read
+        self._raw, self._raw_key = memoryview(b""), (0, 0)
         try:
             self._client = ControlClient(
                 endpoint,
@@ -275,6 +332,7 @@ class ExportConsumer:
                 if self._transport is not None:
                     self._transport.close()
                     self._transport = None
+                    self._landing = _Landing(self._landing_bytes)  # records lent from the old buffer keep it
                 if kind == "nixl":
                     self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
                 else:
@@ -423,11 +481,15 @@ class ExportConsumer:
                 f"producer's {pool}-byte pool; refusing to read it"
             )
 
-    def _verify(self, c: Claim, buf: torch.Tensor, off: int) -> tuple[RecordMeta | HsCompatError, str]:
-        """Check the bytes at ``buf[off:]``: ``(metadata, "delivered")`` or ``(error, outcome)``."""
+    def _verify(
+        self, c: Claim, buf: torch.Tensor, off: int, digest: int | None = None
+    ) -> tuple[RecordMeta | HsCompatError, str]:
+        """Check the bytes at ``buf[off:]`` (``digest``: their hidden-state checksum, when it was computed while
+        they were read): ``(metadata, "delivered")`` or ``(error, outcome)``."""
         algorithm = c.meta.checksum_algorithm
+        raw = self._bytes_of(buf)
         if self.verify_checksum:
-            got = compute_checksum(buf[off : off + c.nbytes], algorithm)
+            got = checksum_bytes(raw[off : off + c.nbytes], algorithm) if digest is None else digest
             if got != c.meta.checksum:
                 self.counters["checksum_failures"] += 1
                 return (
@@ -437,7 +499,7 @@ class ExportConsumer:
                     ),
                     "checksum_failed",
                 )
-        ids_raw = byte_view(buf[off + c.ids_offset : off + c.extent])
+        ids_raw = raw[off + c.ids_offset : off + c.extent]
         if checksum_bytes(ids_raw, algorithm) != c.ids_checksum:
             self.counters["checksum_failures"] += 1
             return (
@@ -451,6 +513,14 @@ class ExportConsumer:
             return P.meta_from_wire(c.meta, _token_ids(ids_raw)), "delivered"
         except E.RecordFormatError as e:
             return e, "abandoned"
+
+    def _bytes_of(self, buf: torch.Tensor) -> memoryview:
+        """A byte view of a whole contiguous uint8 buffer (the landing buffer's is kept: slicing it costs less
+        than a tensor slice per record)."""
+        key = (buf.data_ptr(), buf.numel())
+        if key != self._raw_key:
+            self._raw, self._raw_key = byte_view(buf), key
+        return self._raw
 
     def _verdict(self, c: Claim, settled: str) -> HsCompatError | None:
         if settled == "released":
@@ -495,31 +565,44 @@ class ExportConsumer:
             while todo and len(group) < P.MAX_RELEASES:
                 i, c = todo[0]
                 off = self._landing.alloc(c.extent)
+                if off is None and not group and self._landing.lent:
+                    gc.collect()  # owned records in reference cycles: give their lent space back first
+                    off = self._landing.alloc(c.extent)
                 if off is None:
                     break
                 todo.popleft()
                 group.append((i, c, off))
             if not group:
                 i, c = todo.popleft()
-                cls = E.LandingBufferFullError if self._held else E.RecordTooLargeError
+                busy = self._held or self._landing.lent
+                cls = E.LandingBufferFullError if busy else E.RecordTooLargeError
                 results[i] = cls(
                     f"record {c.record_id!r} needs {c.extent} bytes; the landing buffer has "
-                    f"{self._landing_bytes} bytes with {len(self._held)} record(s) held (copy=False); "
-                    "release held records or raise landing_bytes"
+                    f"{self._landing_bytes} bytes with {len(self._held)} record(s) held (copy=False) and "
+                    f"{self._landing.lent} bytes lent to owned records still alive; release held records, drop "
+                    "old records or raise landing_bytes"
                 )
                 self.abandon([c])
                 continue
             try:
-                transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
+                digests = self._transfer(transport, group, deadline)
             except E.ExportError as e:
                 self.counters["read_failures"] += len(group)
                 for i, c, off in group:
                     results[i] = e
-                    self._landing.free(off, c.extent)
+                    if isinstance(e, E.ExportTimeoutError):
+                        # the transfer may still complete and write here: never reuse this space (it could be
+                        # lent to an owned record, verified and handed out, before the late write lands)
+                        self.counters["quarantined_bytes"] += c.extent
+                    else:
+                        self._landing.free(off, c.extent)
                 if not isinstance(e, E.RemoteDisconnectedError | E.StaleMetadataError):
                     self.abandon([c for _, c, _ in group])
                 continue
-            checked = [(i, c, off, *self._verify(c, transport.landing, off)) for i, c, off in group]
+            checked = [
+                (i, c, off, *self._verify(c, transport.landing, off, d))
+                for (i, c, off), d in zip(group, digests, strict=True)
+            ]
             settled = self._settle([(c.lease, c.nonce, outcome) for _, c, _, _, outcome in checked])
             for k, (i, c, off, meta, _) in enumerate(checked):
                 bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[k])
@@ -531,6 +614,61 @@ class ExportConsumer:
                     continue
                 results[i] = self._finish(c, meta, transport.landing, off, copy)
         return [r if r is not None else E.ExportError("internal: no result") for r in results]
+
+    def _transfer(
+        self, transport: ConsumerTransport, group: Sequence[tuple[int, Claim, int]], deadline: float
+    ) -> list[int | None]:
+        """Transfer the group's records into the landing buffer; their hidden-state checksums when they were
+        computed on the way (a large read, verification on), else ``None`` each.
+
+        A large read is cut into pieces of about an eighth: the reader thread transfers piece k + 1 while this
+        thread checksums piece k, so verification costs only the last piece's checksum on top of the transfer
+        when a second core is free (one core: it costs what it costs serially, plus about 50 us per piece)."""
+        total = sum(c.extent for _, c, _ in group)
+        if not (self.overlap_verification and self.verify_checksum) or total < OVERLAP_MIN_BYTES:
+            transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
+            return [None] * len(group)
+        size = max(PIECE_MIN_BYTES, min(PIECE_MAX_BYTES, -(-total // 8)))
+        pieces: list[list[tuple[int, int, int, int, int]]] = [[]]  # (remote, local, nbytes, record k, at)
+        room = size
+        for k, (_, c, off) in enumerate(group):
+            at = 0
+            while at < c.extent:
+                if room == 0:
+                    pieces.append([])
+                    room = size
+                n = min(c.extent - at, room)
+                pieces[-1].append((c.offset + at, off + at, n, k, at))
+                room -= n
+                at += n
+        states = [ChecksumState(c.meta.checksum_algorithm, c.nbytes) for _, c, _ in group]
+        land = transport.landing
+        reader = self._reader_pool()
+        fut = reader.submit(transport.read, [(r, lo, n) for r, lo, n, _, _ in pieces[0]], b"", deadline)
+        try:
+            for p, piece in enumerate(pieces):
+                fut.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+                fut = None
+                if p + 1 < len(pieces):
+                    nxt = [(r, lo, n) for r, lo, n, _, _ in pieces[p + 1]]
+                    fut = reader.submit(transport.read, nxt, b"", deadline)
+                for _, lo, n, k, at in piece:
+                    nbytes = group[k][1].nbytes
+                    if at < nbytes:
+                        states[k].update(land[lo : lo + min(n, nbytes - at)])
+        except TimeoutError:
+            raise E.ExportTimeoutError(f"a read of {total} bytes is still in progress past its deadline") from None
+        finally:
+            if fut is not None:  # never leave a transfer writing into landing space that is about to be freed
+                fut.exception()
+        return [s.digest() for s in states]
+
+    def _reader_pool(self) -> Any:
+        if self._reader is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-reader")
+        return self._reader
 
     def _read_inline(self, c: Claim, deadline: float) -> CaptureRecord | HsCompatError:
         """A ticket holder's read: the record's bytes through the control plane, in bounded chunks."""
@@ -574,17 +712,32 @@ class ExportConsumer:
         t = landing[off : off + c.nbytes].view(meta.torch_dtype).view(meta.shape)
         self.counters["records"] += 1
         self.counters["bytes"] += c.nbytes
-        if copy:
-            rec = CaptureRecord(meta, t.clone())
-            self._landing.free(off, c.extent)
-        else:
+        if not copy:
             rec = CaptureRecord(meta, t)
             self._held[id(rec)] = (rec, off, c.extent)
+        elif (
+            c.nbytes >= LEND_MIN_BYTES
+            and self._landing.lent + c.extent <= self.lend_bytes
+            and self._landing.free_bytes() >= c.extent + PAGE
+        ):
+            rec = CaptureRecord(meta, self._lend(landing, off, c.extent, c.nbytes, meta))
+        else:
+            rec = CaptureRecord(meta, t.clone())
+            self._landing.free(off, c.extent)
         return rec
 
+    def _lend(self, landing: torch.Tensor, off: int, extent: int, nbytes: int, meta: RecordMeta) -> torch.Tensor:
+        """An owned tensor over the landing space at ``off``: no copy, no page faults.  Its storage is exactly
+        the record's bytes (not the whole buffer); the space is given back when the storage is freed."""
+        buf = (ctypes.c_char * nbytes).from_address(landing.data_ptr() + off)
+        weakref.finalize(buf, _give_back, self._landing.deferred, off, extent, landing)
+        self._landing.lent += extent
+        return torch.frombuffer(buf, dtype=torch.uint8).view(meta.torch_dtype).view(meta.shape)
+
     def release(self, record: CaptureRecord) -> None:
-        """Free the landing space of a record fetched with ``copy=False`` (its tensor is invalid
-        afterwards)."""
+        """Free the landing space of a record fetched with ``copy=False`` (its tensor is invalid afterwards).  A
+        record fetched with ``copy=True`` owns its memory: nothing to do (its landing space, if it was lent
+        one, comes back when its tensor is garbage collected)."""
         held = self._held.pop(id(record), None)
         if held is not None:
             self._landing.free(held[1], held[2])
@@ -593,7 +746,9 @@ class ExportConsumer:
         self, record_id: str, copy: bool = True, timeout_s: float | None = None, wait_s: float = 0.0
     ) -> CaptureRecord:
         """Claim, read, verify and release one record; raises the named error that failed it.  ``wait_s``: how
-        long to wait for a record that is not published yet (see :meth:`claim`)."""
+        long to wait for a record that is not published yet (see :meth:`claim`).  ``copy=True``: the record owns
+        its memory (lent landing space or a copy, see the module docstring); ``copy=False``: a view valid until
+        :meth:`release`."""
         (res,) = self.read([self.claim(record_id, timeout_s, wait_s)], copy, timeout_s)
         if isinstance(res, HsCompatError):
             raise res
@@ -621,6 +776,7 @@ class ExportConsumer:
             **self.counters,
             "landing_pages_in_use": self._landing.in_use(),
             "held_records": len(self._held),
+            "lent_bytes": self._landing.lent,
         }
 
     def remote_stats(self) -> dict[str, Any]:
@@ -635,6 +791,9 @@ class ExportConsumer:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None

@@ -38,7 +38,6 @@ from typing import Final
 import msgspec
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
@@ -180,6 +179,16 @@ _HANDSHAKE_FAILURES: Final = (
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
+
+
+def _monitor_event(msg: list[bytes]) -> int:
+    """The event number of a socket-monitor message (``zmq.utils.monitor`` is imported here, on first use: it
+    pulls in ``zmq.asyncio`` and ``asyncio``)."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    return int(parse_monitor_message(msg)["event"])
+
+
 _MONITOR_EVENTS: Final = (
     zmq.EVENT_ACCEPTED
     | zmq.EVENT_CONNECTED
@@ -243,6 +252,11 @@ class ControlServer:
         self.server_key = public.decode("ascii")
         self._max_parked = max_parked
         self._parked: OrderedDict[tuple[str, bytes], _Parked] = OrderedDict()
+        #: bumped by every wake() (any thread); the serving thread re-checks a long poll it has just parked if
+        #: this moved while it was answering it (a publish in between found nothing parked to wake)
+        self._wakes = 0
+        self._wake_pending = False  # a byte is in the wake pipe that the serving thread has not read yet
+        self._recheck = False
         self._stopping = False
         self.counters: dict[str, int] = {
             "connections": 0,
@@ -308,10 +322,15 @@ class ControlServer:
 
     def wake(self) -> None:
         """Retry parked long polls now (the producer calls it after each publish; any thread; a no-op once
-        closed)."""
+        closed).  Costs a pipe write (and a wake-up of the serving thread) only when a long poll is parked and
+        no wake-up is pending already: a publish with nobody waiting costs an increment."""
+        self._wakes += 1
+        if not self._parked or self._wake_pending:
+            return
         with self._wake_lock:
             if self._wake_w < 0:
                 return
+            self._wake_pending = True
             try:
                 os.write(self._wake_w, b"\0")
             except BlockingIOError:
@@ -340,6 +359,7 @@ class ControlServer:
                     self._drain_monitor()
                 if self._wake_r in ready:
                     woke = True
+                    self._wake_pending = False  # before draining: a wake() from now on writes again
                     try:
                         while os.read(self._wake_r, 4096):
                             pass
@@ -347,6 +367,9 @@ class ControlServer:
                         pass
                 if self._sock in ready:
                     self._serve_requests()
+                if self._recheck:
+                    self._recheck = False
+                    woke = True
                 now = time.monotonic()
                 if self._parked and (woke or now >= next_retry):
                     self._retry_parked(now)
@@ -394,7 +417,7 @@ class ControlServer:
             except zmq.Again:
                 return
             try:
-                event = int(parse_monitor_message(msg)["event"])
+                event = _monitor_event(msg)
             except Exception:  # a malformed monitor message is libzmq's bug, not a reason to stop serving
                 continue
             key = names.get(event)
@@ -437,6 +460,7 @@ class ControlServer:
             return
         wait = float(getattr(req, "wait_s", 0.0))
         call = Call(principal, rid, final=wait <= 0.0)
+        wakes = self._wakes
         rep = self._answer(req, call)
         if rep is None:
             if len(self._parked) >= self._max_parked:
@@ -445,6 +469,8 @@ class ControlServer:
             else:
                 self.counters["parked"] += 1
                 self._parked[key] = _Parked(ident, req, call, time.monotonic() + wait)
+                if self._wakes != wakes:  # published while answering: nothing was parked to wake yet
+                    self._recheck = True
                 return
         if rep is not None:  # _answer never leaves a final call unanswered
             self._send(ident, rid, rep)
@@ -599,7 +625,7 @@ class ControlClient:
                 msg = self._mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return remade
-            event = parse_monitor_message(msg)["event"]
+            event = _monitor_event(msg)
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 remade = self._handshakes > 0
                 self._handshakes += 1

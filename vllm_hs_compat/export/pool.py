@@ -253,6 +253,11 @@ class LeasePool:
         if hook is not None:
             hook()
 
+    def note_aborted(self) -> None:
+        """Count a record that was offered and never got a lease (the producer closed first)."""
+        with self._cond:
+            self._counters["aborted"] += 1
+
     def abort(self, lease: Lease) -> None:
         with self._cond:
             if lease.state is not LeaseState.FREED:

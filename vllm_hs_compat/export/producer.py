@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import collections
 import logging
+import queue
 import secrets
 import socket
 import sys
@@ -118,6 +119,13 @@ class ExportProducer:
             "inline_reads": 0,
         }
         self._counter_lock = threading.Lock()
+        # publish_nowait: records handed over and not yet taken by the writer (``queued`` in stats, part of the
+        # ledger), and not yet published or failed (what flush() waits for)
+        self._queued = 0
+        self._unwritten = 0
+        self._written = threading.Condition(self._counter_lock)
+        self._writes: queue.SimpleQueue[tuple[RecordMeta, torch.Tensor] | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         # request id -> (lease ids, errors) of each claim: a retried claim is answered the same, never claims anew
         self._claims: collections.OrderedDict[tuple[str, bytes], tuple[list[int], list[P.ClaimError]]] = (
@@ -190,7 +198,37 @@ class ExportProducer:
     def publish(self, meta: RecordMeta, rows: torch.Tensor) -> P.ExportTicket:
         """Copy ``rows`` and the token ids into a leased run of slots, checksum both, make the record fetchable.
         Raises (and counts) :class:`RecordFormatError`, :class:`RecordTooLargeError`, :class:`PoolFullError`,
-        :class:`DuplicateRecordError` for this record only."""
+        :class:`DuplicateRecordError` for this record only.  All of it happens in the calling thread: see
+        :meth:`publish_nowait` to keep the copy and the checksums off it."""
+        self._admit(meta, rows)
+        nbytes = self._write(meta, rows)
+        return self.ticket(meta.request_id, nbytes)
+
+    def publish_nowait(self, meta: RecordMeta, rows: torch.Tensor) -> None:
+        """Hand a record to the producer's writer thread and return at once: the calling (serving) thread makes
+        no pass over the rows.  The writer copies them into the pool, computes both checksums and publishes, in
+        the order records were handed over; :meth:`flush` waits for that.  ``rows`` must not change until then.
+
+        Shape and dtype are checked here (:class:`RecordFormatError`, counted).  A record that fails in the
+        writer (pool full, duplicate id, too large, ...) is counted as with :meth:`publish` and recorded with
+        :meth:`fail`, so a consumer waiting for it (``wait_s``) gets :class:`RecordFailedError` naming the
+        reason.  The ticket is the one :meth:`ticket` gives (the capture connector's scheduler mints its own)."""
+        self._admit(meta, rows)
+        with self._counter_lock:
+            self._queued += 1
+            self._unwritten += 1
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._writer_loop, name="hsx-export-writer", daemon=True)
+                self._writer.start()
+        self._writes.put((meta, rows))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every record handed to :meth:`publish_nowait` is published (or failed); False if
+        ``timeout_s`` passed first."""
+        with self._written:
+            return self._written.wait_for(lambda: self._unwritten == 0, timeout_s)
+
+    def _admit(self, meta: RecordMeta, rows: torch.Tensor) -> None:
         if self._closed:
             raise E.ExportClosedError("publish() after close()")
         self._count("offered")
@@ -206,9 +244,15 @@ class ExportProducer:
                 f"record {meta.request_id!r}: rows are {tuple(rows.shape)} {rows.dtype}, metadata says "
                 f"{meta.shape} {meta.dtype}; build the metadata with RecordMeta.for_tensor(rows, ...)"
             )
+
+    def _write(self, meta: RecordMeta, rows: torch.Tensor) -> int:
         nbytes = meta.nbytes
         ids_offset, extent = P.ids_layout(nbytes, meta.shape[0])
-        lease = self.pool.allocate(meta.request_id, extent)
+        try:
+            lease = self.pool.allocate(meta.request_id, extent)
+        except E.ExportClosedError:
+            self.pool.note_aborted()  # offered, never published: the producer closed first
+            raise
         try:
             dst = self._buf[lease.offset : lease.offset + nbytes]
             dst.view(rows.dtype).view(rows.shape).copy_(rows)  # GPU rows: synchronous DtoH into the pool
@@ -234,7 +278,33 @@ class ExportProducer:
         except BaseException:
             self.pool.abort(lease)
             raise
-        return self.ticket(meta.request_id, nbytes)
+        return nbytes
+
+    def _writer_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            meta, rows = item
+            with self._counter_lock:
+                self._queued -= 1
+            try:
+                if self._closed:
+                    self.pool.note_aborted()  # handed over, never published: the producer closed first
+                else:
+                    self._write(meta, rows)
+            except E.ExportClosedError:
+                pass  # counted aborted by _write / the pool
+            except Exception as e:  # named errors are counted where they are raised; fail the record alone
+                if not isinstance(e, E.HsCompatError):
+                    log.exception("export writer: record %r failed", meta.request_id)
+                self.fail(meta.request_id, type(e).__name__, str(e))
+            finally:
+                del item, rows
+                with self._written:
+                    self._unwritten -= 1
+                    if self._unwritten == 0:
+                        self._written.notify_all()
 
     def fail(self, record_id: str, reason: str, message: str) -> None:
         """Record that ``record_id`` will never be published, so a consumer asking for it is told why
@@ -250,6 +320,7 @@ class ExportProducer:
         """Pool counters and the ledger (see :mod:`.pool`), producer counters, ``control_*`` counters."""
         with self._counter_lock:
             mine = dict(self._counters)
+            mine["queued"] = self._queued
         return {
             **self.pool.stats(),
             **mine,
@@ -445,6 +516,9 @@ class ExportProducer:
         self._closed = True
         self.pool.on_ready = None
         self.pool.close()
+        if self._writer is not None:  # before the transport goes: the writer may be copying into the pool
+            self._writes.put(None)
+            self._writer.join()
         self._server.close()
         self._stop.set()
         self._pump.join(timeout=5.0)
