@@ -98,7 +98,7 @@ def test_slot_coverage_and_range_errors_name_the_request() -> None:
 
 def test_view_checks() -> None:
     t = torch.zeros(4, 16, 3, 8)
-    with pytest.raises(CaptureViewError, match="matches BLOCK_PLANE_TOKEN \\[blocks, planes, tokens, hidden\\] instead"):
+    with pytest.raises(CaptureViewError, match="matches BLOCK_PLANE_TOKEN .blocks, planes, tokens, hidden. instead"):
         describe_capture_view(
             t.permute(0, 2, 1, 3), num_planes=3, group_block_size=16, order=ViewOrder.BLOCK_TOKEN_PLANE
         )

@@ -264,6 +264,8 @@ def test_a_lost_request_is_resent_with_its_id_after_a_reconnect() -> None:
 def test_endpoint_parsing() -> None:
     assert parse_endpoint("10.0.0.2:5000") == ("10.0.0.2", 5000)
     assert parse_endpoint("[::1]:7") == ("::1", 7)
-    for bad in ("nohost", ":80", "h:0", "h:x"):
+    assert parse_endpoint("tcp://10.0.0.2:5000") == ("10.0.0.2", 5000)  # ZeroMQ's form, as printed in logs
+    assert parse_endpoint("tcp://[::1]:7") == ("::1", 7)
+    for bad in ("nohost", ":80", "h:0", "h:x", "tcp://:80"):
         with pytest.raises(E.ExportConfigError):
             parse_endpoint(bad)

@@ -156,10 +156,11 @@ def server_key(token: str) -> str:
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``."""
+    """``"host:port"``, ``"[v6]:port"`` or either with ZeroMQ's ``tcp://`` prefix -> ``(host, port)``."""
     if not isinstance(endpoint, str) or ":" not in endpoint:
         raise E.ExportConfigError(f"endpoint must look like 'host:port', found {endpoint!r}")
-    host, _, port_s = endpoint.rpartition(":")
+    address = endpoint[len("tcp://") :] if endpoint.startswith("tcp://") else endpoint
+    host, _, port_s = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         port = int(port_s)
