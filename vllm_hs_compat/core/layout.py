@@ -214,6 +214,23 @@ def _triton_rows() -> Any:
     return _triton
 
 
+def kernel_gather_into(kernel: Any, table: RowTable, slots: torch.Tensor, dst: torch.Tensor) -> bool:
+    """The Triton row kernel (``kernel``: the ``_triton_rows`` module) reads the rows of manager ``slots`` into
+    ``dst``; False where it cannot (the caller falls back to ``index_select``)."""
+    return bool(
+        kernel.gather_rows_into(
+            table.table,
+            slots,
+            dst,
+            n=table.block_tokens,
+            block_stride=table.block_stride,
+            token_stride=table.token_stride,
+            planes=table.rows_per_token,
+            plane_stride=table.plane_stride,
+        )
+    )
+
+
 def gather_slots(
     table: RowTable, slots: torch.Tensor, out: torch.Tensor | None = None, *, kernel_min_bytes: int | None = None
 ) -> torch.Tensor:
@@ -231,16 +248,7 @@ def gather_slots(
         kernel: Any = _triton_rows() if big or not table.identity else False
         if kernel:
             dst = out if out is not None else table.table.new_empty((m, width))
-            if kernel.gather_rows_into(
-                table.table,
-                slots,
-                dst,
-                n=table.block_tokens,
-                block_stride=table.block_stride,
-                token_stride=table.token_stride,
-                planes=table.rows_per_token,
-                plane_stride=table.plane_stride,
-            ):
+            if kernel_gather_into(kernel, table, slots, dst):
                 return dst
     rows = table.rows(slots)
     if out is None:

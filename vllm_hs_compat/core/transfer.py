@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import SlotError, TransferError
-from .layout import CaptureView, RowTable, _triton_rows, gather_rows, gather_slots, row_table
+from .layout import CaptureView, RowTable, _triton_rows, gather_rows, gather_slots, kernel_gather_into, row_table
 from .slots import batch_slots, request_slots
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
@@ -181,20 +181,7 @@ def _wait(side: Any, written: Any) -> None:
 def _direct_gather(table: RowTable, idx: torch.Tensor, dst: torch.Tensor) -> bool:
     """Gather straight into ``dst`` (pinned host) with the Triton row kernel; False where it cannot."""
     kernel = _triton_rows()
-    if not kernel:
-        return False
-    return bool(
-        kernel.gather_rows_into(
-            table.table,
-            idx,
-            dst,
-            n=table.block_tokens,
-            block_stride=table.block_stride,
-            token_stride=table.token_stride,
-            planes=table.rows_per_token,
-            plane_stride=table.plane_stride,
-        )
-    )
+    return bool(kernel) and kernel_gather_into(kernel, table, idx, dst)
 
 
 def copy_rows_async(
