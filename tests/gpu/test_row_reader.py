@@ -138,7 +138,9 @@ def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20) -> int:
     gen = torch.Generator().manual_seed(3)
     bad = 0
     tokens = 64
-    for it in range(iters):
+    # Iteration 0 warms the process (CUDA context, caching and pinned allocators, first kernels) and is not
+    # counted: on a cold machine its slow first allocations let the race pass unnoticed (seen once on an H200).
+    for it in range(iters + 1):
         free = (torch.randperm(NB - 1, generator=gen)[: 2 * tokens // N] + 1).tolist()
         a, b = free[: tokens // N], free[tokens // N :]
         va, vb = float(2 * (it % 30) + 1), float(2 * (it % 30) + 2)
@@ -153,10 +155,10 @@ def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20) -> int:
         first = reader.read_many([(f"a{it}", a, 0, tokens)])[0]
         second = reader.read_many([(f"b{it}", b, 0, tokens)])[0]
         assert not isinstance(first, Exception) and not isinstance(second, Exception)
-        if not torch.equal(first.wait(), expected(va, tokens)):
-            bad += 1
-        if not torch.equal(second.wait(), expected(vb, tokens)):
-            bad += 1
+        wrong = int(not torch.equal(first.wait(), expected(va, tokens)))
+        wrong += int(not torch.equal(second.wait(), expected(vb, tokens)))
+        if it > 0 or not ignore_events:  # the safe path must be exact from the first iteration on
+            bad += wrong
     return bad
 
 
