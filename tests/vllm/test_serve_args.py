@@ -30,6 +30,11 @@ LLAMA = {
 }
 
 
+def _layers() -> list[int]:
+    """EAGLE-3's usual ids, the last one the highest this release captures (0.17.x: not id L itself)."""
+    return [2, 16, 29, api.get_adapter().layer_id_bounds(32)[1]]
+
+
 def _engine_args(flags: list[str]) -> Any:
     """The release's ``EngineArgs`` from ``flags``, through its own argument parser (``vllm serve`` adds these
     engine arguments to its parser on every supported release)."""
@@ -51,7 +56,8 @@ def _engine_args(flags: list[str]) -> Any:
 @pytest.mark.parametrize("sink", ["export", "file"])
 def test_flags_parse_with_the_releases_cli(tmp_path: Path, sink: str, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
-    rc = S.main(["--model", str(tmp_path), "--layers", "2,16,29,32", "--sink", sink, "--json"])
+    layers = _layers()
+    rc = S.main(["--model", str(tmp_path), "--layers", ",".join(map(str, layers)), "--sink", sink, "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["ok"]
     assert out["vllm"] == h.vllm_version()
@@ -62,7 +68,7 @@ def test_flags_parse_with_the_releases_cli(tmp_path: Path, sink: str, capsys: py
     spec = ea.speculative_config
     spec = spec if isinstance(spec, dict) else json.loads(spec)
     assert spec["method"] == "extract_hidden_states"
-    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29, 32]
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == layers
     kv = ea.kv_transfer_config
     assert kv.kv_connector == "HiddenStatesCaptureConnector"
     assert kv.kv_connector_module_path == "vllm_hs_compat.connector"
@@ -82,6 +88,7 @@ def test_layer_ids_outside_the_releases_bounds(tmp_path: Path, capsys: pytest.Ca
 
 def test_text_output_names_release_and_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
-    assert S.main(["--model", str(tmp_path), "--layers", "2,16,29,32", "--kv-budget-gib", "40"]) == 0
+    layers = ",".join(map(str, _layers()))
+    assert S.main(["--model", str(tmp_path), "--layers", layers, "--kv-budget-gib", "40"]) == 0
     text = capsys.readouterr().out
     assert f"vLLM {h.vllm_version()}" in text and "32,768 B per token" in text and "262,144 with" in text
