@@ -409,9 +409,12 @@ def test_negative_control_wrong_blocks(mode: str, monkeypatch: pytest.MonkeyPatc
 
     original = worker.CaptureWorker._issue
 
-    def rotated(self: Any, save: Any) -> None:
+    def rotate(save: Any) -> Any:
         ids = tuple(save.block_ids)
-        original(self, dataclasses.replace(save, block_ids=ids[1:] + ids[:1]) if len(ids) > 1 else save)
+        return dataclasses.replace(save, block_ids=ids[1:] + ids[:1]) if len(ids) > 1 else save
+
+    def rotated(self: Any, batch: list[tuple[Any, int]]) -> None:  # the step's batched read
+        original(self, [(rotate(save), nbytes) for save, nbytes in batch])
 
     monkeypatch.setattr(worker.CaptureWorker, "_issue", rotated)
     with pytest.raises(AssertionError, match="are not its own"):
