@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ import pytest
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from vllm_hs_compat.export import nixl_available  # noqa: E402
+from vllm_hs_compat.export import ExportProducer, nixl_available  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_START_TIMEOUT_S = 60.0
@@ -120,6 +122,25 @@ class Peer:
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
         os.unlink(self._log.name)
+
+
+@contextlib.contextmanager
+def producer_factory(backend: str) -> Iterator[Callable[..., ExportProducer]]:
+    """``make(**kw)`` -> an ExportProducer on ``backend`` (16 slots of 1 MiB unless given), closed at exit."""
+    made: list[ExportProducer] = []
+
+    def make(**kw: Any) -> ExportProducer:
+        kw.setdefault("num_slots", 16)  # 16 MiB: CI containers often have a 64 MiB /dev/shm
+        kw.setdefault("slot_bytes", 1 << 20)
+        p = ExportProducer(backend=backend, **kw)
+        made.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()
 
 
 def free_port() -> int:

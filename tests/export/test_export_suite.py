@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from hsx_harness import Peer, free_port, ledger_balanced, wait_until
+from hsx_harness import Peer, free_port, ledger_balanced, producer_factory, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 
 from vllm_hs_compat.export import (
@@ -50,18 +50,8 @@ Make = Callable[..., ExportProducer]
 
 @pytest.fixture
 def make_producer(backend: str) -> Iterator[Make]:
-    made: list[ExportProducer] = []
-
-    def make(**kw: Any) -> ExportProducer:
-        kw.setdefault("num_slots", 16)  # 16 MiB: CI containers often have a 64 MiB /dev/shm
-        kw.setdefault("slot_bytes", MiB)
-        p = ExportProducer(backend=backend, **kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
+    with producer_factory(backend) as make:
+        yield make
 
 
 def publish(

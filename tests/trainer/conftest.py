@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
@@ -14,7 +13,7 @@ import pytest
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export"))
 
-from hsx_harness import BACKENDS  # noqa: E402
+from hsx_harness import BACKENDS, producer_factory  # noqa: E402
 
 from vllm_hs_compat.export import ExportProducer  # noqa: E402
 
@@ -28,15 +27,5 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def make_producer(backend: str) -> Iterator[Callable[..., ExportProducer]]:
-    made: list[ExportProducer] = []
-
-    def make(**kw: Any) -> ExportProducer:
-        kw.setdefault("num_slots", 16)  # 16 MiB: CI containers often have a 64 MiB /dev/shm
-        kw.setdefault("slot_bytes", MiB)
-        p = ExportProducer(backend=backend, **kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
+    with producer_factory(backend) as make:
+        yield make
