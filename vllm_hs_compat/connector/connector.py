@@ -21,10 +21,7 @@ from .scheduler import CaptureScheduler
 from .worker import CaptureWorker
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+    from vllm_hs_compat.adapters.vllm_types import KVCacheConfig, Request, SchedulerOutput, VllmConfig
 
 _ADAPTER = get_adapter()
 # The era's shims, KVConnectorBase_V1 and (0.22+) SupportsHMA; vLLM's types are opaque to mypy here.

@@ -35,10 +35,7 @@ from .config import ConnectorConfig
 from .sinks import sink_ticket
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+    from vllm_hs_compat.adapters.vllm_types import KVCacheConfig, Request, SchedulerOutput, VllmConfig
 
 log = logging.getLogger("vllm.vllm_hs_compat.connector")
 

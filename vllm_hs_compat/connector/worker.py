@@ -34,8 +34,7 @@ from .config import ConnectorConfig
 from .sinks import Sink, make_sink
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm_hs_compat.adapters.vllm_types import KVCacheConfig, VllmConfig
 
 log = logging.getLogger("vllm.vllm_hs_compat.connector")
 
