@@ -189,7 +189,11 @@ def test_64_half_sent_frames_before_the_handshake_hold_at_most_a_few_mib(tmp_pat
             time.sleep(0.5)
             rss1, threads1 = process_memory(srv.proc.pid)
             grown = rss1 - rss0
-            assert grown <= 4.0, f"64 half-sent frames grew the serving process by {grown:.1f} MiB"
+            # Measured 3.93-4.05 MiB on the 2-core box (the same before and after unrelated changes to the export
+            # modules, which move it by ~0.1 MiB): mostly libzmq's per-connection state, ~62 KiB each.  The bound
+            # leaves that noise room (a server buffering whole announced frames and more would pass 5 MiB); a thread
+            # per connection is caught by the thread count below.
+            assert grown <= 5.0, f"64 half-sent frames grew the serving process by {grown:.2f} MiB"
             assert threads1 == threads0  # no thread per connection
             # a frame announced past the limit is refused as soon as its header arrives
             big = socket.create_connection((host, int(port)), timeout=5)

@@ -38,8 +38,8 @@ import math
 import sys
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -47,6 +47,7 @@ import torch
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import (
     CHECKSUM_ALGORITHMS,
+    SCHEMA_VERSION,
     CaptureRecord,
     ChecksumState,
     RecordMeta,
@@ -56,12 +57,14 @@ from vllm_hs_compat.core.records import (
 )
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.batch import BatchSchema, RecordBatch, pack_index, row_alignment
 from vllm_hs_compat.export.control import ControlClient, read_token, server_key
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmConsumerTransport
 from vllm_hs_compat.export.transport import ConsumerTransport
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 PAGE = 4096
 MAX_BATCH = P.MAX_BATCH
@@ -74,6 +77,10 @@ PIECE_MAX_BYTES = 8 << 20
 #: An owned record smaller than this is copied (malloc'd memory, already faulted in: a copy costs about what
 #: lending costs), so small records a caller keeps do not fragment the landing buffer.
 LEND_MIN_BYTES = 64 << 10
+#: A batch whose records average at least this many bytes is read straight into its packed layout (two
+#: descriptors per record: hidden states, token ids); smaller records are read whole (one descriptor each, what a
+#: NIXL request costs per descriptor is then the bound) and packed by one row gather.
+BATCH_DIRECT_MIN_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +264,8 @@ class ExportConsumer:
         self.lend_bytes = int(landing_bytes * lend_fraction)
         self._transport: ConsumerTransport | None = None
         self._landing = _Landing(landing_bytes)
-        self._held: dict[int, tuple[CaptureRecord, int, int]] = {}
+        self._held: dict[int, tuple[CaptureRecord | RecordBatch, int, int]] = {}
+        self._tables: dict[tuple[int, int], torch.Tensor] = {}
         self.producer: str | None = None
         self.hello: dict[str, Any] = {}
         self._hello: P.HelloReply | None = None
@@ -265,6 +273,7 @@ class ExportConsumer:
             "handshakes": 0,
             "producer_changes": 0,
             "records": 0,
+            "batches": 0,
             "bytes": 0,
             "checksum_failures": 0,
             "read_failures": 0,
@@ -399,22 +408,37 @@ class ExportConsumer:
         """Each descriptor on its own: a bad one fails its record alone (its lease is given back if it can be
         read, else the producer's TTL reclaims it)."""
         out: list[Claim | HsCompatError] = []
-        bad: list[P.LeaseRef] = []
+        bad: list[tuple[int, str, str]] = []
         for raw in raws:
             try:
-                out.append(Claim.from_desc(P.decode_descriptor(raw)))
-            except (E.ProtocolError, E.RecordFormatError) as e:
-                self.counters["bad_descriptors"] += 1
-                ref = P.decode_lease_ref(raw)
-                if ref is not None:
-                    bad.append(ref)
-                name = ref.record_id if ref is not None and ref.record_id else "?"
-                fate = "its lease is given back" if ref is not None else "its lease expires at the producer"
-                out.append(E.DescriptorError(f"record {name!r}: descriptor refused ({e}); {fate}"))
-        if bad:
-            self._settle([(r.lease, r.nonce, "abandoned") for r in bad])
-            self.counters["abandoned"] += len(bad)
+                desc = P.decode_descriptor(raw)
+            except E.ProtocolError as e:
+                out.append(self._refused(raw, e, bad))
+                continue
+            try:
+                out.append(Claim.from_desc(desc))
+            except E.RecordFormatError as e:
+                out.append(self._refused(desc, e, bad))
+        self._give_back_refused(bad)
         return out
+
+    def _refused(
+        self, what: bytes | P.RecordDesc, e: HsCompatError, bad: list[tuple[int, str, str]]
+    ) -> E.DescriptorError:
+        """A descriptor that cannot be read (raw bytes) or whose record cannot be (a decoded one): counted, its
+        lease noted in ``bad`` to be given back when it can be read."""
+        self.counters["bad_descriptors"] += 1
+        ref = P.decode_lease_ref(what) if isinstance(what, bytes) else what
+        if ref is not None:
+            bad.append((ref.lease, ref.nonce, "abandoned"))
+        name = ref.record_id if ref is not None and ref.record_id else "?"
+        fate = "its lease is given back" if ref is not None else "its lease expires at the producer"
+        return E.DescriptorError(f"record {name!r}: descriptor refused ({e}); {fate}")
+
+    def _give_back_refused(self, bad: list[tuple[int, str, str]]) -> None:
+        if bad:
+            self._settle(bad)
+            self.counters["abandoned"] += len(bad)
 
     def _claim_next_items(
         self, max_records: int, wait_s: float, max_bytes: int | None = None
@@ -574,7 +598,7 @@ class ExportConsumer:
                 group.append((i, c, off))
             if not group:
                 i, c = todo.popleft()
-                busy = self._held or self._landing.lent
+                busy = (self._held or self._landing.lent) and c.extent <= self._landing_bytes
                 cls = E.LandingBufferFullError if busy else E.RecordTooLargeError
                 results[i] = cls(
                     f"record {c.record_id!r} needs {c.extent} bytes; the landing buffer has "
@@ -734,10 +758,10 @@ class ExportConsumer:
         self._landing.lent += extent
         return torch.frombuffer(buf, dtype=torch.uint8).view(meta.torch_dtype).view(meta.shape)
 
-    def release(self, record: CaptureRecord) -> None:
-        """Free the landing space of a record fetched with ``copy=False`` (its tensor is invalid afterwards).  A
-        record fetched with ``copy=True`` owns its memory: nothing to do (its landing space, if it was lent
-        one, comes back when its tensor is garbage collected)."""
+    def release(self, record: CaptureRecord | RecordBatch) -> None:
+        """Free the landing space of a record or batch read with ``copy=False`` (its tensors are invalid
+        afterwards).  One read with ``copy=True`` owns its memory: nothing to do (its landing space, if it was
+        lent one, comes back when its tensor is garbage collected)."""
         held = self._held.pop(id(record), None)
         if held is not None:
             self._landing.free(held[1], held[2])
@@ -767,7 +791,342 @@ class ExportConsumer:
         ``next`` again), ``"skip"`` logs and counts it."""
         if on_error not in ("raise", "skip"):
             raise E.ExportConfigError(f"on_error must be 'raise' or 'skip', found {on_error!r}")
-        return _RecordStream(self, batch, wait_s, idle_timeout_s, copy, on_error)
+
+        def fetch(wait: float) -> list[CaptureRecord | HsCompatError]:
+            items = self._claim_next_items(batch, wait)
+            claims = [it for it in items if isinstance(it, Claim)]
+            results = iter(self.read(claims, copy) if claims else [])
+            return [next(results) if isinstance(it, Claim) else it for it in items]  # bad descriptors in place
+
+        return _Stream(fetch, wait_s, idle_timeout_s, on_error)
+
+    # --- batches --------------------------------------------------------------------------------------------
+    def next_batches(
+        self,
+        max_records: int = 256,
+        wait_s: float = 1.0,
+        copy: bool = True,
+        timeout_s: float | None = None,
+    ) -> list[RecordBatch | HsCompatError]:
+        """Claim up to ``max_records`` published records (oldest first, trainer only), read, verify and release
+        them together; the records that passed come back as :class:`RecordBatch` objects (one per schema among
+        them, usually one), each failed record as its own named error after them.  Empty when nothing was
+        published within ``wait_s``.
+
+        One claim message, one transfer request per batch (one descriptor per record for small records, two for
+        large ones) and one release message; no per-record tensor or :class:`RecordMeta` is made.  ``copy``: as
+        for :meth:`fetch` (``False``: the batch's tensors view the landing buffer until :meth:`release`)."""
+        budget = max(PAGE, self._landing.free_bytes() // 2)
+        rep = self._call(
+            P.ClaimNextReq(
+                max_records=max(1, min(max_records, MAX_BATCH)),
+                max_bytes=budget,
+                wait_s=min(max(wait_s, 0.0), P.MAX_WAIT_S),
+                max_reply_bytes=self._budget(),
+            ),
+            wait_s + self.timeout_s,
+        )
+        if not isinstance(rep, P.ClaimReply):
+            raise E.ProtocolError(f"claim_next answered with {type(rep).__name__}")
+        if not rep.records:
+            return []
+        errors: list[HsCompatError] = []
+        try:
+            descs = P.decode_descriptors(rep.records)
+        except E.ProtocolError:  # one of them is bad: learn which, one by one
+            descs = []
+            bad: list[tuple[int, str, str]] = []
+            for raw in rep.records:
+                try:
+                    descs.append(P.decode_descriptor(raw))
+                except E.ProtocolError as e:
+                    errors.append(self._refused(raw, e, bad))
+            self._give_back_refused(bad)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        out: list[RecordBatch | HsCompatError] = []
+        groups: dict[tuple[object, ...], list[P.RecordDesc]] = {}
+        for d in descs:
+            m = d.meta
+            key = (m.dtype, m.shape[1], m.shape[2], m.pre_norm, m.checksum_algorithm, m.vllm_version, m.adapter,
+                   m.schema_version, tuple(m.layer_ids))  # fmt: skip
+            group = groups.get(key)
+            if group is None:
+                groups[key] = group = []
+            group.append(d)
+        for group in groups.values():
+            out.extend(self._read_group(group, copy, deadline, errors))
+        return out + errors
+
+    def iter_batches(
+        self,
+        max_records: int = 256,
+        wait_s: float = 1.0,
+        idle_timeout_s: float | None = None,
+        copy: bool = True,
+        on_error: str = "raise",
+    ) -> Iterator[RecordBatch]:
+        """Stream published records as :class:`RecordBatch` objects, oldest first (trainer only; see
+        :meth:`next_batches`).  Stops after ``idle_timeout_s`` without a record (``None``: never).  A record that
+        failed is not in any batch: ``on_error="raise"`` raises its error after the batches of its claim (the
+        stream survives; call ``next`` again), ``"skip"`` logs it (it is counted either way)."""
+        if on_error not in ("raise", "skip"):
+            raise E.ExportConfigError(f"on_error must be 'raise' or 'skip', found {on_error!r}")
+        return _Stream(lambda wait: self.next_batches(max_records, wait, copy), wait_s, idle_timeout_s, on_error)
+
+    def _schema(self, d: P.RecordDesc) -> BatchSchema:
+        """The batch schema of a descriptor's record, checked once per distinct schema (a bad one fails every
+        record of it: :class:`RecordFormatError`)."""
+        m = d.meta
+        if m.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+            raise E.RecordFormatError(
+                f"unknown checksum algorithm {m.checksum_algorithm!r}; expected one of {CHECKSUM_ALGORITHMS} "
+                "(producer and consumer run different vllm-hs-compat releases?)"
+            )
+        if m.schema_version != SCHEMA_VERSION:
+            raise E.RecordFormatError(
+                f"record schema version {m.schema_version} is not supported (this build reads {SCHEMA_VERSION}); "
+                "upgrade vllm-hs-compat on the side that reads it"
+            )
+        if len(m.layer_ids) != m.shape[1] or any(a >= b for a, b in zip(m.layer_ids, m.layer_ids[1:], strict=False)):
+            raise E.RecordFormatError(f"layer ids {list(m.layer_ids)[:8]}... are not {m.shape[1]} ascending ids")
+        dtype_itemsize(m.dtype)
+        return BatchSchema(
+            layer_ids=tuple(m.layer_ids),
+            pre_norm=m.pre_norm,
+            dtype=m.dtype,
+            planes=m.shape[1],
+            hidden=m.shape[2],
+            checksum_algorithm=m.checksum_algorithm,
+            vllm_version=m.vllm_version,
+            adapter=m.adapter,
+            schema_version=m.schema_version,
+        )
+
+    def _read_group(
+        self, descs: list[P.RecordDesc], copy: bool, deadline: float, errors: list[HsCompatError]
+    ) -> list[RecordBatch]:
+        """Check, read, verify and release records of one schema; their batches (several when the landing
+        buffer cannot hold them at once).  Failed records' errors are appended to ``errors``."""
+        try:
+            schema = self._schema(descs[0])
+        except E.RecordFormatError as e:
+            bad: list[tuple[int, str, str]] = []
+            errors.extend(self._refused(d, e, bad) for d in descs)
+            self._give_back_refused(bad)
+            return []
+        rb = schema.planes * schema.hidden * dtype_itemsize(schema.dtype)
+        pool = self._hello.pool_bytes if self._hello is not None else 0
+        producer = self.producer
+        good: list[P.RecordDesc] = []
+        refused: list[tuple[int, str, str]] = []
+        for d in descs:
+            m, nb = d.meta, d.nbytes
+            t = m.shape[0]
+            ids_at = (nb + 7) // 8 * 8
+            if (
+                d.producer == producer
+                and m.request_id == d.record_id
+                and nb == t * rb
+                and d.ids_offset == ids_at
+                and d.extent == ids_at + 4 * t
+                and d.offset + d.extent <= pool
+            ):
+                good.append(d)
+                continue
+            try:  # name what is wrong: the per-record checks of fetch()
+                c = Claim.from_desc(d)
+                self._check(c)
+                raise E.RecordFormatError(f"record {d.record_id!r}: descriptor disagrees with its batch schema")
+            except E.StaleMetadataError as e:
+                errors.append(e)  # a lease of another producer instance: nothing to give back
+            except (E.RecordFormatError, E.DescriptorError) as e:
+                errors.append(self._refused(d, e, refused))
+        self._give_back_refused(refused)
+        out: list[RecordBatch] = []
+        todo = [good] if good else []
+        while todo:
+            part = todo.pop()
+            got = self._read_part(schema, rb, part, copy, deadline, errors)
+            if isinstance(got, RecordBatch):
+                out.append(got)
+            elif got is not None:  # did not fit the landing buffer: in halves, first half first
+                half = len(part) // 2
+                todo.extend([part[half:], part[:half]])
+        return out
+
+    def _read_part(
+        self,
+        schema: BatchSchema,
+        rb: int,
+        descs: list[P.RecordDesc],
+        copy: bool,
+        deadline: float,
+        errors: list[HsCompatError],
+    ) -> RecordBatch | bool | None:
+        """One batch: ``RecordBatch``, or ``True`` (split it: the landing buffer cannot hold it now), or ``None``
+        (every record failed; the errors are in ``errors``)."""
+        transport = self._transport
+        if transport is None:
+            raise E.ExportClosedError("consumer has no transport (a ticket holder cannot stream batches)")
+        n = len(descs)
+        lengths_l = [d.meta.shape[0] for d in descs]
+        total = sum(lengths_l)
+        hidden_bytes = total * rb
+        direct = hidden_bytes >= n * BATCH_DIRECT_MIN_BYTES
+        if direct:  # [hidden states of every record][token ids of every record], read in place
+            ids_at = -(-hidden_bytes // 8) * 8
+            size = ids_at + 4 * total
+        else:  # each record read whole at a row-aligned place, then packed by one row gather
+            align = row_alignment(rb)
+            slots = [-(-d.extent // align) * align for d in descs]
+            size = sum(slots) + align
+        off = self._landing.alloc(size)
+        if off is None and self._landing.lent:
+            gc.collect()  # owned records in reference cycles: give their lent space back first
+            off = self._landing.alloc(size)
+        if off is None:
+            if n > 1:
+                return True
+            d = descs[0]
+            busy = (self._held or self._landing.lent) and size <= self._landing_bytes
+            cls = E.LandingBufferFullError if busy else E.RecordTooLargeError
+            errors.append(
+                cls(
+                    f"record {d.record_id!r} needs {size} bytes; the landing buffer has {self._landing_bytes} bytes "
+                    f"with {len(self._held)} record(s) or batch(es) held (copy=False) and {self._landing.lent} bytes "
+                    "lent to owned records still alive; release held records, drop old ones or raise landing_bytes"
+                )
+            )
+            self._abandon_leases(descs)
+            return None
+        landing = transport.landing
+        cu_l = [0] * (n + 1)
+        acc = 0
+        for k, t in enumerate(lengths_l):
+            acc += t
+            cu_l[k + 1] = acc
+        if direct:
+            items = [(d.offset, off + cu_l[k] * rb, d.nbytes) for k, d in enumerate(descs)]
+            items += [(d.offset + d.ids_offset, off + ids_at + 4 * cu_l[k], 4 * d.meta.shape[0])
+                      for k, d in enumerate(descs)]  # fmt: skip
+        else:
+            base = -(-off // align) * align
+            places = [0] * n
+            at = base
+            for k, s in enumerate(slots):
+                places[k] = at
+                at += s
+            items = [(d.offset, places[k], d.extent) for k, d in enumerate(descs)]
+        try:
+            transport.read(items, b"", deadline)
+        except E.ExportError as e:
+            self.counters["read_failures"] += n
+            if isinstance(e, E.ExportTimeoutError):
+                self.counters["quarantined_bytes"] += size  # a late write may still land there: never reuse it
+            else:
+                self._landing.free(off, size)
+            errors.extend([e] * n)
+            if not isinstance(e, E.RemoteDisconnectedError | E.StaleMetadataError):
+                self._abandon_leases(descs)
+            return None
+        lengths = torch.tensor(lengths_l, dtype=torch.int64)
+        if direct:
+            hidden = landing[off : off + hidden_bytes]
+            ids32 = landing[off + ids_at : off + ids_at + 4 * total].view(torch.int32)
+        else:
+            starts = torch.tensor(places, dtype=torch.int64)
+            hidden = self._table(landing, rb).index_select(0, pack_index(starts // rb, lengths)).view(-1)
+            id_starts = (starts + torch.tensor([d.ids_offset for d in descs], dtype=torch.int64)) // 4
+            ids32 = self._table(landing, 4).view(-1).view(torch.int32).index_select(0, pack_index(id_starts, lengths))
+        # verify: the bytes handed out, record by record
+        hv, iv = byte_view(hidden), byte_view(ids32)
+        algorithm = schema.checksum_algorithm
+        verify = self.verify_checksum
+        outcomes: list[tuple[int, str, str]] = []
+        failed: dict[int, HsCompatError] = {}
+        for k, d in enumerate(descs):
+            a, b = cu_l[k], cu_l[k + 1]
+            if verify and checksum_bytes(hv[a * rb : b * rb], algorithm) != d.meta.checksum:
+                failed[k] = E.ChecksumMismatchError(
+                    f"record {d.record_id!r}: {algorithm} of the {d.nbytes} bytes read does not match the "
+                    "producer's checksum; the slot was overwritten or the transfer torn"
+                )
+            elif checksum_bytes(iv[4 * a : 4 * b], algorithm) != d.ids_checksum:
+                failed[k] = E.ChecksumMismatchError(
+                    f"record {d.record_id!r}: the {b - a} token ids read do not match their {algorithm} checksum; "
+                    "the slot was overwritten or the transfer torn"
+                )
+            outcomes.append((d.lease, d.nonce, "checksum_failed" if k in failed else "delivered"))
+        self.counters["checksum_failures"] += len(failed)
+        settled = self._settle(outcomes)
+        if isinstance(settled, E.ExportError):
+            self._landing.free(off, size)
+            errors.extend([settled] * n)
+            return None
+        for k, d in enumerate(descs):
+            verdict = settled[k]
+            if verdict != "released":  # an expired lease explains whatever the bytes looked like: it comes first
+                failed[k] = self._verdict(Claim.from_desc(d), verdict) or failed.get(k) or E.ExportError("internal")
+        errors.extend(failed[k] for k in sorted(failed))
+        if len(failed) == n:
+            self._landing.free(off, size)
+            return None
+        token_ids = ids32.to(torch.int64).bitwise_and_(0xFFFFFFFF)
+        keep = descs
+        if failed:  # rare: drop the failed records' rows (a copy; the landing space is free at once)
+            kept = [k for k in range(n) if k not in failed]
+            rows = torch.cat([torch.arange(cu_l[k], cu_l[k + 1], dtype=torch.int64) for k in kept])
+            hidden = hidden.view(-1, rb).index_select(0, rows).view(-1)
+            token_ids = token_ids.index_select(0, rows)
+            keep = [descs[k] for k in kept]
+            lengths = lengths.index_select(0, torch.tensor(kept, dtype=torch.int64))
+            self._landing.free(off, size)
+        elif not direct:
+            self._landing.free(off, size)  # packed into owned memory
+        cu = torch.zeros(len(keep) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=cu[1:])
+        hs = hidden.view(schema.torch_dtype).view(-1, schema.planes, schema.hidden)
+        batch = RecordBatch(
+            schema,
+            tuple(d.record_id for d in keep),
+            hs,
+            token_ids,
+            cu,
+            torch.tensor([d.meta.start for d in keep], dtype=torch.int64),
+            torch.tensor([d.meta.num_prompt_tokens for d in keep], dtype=torch.int64),
+            tuple(d.meta.checksum for d in keep),
+        )
+        self.counters["records"] += len(keep)
+        self.counters["bytes"] += sum(d.nbytes for d in keep)
+        self.counters["batches"] += 1
+        if direct and not failed:
+            if not copy:
+                self._held[id(batch)] = (batch, off, size)
+            elif self._landing.lent + size <= self.lend_bytes and self._landing.free_bytes() >= size + PAGE:
+                buf = (ctypes.c_char * hidden_bytes).from_address(landing.data_ptr() + off)
+                weakref.finalize(buf, _give_back, self._landing.deferred, off, size, landing)
+                self._landing.lent += size
+                flat = torch.frombuffer(buf, dtype=torch.uint8)
+                batch.hidden_states = flat.view(schema.torch_dtype).view(-1, schema.planes, schema.hidden)
+            else:
+                batch.hidden_states = hs.clone()
+                self._landing.free(off, size)
+        return batch
+
+    def _table(self, landing: torch.Tensor, row_bytes: int) -> torch.Tensor:
+        """The landing buffer as rows of ``row_bytes`` (its tail that is not a whole row left out)."""
+        key = (landing.data_ptr(), row_bytes)
+        table = self._tables.get(key)
+        if table is None:
+            rows = landing.numel() // row_bytes
+            table = landing[: rows * row_bytes].view(rows, row_bytes)
+            self._tables = {k: v for k, v in self._tables.items() if k[0] == key[0]}
+            self._tables[key] = table
+        return table
+
+    def _abandon_leases(self, descs: Sequence[P.RecordDesc]) -> None:
+        self.counters["abandoned"] += len(descs)
+        self._settle([(d.lease, d.nonce, "abandoned") for d in descs])
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -806,34 +1165,33 @@ class ExportConsumer:
         self.close()
 
 
-class _RecordStream(Iterator[CaptureRecord]):
+class _Stream(Iterator[_T]):
+    """Items (records or batches) from successive claims, errors handed out in place (``on_error``), stopping
+    after ``idle_timeout_s`` without an item."""
+
     def __init__(
         self,
-        consumer: ExportConsumer,
-        batch: int,
+        fetch: Callable[[float], Sequence[_T | HsCompatError]],
         wait_s: float,
         idle_timeout_s: float | None,
-        copy: bool,
         on_error: str,
     ) -> None:
-        self._c = consumer
-        self._batch = batch
+        self._fetch = fetch
         self._wait_s = wait_s
         self._idle = idle_timeout_s
-        self._copy = copy
         self._on_error = on_error
-        self._buf: collections.deque[CaptureRecord | HsCompatError] = collections.deque()
+        self._buf: collections.deque[_T | HsCompatError] = collections.deque()
         self._last = time.monotonic()
 
-    def __iter__(self) -> _RecordStream:
+    def __iter__(self) -> _Stream[_T]:
         return self
 
-    def __next__(self) -> CaptureRecord:
+    def __next__(self) -> _T:
         while True:
             while self._buf:
                 item = self._buf.popleft()
-                if isinstance(item, CaptureRecord):
-                    self._last = time.monotonic()  # idle means: no record for idle_timeout_s
+                if not isinstance(item, HsCompatError):
+                    self._last = time.monotonic()  # idle means: no item for idle_timeout_s
                     return item
                 if self._on_error == "raise":
                     raise item
@@ -841,10 +1199,7 @@ class _RecordStream(Iterator[CaptureRecord]):
             if self._idle is not None and time.monotonic() - self._last > self._idle:
                 raise StopIteration
             wait = self._wait_s if self._idle is None else min(self._wait_s, max(0.0, self._idle))
-            items = self._c._claim_next_items(self._batch, wait)
+            items = self._fetch(wait)
             if items:
-                claims = [it for it in items if isinstance(it, Claim)]
-                results = iter(self._c.read(claims, self._copy) if claims else [])
-                for it in items:  # keep the producer's order, bad descriptors in place
-                    self._buf.append(next(results) if isinstance(it, Claim) else it)
+                self._buf.extend(items)
                 self._last = time.monotonic()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -281,6 +281,7 @@ ENCODER: Final = msgspec.msgpack.Encoder()
 _REQUEST_DECODER: Final = msgspec.msgpack.Decoder(Request)
 _REPLY_DECODER: Final = msgspec.msgpack.Decoder(Reply)
 _DESC_DECODER: Final = msgspec.msgpack.Decoder(RecordDesc)
+_DESC_LIST_DECODER: Final = msgspec.msgpack.Decoder(list[RecordDesc])
 _LEASE_REF_DECODER: Final = msgspec.msgpack.Decoder(LeaseRef)
 
 
@@ -314,6 +315,21 @@ def decode_descriptor(raw: bytes | memoryview) -> RecordDesc:
     """One record descriptor of a claim reply."""
     desc: RecordDesc = _decode(_DESC_DECODER, raw, "record descriptor")
     return desc
+
+
+def decode_descriptors(raws: Sequence[bytes]) -> list[RecordDesc]:
+    """Every descriptor of a claim reply in one decoder call (they are concatenated under one msgpack array
+    header).  Raises :class:`ProtocolError` if any of them does not fit; decode them one by one
+    (:func:`decode_descriptor`) to learn which."""
+    n = len(raws)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    descs: list[RecordDesc] = _decode(_DESC_LIST_DECODER, head + b"".join(raws), "record descriptors")
+    return descs
 
 
 def decode_lease_ref(raw: bytes | memoryview) -> LeaseRef | None:

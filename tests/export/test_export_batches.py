@@ -1,0 +1,289 @@
+"""Record batches (``ExportConsumer.iter_batches`` / ``next_batches``) on both transports: bit-exact against what
+was published, in both landing layouts (small records read whole and packed by a row gather; large ones read
+straight into the packed layout), every failure of one record its own named error, nothing lost uncounted."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from hsx_harness import ledger_balanced, producer_factory, wait_until
+from hsx_testdata import make_meta, make_rows
+
+from vllm_hs_compat.core.records import RecordMeta
+from vllm_hs_compat.export import (
+    ChecksumMismatchError,
+    DescriptorError,
+    ExportConsumer,
+    ExportProducer,
+    LeaseExpiredError,
+    RecordTooLargeError,
+)
+from vllm_hs_compat.export import consumer as consumer_mod
+from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.batch import RecordBatch, pack_index
+
+MiB = 1 << 20
+Make = Callable[..., ExportProducer]
+
+#: (tokens, planes, hidden, dtype): odd row sizes (21 bytes), one row, several schemas
+SHAPES = [(5, 3, 7, "uint8"), (1, 2, 64, "bfloat16"), (33, 2, 64, "bfloat16"), (7, 3, 128, "float16")]
+
+
+@pytest.fixture
+def make_producer(backend: str) -> Iterator[Make]:
+    with producer_factory(backend) as make:
+        yield make
+
+
+@pytest.fixture(params=["packed", "direct"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force one landing layout for every batch: ``direct`` (two descriptors per record, read in place) or
+    ``packed`` (one descriptor per record, then one row gather)."""
+    monkeypatch.setattr(consumer_mod, "BATCH_DIRECT_MIN_BYTES", 0 if request.param == "direct" else 1 << 40)
+    return str(request.param)
+
+
+def publish_all(p: ExportProducer, n: int, shapes: list[tuple[int, int, int, str]] = SHAPES) -> dict[str, Any]:
+    """``n`` records cycling through ``shapes``; their rows and metadata by id, in publish order."""
+    out: dict[str, Any] = {}
+    for i in range(n):
+        t, planes, hidden, dtype = shapes[i % len(shapes)]
+        rows = make_rows(100 + i, t + i % 3, planes, hidden, dtype)
+        meta = dataclasses.replace(make_meta(f"r-{i}", rows, i), start=i, num_prompt_tokens=2 * i + 1)
+        p.publish(meta, rows)
+        out[meta.request_id] = (rows, meta)
+    return out
+
+
+def check_batch(b: RecordBatch, sent: dict[str, Any]) -> None:
+    """Every record of ``b`` is bit-exact with what was published: rows, token ids, positions, metadata."""
+    assert b.cu_tokens[0] == 0 and b.cu_tokens[-1] == b.num_tokens == b.hidden_states.shape[0]
+    for i, rid in enumerate(b.record_ids):
+        rows, meta = sent[rid]
+        a, z = int(b.cu_tokens[i]), int(b.cu_tokens[i + 1])
+        assert torch.equal(b.hidden_states[a:z].view(torch.uint8), rows.view(torch.uint8))
+        assert b.token_ids[a:z].tolist() == list(meta.token_ids)
+        assert (int(b.start[i]), int(b.num_prompt_tokens[i])) == (meta.start, meta.num_prompt_tokens)
+        rec = b[i]
+        rec.check()  # the record view's checksum matches its bytes
+        assert rec.meta == dataclasses.replace(meta, checksum=rec.meta.checksum)
+        assert rec.meta.checksum == b.checksums[i]
+
+
+def test_batches_are_bit_exact_and_grouped_by_schema_in_order(backend: str, make_producer: Make, layout: str) -> None:
+    p = make_producer(num_slots=64, slot_bytes=64 << 10)
+    sent = publish_all(p, 24)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB) as c:
+        batches = list(c.iter_batches(max_records=10, wait_s=0.2, idle_timeout_s=0.5))
+        seen = [rid for b in batches for rid in b.record_ids]
+        assert sorted(seen) == sorted(sent)  # every record exactly once
+        for b in batches:
+            check_batch(b, sent)
+            s = b.schema
+            assert {(sent[r][1].dtype, sent[r][1].shape[1:]) for r in b.record_ids} == {(s.dtype, (s.planes, s.hidden))}
+            order = [int(r.split("-")[1]) for r in b.record_ids]
+            assert order == sorted(order)  # publish order within a batch
+        st = c.stats()
+        assert (st["records"], st["checksum_failures"], st["bad_descriptors"]) == (24, 0, 0)
+        assert st["batches"] == len(batches) == 3 * 3  # 3 claims (10, 10, 4), each with the 3 schemas of SHAPES
+    wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
+    st = p.stats()
+    assert st["delivered"] == 24
+    ledger_balanced(st)
+
+
+def test_a_damaged_record_fails_alone_and_its_batch_keeps_the_others(
+    backend: str, make_producer: Make, layout: str
+) -> None:
+    p = make_producer()
+    shapes = [(9, 2, 64, "bfloat16")]
+    sent = publish_all(p, 6, shapes)
+    buf = p.transport.buffer
+    hit = p.pool._by_record["r-1"]  # a flipped bit in its hidden states
+    buf[hit.offset + 5] ^= 0x10
+    ids = p.pool._by_record["r-4"]  # a flipped bit in its token ids
+    buf[ids.offset + P.decode_descriptor(ids.wire).ids_offset + 1] ^= 0x01
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = c.next_batches(max_records=16, wait_s=0.5)
+        (b,) = [g for g in got if isinstance(g, RecordBatch)]
+        errors = [g for g in got if not isinstance(g, RecordBatch)]
+        assert b.record_ids == ("r-0", "r-2", "r-3", "r-5")
+        check_batch(b, sent)
+        assert [type(e) for e in errors] == [ChecksumMismatchError, ChecksumMismatchError]
+        assert "'r-1'" in str(errors[0]) and "token ids" in str(errors[1]) and "'r-4'" in str(errors[1])
+        assert c.stats()["checksum_failures"] == 2
+        assert c.stats()["landing_pages_in_use"] == 0  # the dropped rows' space is free (a compacting copy)
+    wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
+    st = p.stats()
+    assert (st["delivered"], st["checksum_failed"]) == (4, 2)
+    ledger_balanced(st)
+
+
+def test_on_error_raise_hands_each_error_out_after_its_claims_batches(backend: str, make_producer: Make) -> None:
+    p = make_producer()
+    sent = publish_all(p, 3, [(4, 2, 64, "bfloat16")])
+    p.transport.buffer[p.pool._by_record["r-0"].offset] ^= 0xFF
+    with ExportConsumer(p.endpoint, p.token) as c:
+        stream = c.iter_batches(max_records=8, wait_s=0.2, idle_timeout_s=0.5)
+        b = next(stream)
+        assert b.record_ids == ("r-1", "r-2")
+        check_batch(b, sent)
+        with pytest.raises(ChecksumMismatchError, match="'r-0'"):
+            next(stream)
+        assert list(stream) == []  # the stream survives its error and ends when idle
+    skip = make_producer()
+    publish_all(skip, 2, [(4, 2, 64, "bfloat16")])
+    skip.transport.buffer[skip.pool._by_record["r-1"].offset] ^= 0xFF
+    with ExportConsumer(skip.endpoint, skip.token) as c:
+        got = list(c.iter_batches(max_records=8, wait_s=0.2, idle_timeout_s=0.5, on_error="skip"))
+        assert [b.record_ids for b in got] == [("r-0",)]
+        assert c.stats()["checksum_failures"] == 1
+
+
+def test_a_refused_descriptor_fails_its_record_alone_and_gives_its_lease_back(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    sent = publish_all(p, 4, [(3, 2, 64, "bfloat16")])
+    lease = p.pool._by_record["r-2"]
+    desc = P.decode_descriptor(lease.wire)
+    lease.wire = P.encode(msgspec.structs.replace(desc, nbytes=desc.nbytes + 8))  # disagrees with its shape
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = c.next_batches(max_records=8, wait_s=0.5)
+        batches = [g for g in got if isinstance(g, RecordBatch)]
+        errors = [g for g in got if not isinstance(g, RecordBatch)]
+        assert [b.record_ids for b in batches] == [("r-0", "r-1", "r-3")]
+        check_batch(batches[0], sent)
+        assert len(errors) == 1 and isinstance(errors[0], DescriptorError) and "'r-2'" in str(errors[0])
+        assert c.stats()["bad_descriptors"] == 1 and c.stats()["abandoned"] == 1
+    wait_until(lambda: p.occupancy() == 0, 5.0, "the refused record's lease to be given back")
+    st = p.stats()
+    assert (st["delivered"], st["abandoned"]) == (3, 1)
+    ledger_balanced(st)
+
+
+def test_undecodable_descriptors_fall_back_to_one_by_one(backend: str, make_producer: Make) -> None:
+    p = make_producer()
+    sent = publish_all(p, 3, [(3, 2, 64, "bfloat16")])
+    p.pool._by_record["r-1"].wire = b"\xc1garbage"  # not msgpack: its lease cannot be named, the TTL takes it
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = c.next_batches(max_records=8, wait_s=0.5)
+        (b,) = [g for g in got if isinstance(g, RecordBatch)]
+        assert b.record_ids == ("r-0", "r-2")
+        check_batch(b, sent)
+        (err,) = [g for g in got if not isinstance(g, RecordBatch)]
+        assert isinstance(err, DescriptorError) and "expires at the producer" in str(err)
+        assert c.stats()["bad_descriptors"] == 1
+
+
+def test_a_batch_is_split_to_fit_the_landing_buffer_and_a_record_too_large_fails_alone(
+    backend: str, make_producer: Make, layout: str
+) -> None:
+    p = make_producer()
+    sent = publish_all(p, 6, [(1024, 1, 128, "bfloat16")])  # 256 KiB each
+    big = make_rows(7, 4096, 1, 256, "bfloat16")  # 2 MiB: more than the landing buffer
+    p.publish(make_meta("big", big, 3), big)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=1 * MiB) as c:
+        got: list[Any] = []
+        for _ in range(20):
+            got += c.next_batches(max_records=16, wait_s=0.2)
+            if sum(len(b) if isinstance(b, RecordBatch) else 1 for b in got) == 7:
+                break
+        batches = [g for g in got if isinstance(g, RecordBatch)]
+        errors = [g for g in got if not isinstance(g, RecordBatch)]
+        assert sorted(r for b in batches for r in b.record_ids) == sorted(sent)
+        assert max(len(b) for b in batches) < 6  # split: 6 x 256 KiB do not fit in 1 MiB at once
+        for b in batches:
+            check_batch(b, sent)
+        assert [type(e) for e in errors] == [RecordTooLargeError] and "'big'" in str(errors[0])
+    wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
+    assert p.stats()["abandoned"] == 1
+
+
+def test_copy_false_views_the_landing_buffer_until_release_and_lent_space_comes_back(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer()
+    sent = publish_all(p, 4, [(512, 2, 64, "bfloat16")])  # 128 KiB each: the direct layout
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:
+        (b,) = c.next_batches(max_records=2, wait_s=0.5, copy=False)
+        assert isinstance(b, RecordBatch)
+        check_batch(b, sent)
+        landing = c._transport.landing if c._transport is not None else None
+        assert landing is not None
+        lo, hi = landing.data_ptr(), landing.data_ptr() + landing.numel()
+        assert lo <= b.hidden_states.data_ptr() < hi  # a view of the landing buffer
+        assert c.stats()["held_records"] == 1 and c.stats()["landing_pages_in_use"] > 0
+        c.release(b)
+        assert c.stats()["held_records"] == 0 and c.stats()["landing_pages_in_use"] == 0
+        (owned,) = c.next_batches(max_records=2, wait_s=0.5)  # copy=True: lent its landing space
+        assert isinstance(owned, RecordBatch)
+        check_batch(owned, sent)
+        assert c.stats()["lent_bytes"] > 0
+        del owned
+        gc.collect()
+        assert c.stats()["landing_pages_in_use"] == 0 and c.stats()["lent_bytes"] == 0
+
+
+def test_a_lease_that_expired_before_the_release_fails_every_record_of_it(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    p = make_producer(lease_ttl_s=0.3)
+    publish_all(p, 3, [(3, 2, 64, "bfloat16")])
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert c._transport is not None
+        real = c._transport.read
+
+        def slow(*a: Any, **kw: Any) -> None:
+            real(*a, **kw)
+            time.sleep(0.6)  # the leases run out while the bytes are "in flight"
+
+        monkeypatch.setattr(c._transport, "read", slow)
+        got = c.next_batches(max_records=8, wait_s=0.5)
+        assert [type(g) for g in got] == [LeaseExpiredError] * 3
+        assert c.stats()["lease_expired"] == 3 and c.stats()["records"] == 0
+        assert c.stats()["landing_pages_in_use"] == 0
+    st = p.stats()
+    assert st["expired_claimed"] == 3
+    ledger_balanced(st)
+
+
+def test_pack_index_gathers_runs_back_to_back() -> None:
+    starts = torch.tensor([10, 0, 7], dtype=torch.int64)
+    lengths = torch.tensor([2, 3, 1], dtype=torch.int64)
+    assert pack_index(starts, lengths).tolist() == [10, 11, 0, 1, 2, 7]
+    assert pack_index(torch.tensor([4]), torch.tensor([0])).tolist() == []
+
+
+def test_a_record_view_of_a_batch_is_a_full_record() -> None:
+    rows = make_rows(1, 3, 2, 8)
+    meta = make_meta("x", rows).with_checksum(5)
+    from vllm_hs_compat.export.batch import BatchSchema
+
+    s = BatchSchema(meta.layer_ids, True, "bfloat16", 2, 8, "xxh3_64", meta.vllm_version, meta.adapter)
+    b = RecordBatch(
+        s,
+        ("x",),
+        rows,
+        torch.tensor(meta.token_ids),
+        torch.tensor([0, 3]),
+        torch.tensor([0]),
+        torch.tensor([0]),
+        (5,),
+    )
+    assert len(b) == 1 and b[-1].meta == meta and isinstance(b[0].meta, RecordMeta)
+    with pytest.raises(IndexError):
+        b[1]
+    from vllm_hs_compat.errors import RecordFormatError
+
+    with pytest.raises(RecordFormatError, match="inconsistent"):
+        RecordBatch(s, ("x", "y"), rows, torch.tensor(meta.token_ids), torch.tensor([0, 3]), torch.tensor([0]),
+                    torch.tensor([0]), (5,))  # fmt: skip
