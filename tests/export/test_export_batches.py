@@ -26,7 +26,7 @@ from vllm_hs_compat.export import (
 )
 from vllm_hs_compat.export import consumer as consumer_mod
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.batch import RecordBatch, pack_index
+from vllm_hs_compat.export.batch import RecordBatch
 
 MiB = 1 << 20
 Make = Callable[..., ExportProducer]
@@ -43,8 +43,8 @@ def make_producer(backend: str) -> Iterator[Make]:
 
 @pytest.fixture(params=["packed", "direct"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Force one landing layout for every batch: ``direct`` (two descriptors per record, read in place) or
-    ``packed`` (one descriptor per record, then one row gather)."""
+    """Force one landing layout for every NIXL batch: ``direct`` (two descriptors per record, read in place) or
+    ``packed`` (one descriptor per record, then two memmoves; shm batches are always read in place)."""
     monkeypatch.setattr(consumer_mod, "BATCH_DIRECT_MIN_BYTES", 0 if request.param == "direct" else 1 << 40)
     return str(request.param)
 
@@ -256,13 +256,6 @@ def test_a_lease_that_expired_before_the_release_fails_every_record_of_it(
     ledger_balanced(st)
 
 
-def test_pack_index_gathers_runs_back_to_back() -> None:
-    starts = torch.tensor([10, 0, 7], dtype=torch.int64)
-    lengths = torch.tensor([2, 3, 1], dtype=torch.int64)
-    assert pack_index(starts, lengths).tolist() == [10, 11, 0, 1, 2, 7]
-    assert pack_index(torch.tensor([4]), torch.tensor([0])).tolist() == []
-
-
 def test_a_record_view_of_a_batch_is_a_full_record() -> None:
     rows = make_rows(1, 3, 2, 8)
     meta = make_meta("x", rows).with_checksum(5)
@@ -287,3 +280,54 @@ def test_a_record_view_of_a_batch_is_a_full_record() -> None:
     with pytest.raises(RecordFormatError, match="inconsistent"):
         RecordBatch(s, ("x", "y"), rows, torch.tensor(meta.token_ids), torch.tensor([0, 3]), torch.tensor([0]),
                     torch.tensor([0]), (5,))  # fmt: skip
+
+
+def test_many_ranges_in_one_read_are_checked_and_copied_exactly(backend: str, make_producer: Make) -> None:
+    """A read of many ranges (the numpy descriptor path of NIXL, the memmove path of shm) copies each range to its
+    place, and one range outside the pool refuses the whole read before anything moves."""
+    import time
+
+    p = make_producer()
+    rows = make_rows(3, 4096, 1, 128, "uint8")  # 512 KiB of random bytes in the pool
+    p.publish(make_meta("src", rows), rows)
+    lease = p.pool._by_record["src"]
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB) as c:
+        t = c._transport
+        assert t is not None
+        items = [(lease.offset + 4099 * k, 8192 * k + k, 517 + k) for k in range(40)]
+        t.read(items, b"", time.monotonic() + 10)
+        src = p.transport.buffer
+        for r, lo, n in items:
+            assert torch.equal(t.landing[lo : lo + n], src[r : r + n])
+        t.landing.zero_()
+        bad = [*items[:30], (p.pool.pool_bytes - 8, 0, 64), *items[30:]]
+        with pytest.raises(DescriptorError, match="outside the pool"):
+            t.read(bad, b"", time.monotonic() + 10)
+        assert int(t.landing.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("backend", ["shm"])
+def test_shm_copy_checksums_on_the_way_across_chunk_boundaries(backend: str, make_producer: Make) -> None:
+    """The shm copy that checksums each chunk right after copying it gives the checksum of exactly the first
+    ``checked`` bytes of each range as they landed, for ranges that are not whole chunks."""
+    import time
+
+    from vllm_hs_compat.core.records import checksum_bytes
+    from vllm_hs_compat.export import shm
+
+    p = make_producer()
+    rows = make_rows(4, 4096, 2, 256, "uint8")  # 2 MiB
+    p.publish(make_meta("src", rows), rows)
+    lease = p.pool._by_record["src"]
+    chunk = shm.COPY_CHUNK_BYTES
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:
+        t = c._transport
+        assert isinstance(t, shm.ShmConsumerTransport)
+        items = [(lease.offset, 0, 2 * chunk + 77, chunk + 5), (lease.offset + 13, 3 * chunk, chunk - 1, chunk - 1)]
+        got = t.read_checked(items, "xxh3_64", time.monotonic() + 10)
+        src = p.transport.buffer
+        for (r, lo, n, k), digest in zip(items, got, strict=True):
+            assert torch.equal(t.landing[lo : lo + n], src[r : r + n])
+            assert digest == checksum_bytes(bytes(src[r : r + k].numpy()), "xxh3_64")
+        with pytest.raises(DescriptorError):
+            t.read_checked([(lease.offset, 0, 16, 17)], "xxh3_64", time.monotonic() + 10)

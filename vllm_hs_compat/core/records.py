@@ -21,7 +21,7 @@ import ctypes
 import dataclasses
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -141,6 +141,18 @@ class ChecksumState:
         self.seen += n
         return self
 
+    def update_bytes(self, data: bytes | bytearray | memoryview) -> ChecksumState:
+        """Feed the next chunk as a byte buffer (what :meth:`update` does after its tensor checks)."""
+        n = len(data)
+        if self.seen + n > self.total:
+            raise RecordFormatError(f"checksum fed {self.seen + n} bytes, expected {self.total}")
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+        self.seen += n
+        return self
+
     def digest(self) -> int:
         """The checksum (an int in ``[0, 2**64)``); every byte must have been fed."""
         if self.seen != self.total:
@@ -157,6 +169,21 @@ def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = DEFAUL
     if algorithm == "crc32":
         return zlib.crc32(data) & 0xFFFFFFFF
     raise RecordFormatError(f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}")
+
+
+def checksum_function(algorithm: str) -> Callable[[bytes | bytearray | memoryview], int]:
+    """The function :func:`checksum_bytes` calls for ``algorithm`` (looked up once for a loop over many
+    records)."""
+    if algorithm == "xxh3_64":
+        fn: Callable[[bytes | bytearray | memoryview], int] = _xxhash().xxh3_64_intdigest
+        return fn
+    if algorithm == "crc32":
+        return _crc32
+    raise RecordFormatError(f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}")
+
+
+def _crc32(data: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 def compute_checksum(data: torch.Tensor, algorithm: str = DEFAULT_CHECKSUM) -> int:

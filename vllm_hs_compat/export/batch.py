@@ -22,7 +22,6 @@ Pure: torch and the standard library.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from vllm_hs_compat.core.records import SCHEMA_VERSION, CaptureRecord, RecordMeta, torch_dtype
 from vllm_hs_compat.errors import RecordFormatError
 
-__all__ = ["BatchSchema", "RecordBatch", "pack_index"]
+__all__ = ["BatchSchema", "RecordBatch"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,20 +169,3 @@ class RecordBatch(Sequence[CaptureRecord]):
             f"RecordBatch({len(self)} records, {self.num_tokens} tokens, planes {list(s.layer_ids)}, "
             f"hidden {s.hidden}, {s.dtype})"
         )
-
-
-def pack_index(row_starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Row indices that gather records of ``lengths[k]`` rows starting at row ``row_starts[k]`` back to back:
-    ``[row_starts[0], ..., row_starts[0] + lengths[0] - 1, row_starts[1], ...]`` (int64, whole-batch ops)."""
-    total = int(lengths.sum())
-    cu = torch.zeros(lengths.numel(), dtype=torch.int64)
-    if lengths.numel() > 1:
-        torch.cumsum(lengths[:-1], 0, out=cu[1:])
-    shift = torch.repeat_interleave(row_starts - cu, lengths, output_size=total)
-    return shift.add_(torch.arange(total, dtype=torch.int64))
-
-
-def row_alignment(row_bytes: int) -> int:
-    """Where a record may start in a landing region read whole (hidden states then token ids) so that its rows
-    are rows of the region's row table and its token ids are 4-byte aligned."""
-    return math.lcm(row_bytes, 8)

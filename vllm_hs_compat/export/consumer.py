@@ -53,11 +53,12 @@ from vllm_hs_compat.core.records import (
     RecordMeta,
     byte_view,
     checksum_bytes,
+    checksum_function,
     dtype_itemsize,
 )
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.batch import BatchSchema, RecordBatch, pack_index, row_alignment
+from vllm_hs_compat.export.batch import BatchSchema, RecordBatch
 from vllm_hs_compat.export.control import ControlClient, read_token, server_key
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmConsumerTransport
@@ -77,9 +78,10 @@ PIECE_MAX_BYTES = 8 << 20
 #: An owned record smaller than this is copied (malloc'd memory, already faulted in: a copy costs about what
 #: lending costs), so small records a caller keeps do not fragment the landing buffer.
 LEND_MIN_BYTES = 64 << 10
-#: A batch whose records average at least this many bytes is read straight into its packed layout (two
-#: descriptors per record: hidden states, token ids); smaller records are read whole (one descriptor each, what a
-#: NIXL request costs per descriptor is then the bound) and packed by one row gather.
+#: Over NIXL, a batch whose records average at least this many bytes is read straight into its packed layout
+#: (two descriptors per record: hidden states, token ids); smaller records are read whole (one descriptor each:
+#: a descriptor costs a NIXL request about 2 us) and packed by two memmoves each (cheaper than a descriptor).
+#: Over shm every batch is copied straight into its packed layout.
 BATCH_DIRECT_MIN_BYTES = 64 << 10
 
 
@@ -265,7 +267,6 @@ class ExportConsumer:
         self._transport: ConsumerTransport | None = None
         self._landing = _Landing(landing_bytes)
         self._held: dict[int, tuple[CaptureRecord | RecordBatch, int, int]] = {}
-        self._tables: dict[tuple[int, int], torch.Tensor] = {}
         self.producer: str | None = None
         self.hello: dict[str, Any] = {}
         self._hello: P.HelloReply | None = None
@@ -649,6 +650,14 @@ class ExportConsumer:
         thread checksums piece k, so verification costs only the last piece's checksum on top of the transfer
         when a second core is free (one core: it costs what it costs serially, plus about 50 us per piece)."""
         total = sum(c.extent for _, c, _ in group)
+        checked = getattr(transport, "read_checked", None)
+        if checked is not None and self.verify_checksum:  # shm: each chunk checksummed right after its copy
+            algorithms = {c.meta.checksum_algorithm for _, c, _ in group}
+            if len(algorithms) == 1:
+                digests: list[int] = checked(
+                    [(c.offset, off, c.extent, c.nbytes) for _, c, off in group], algorithms.pop(), deadline
+                )
+                return list(digests)
         if not (self.overlap_verification and self.verify_checksum) or total < OVERLAP_MIN_BYTES:
             transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
             return [None] * len(group)
@@ -972,14 +981,14 @@ class ExportConsumer:
         lengths_l = [d.meta.shape[0] for d in descs]
         total = sum(lengths_l)
         hidden_bytes = total * rb
-        direct = hidden_bytes >= n * BATCH_DIRECT_MIN_BYTES
+        # shm copies each part with a memmove anyway: straight into the packed layout, whatever the size
+        direct = transport.kind == "shm" or hidden_bytes >= n * BATCH_DIRECT_MIN_BYTES
         if direct:  # [hidden states of every record][token ids of every record], read in place
             ids_at = -(-hidden_bytes // 8) * 8
             size = ids_at + 4 * total
-        else:  # each record read whole at a row-aligned place, then packed by one row gather
-            align = row_alignment(rb)
-            slots = [-(-d.extent // align) * align for d in descs]
-            size = sum(slots) + align
+        else:  # each record read whole (one descriptor), then packed into owned memory
+            slots = [-(-d.extent // 8) * 8 for d in descs]
+            size = sum(slots)
         off = self._landing.alloc(size)
         if off is None and self._landing.lent:
             gc.collect()  # owned records in reference cycles: give their lent space back first
@@ -1010,9 +1019,8 @@ class ExportConsumer:
             items += [(d.offset + d.ids_offset, off + ids_at + 4 * cu_l[k], 4 * d.meta.shape[0])
                       for k, d in enumerate(descs)]  # fmt: skip
         else:
-            base = -(-off // align) * align
             places = [0] * n
-            at = base
+            at = off
             for k, s in enumerate(slots):
                 places[k] = at
                 at += s
@@ -1030,28 +1038,33 @@ class ExportConsumer:
                 self._abandon_leases(descs)
             return None
         lengths = torch.tensor(lengths_l, dtype=torch.int64)
-        if direct:
-            hidden = landing[off : off + hidden_bytes]
-            ids32 = landing[off + ids_at : off + ids_at + 4 * total].view(torch.int32)
-        else:
-            starts = torch.tensor(places, dtype=torch.int64)
-            hidden = self._table(landing, rb).index_select(0, pack_index(starts // rb, lengths)).view(-1)
-            id_starts = (starts + torch.tensor([d.ids_offset for d in descs], dtype=torch.int64)) // 4
-            ids32 = self._table(landing, 4).view(-1).view(torch.int32).index_select(0, pack_index(id_starts, lengths))
-        # verify: the bytes handed out, record by record
-        hv, iv = byte_view(hidden), byte_view(ids32)
         algorithm = schema.checksum_algorithm
+        digest = checksum_function(algorithm)
         verify = self.verify_checksum
         outcomes: list[tuple[int, str, str]] = []
         failed: dict[int, HsCompatError] = {}
+        if direct:
+            hidden = landing[off : off + hidden_bytes]
+            ids32 = landing[off + ids_at : off + ids_at + 4 * total].view(torch.int32)
+        else:  # packed into owned memory by one C memmove per part (no torch op per record, no thread pool)
+            hidden = torch.empty(hidden_bytes, dtype=torch.uint8)
+            ids32 = torch.empty(total, dtype=torch.int32)
+            hout, iout, lbase = hidden.data_ptr(), ids32.data_ptr(), landing.data_ptr()
+            move = ctypes.memmove
+            for k, d in enumerate(descs):
+                a = cu_l[k]
+                move(hout + a * rb, lbase + places[k], d.nbytes)
+                move(iout + 4 * a, lbase + places[k] + d.ids_offset, 4 * (cu_l[k + 1] - a))
+        # verify: the bytes handed out, record by record
+        hv, iv = byte_view(hidden), byte_view(ids32)
         for k, d in enumerate(descs):
             a, b = cu_l[k], cu_l[k + 1]
-            if verify and checksum_bytes(hv[a * rb : b * rb], algorithm) != d.meta.checksum:
+            if verify and digest(hv[a * rb : b * rb]) != d.meta.checksum:
                 failed[k] = E.ChecksumMismatchError(
                     f"record {d.record_id!r}: {algorithm} of the {d.nbytes} bytes read does not match the "
                     "producer's checksum; the slot was overwritten or the transfer torn"
                 )
-            elif checksum_bytes(iv[4 * a : 4 * b], algorithm) != d.ids_checksum:
+            elif digest(iv[4 * a : 4 * b]) != d.ids_checksum:
                 failed[k] = E.ChecksumMismatchError(
                     f"record {d.record_id!r}: the {b - a} token ids read do not match their {algorithm} checksum; "
                     "the slot was overwritten or the transfer torn"
@@ -1112,17 +1125,6 @@ class ExportConsumer:
                 batch.hidden_states = hs.clone()
                 self._landing.free(off, size)
         return batch
-
-    def _table(self, landing: torch.Tensor, row_bytes: int) -> torch.Tensor:
-        """The landing buffer as rows of ``row_bytes`` (its tail that is not a whole row left out)."""
-        key = (landing.data_ptr(), row_bytes)
-        table = self._tables.get(key)
-        if table is None:
-            rows = landing.numel() // row_bytes
-            table = landing[: rows * row_bytes].view(rows, row_bytes)
-            self._tables = {k: v for k, v in self._tables.items() if k[0] == key[0]}
-            self._tables[key] = table
-        return table
 
     def _abandon_leases(self, descs: Sequence[P.RecordDesc]) -> None:
         self.counters["abandoned"] += len(descs)

@@ -63,6 +63,8 @@ class UcxSettings:
 #: Import names tried in order: the ``nixl`` meta package (it picks the CUDA major itself), then the backend
 #: wheels directly, so ``pip install nixl-cu12`` alone (no meta package, no CUDA 13 libraries) is enough.
 NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+#: A read of at least this many ranges builds its descriptor lists as numpy arrays (see `_read_many`).
+MANY_RANGES = 16
 LEAN_INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 
 
@@ -240,6 +242,9 @@ class NixlConsumerTransport:
             raise E.StaleMetadataError("no producer attached; call attach() first")
         cap = self.landing.numel()
         lbase = int(self.landing.data_ptr())
+        if len(items) >= MANY_RANGES:
+            self._read_many(items, cap, lbase, notif, deadline)
+            return
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         for roff, loff, n in items:
@@ -252,10 +257,35 @@ class NixlConsumerTransport:
             remote.append((self._base + roff, n, 0))
         self._read_raw(local, remote, notif, deadline)
 
+    def _read_many(
+        self, items: Sequence[tuple[int, int, int]], cap: int, lbase: int, notif: bytes, deadline: float
+    ) -> None:
+        """:meth:`read` of many ranges: checked and turned into NIXL's ``N x 3`` descriptor arrays with whole-array
+        operations (NIXL reads numpy arrays of descriptors without a Python object per descriptor)."""
+        import numpy as np
+
+        arr = np.asarray(items, dtype=np.int64).reshape(-1, 3)
+        roff, loff, n = arr[:, 0], arr[:, 1], arr[:, 2]
+        bad = (roff < 0) | (n <= 0) | (roff + n > self._size) | (loff < 0) | (loff + n > cap)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            r, lo, m = (int(x) for x in arr[k])
+            raise E.DescriptorError(
+                f"range remote[{r}:{r + m}] -> landing[{lo}:{lo + m}] is outside the pool ({self._size} bytes) or "
+                f"the landing buffer ({cap} bytes)"
+            )
+        local = np.zeros_like(arr)
+        local[:, 0] = loff + lbase
+        local[:, 1] = n
+        remote = np.zeros_like(arr)
+        remote[:, 0] = roff + self._base
+        remote[:, 1] = n
+        self._read_raw(local, remote, notif, deadline)
+
     def _read_raw(
         self,
-        local: list[tuple[int, int, int]],
-        remote: list[tuple[int, int, int]],
+        local: Any,
+        remote: Any,
         notif: bytes,
         deadline: float,
     ) -> None:
@@ -271,7 +301,7 @@ class NixlConsumerTransport:
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise E.ExportTimeoutError(
-                        f"NIXL READ of {sum(n for _, n, _ in local)} bytes still in progress at its "
+                        f"NIXL READ of {sum(int(d[1]) for d in local)} bytes still in progress at its "
                         "deadline; "
                         "the producer may be stalled (is its pump running?) or the network down"
                     )

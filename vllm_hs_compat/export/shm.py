@@ -18,6 +18,7 @@ earlier release (``hsx-<pid>-...``, no lock) and this one out of each other's sw
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -31,12 +32,17 @@ from typing import Any, Final
 import torch
 
 from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.records import ChecksumState, byte_view
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.transport import host_buffer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR: Final = "/dev/shm"
+#: Ranges are copied by C ``memmove`` calls of at most this many bytes (the GIL released during each): chunks
+#: this size stay in cache, so a checksum right after each chunk's copy reads it from there (``read_checked``),
+#: and on a busy host they avoid torch's intra-op thread pool (a 2 MiB ``copy_`` waited ms for a busy core).
+COPY_CHUNK_BYTES: Final = 256 << 10
 _NAME_RE: Final = re.compile(r"^hsx2-(\d+)-([0-9a-f]{8,64})\.pool$")
 _TMP_RE: Final = re.compile(r"^\.hsx2-([0-9a-f]{8,64})\.tmp$")
 
@@ -205,22 +211,54 @@ class ShmConsumerTransport:
                 pass
             self._mm = None
 
-    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
-        """Copy ``(remote_offset, local_offset, nbytes)`` ranges; each is checked against both buffers first."""
+    def _check(self, items: Sequence[tuple[int, ...]]) -> torch.Tensor:
         remote = self._remote
         if remote is None:
             raise E.StaleMetadataError("no producer attached; call attach() first")
         cap = self.landing.numel()
-        for roff, loff, n in items:
+        for roff, loff, n, *_ in items:
             if roff < 0 or n < 0 or roff + n > self._size or loff < 0 or loff + n > cap:
                 raise E.DescriptorError(
                     f"range remote[{roff}:{roff + n}] -> landing[{loff}:{loff + n}] is outside the pool "
                     f"({self._size} bytes) or the landing buffer ({cap} bytes)"
                 )
+        return remote
+
+    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+        """Copy ``(remote_offset, local_offset, nbytes)`` ranges; each is checked against both buffers first."""
+        remote = self._check(items)
+        lbase, rbase = self.landing.data_ptr(), remote.data_ptr()
+        move = ctypes.memmove
         for roff, loff, n in items:
             if time.monotonic() > deadline:
                 raise E.ExportTimeoutError("shared-memory copy ran past its deadline")
-            self.landing[loff : loff + n].copy_(remote[roff : roff + n])
+            for at in range(0, n, COPY_CHUNK_BYTES):
+                move(lbase + loff + at, rbase + roff + at, min(COPY_CHUNK_BYTES, n - at))
+
+    def read_checked(self, items: Sequence[tuple[int, int, int, int]], algorithm: str, deadline: float) -> list[int]:
+        """:meth:`read` of ``(remote_offset, local_offset, nbytes, checked_bytes)`` ranges that also returns, per
+        range, the checksum of its first ``checked_bytes`` bytes as copied, computed chunk by chunk right after
+        each chunk's copy, while the chunk is still in cache (measured on 2 vCPUs: a 64 MiB copy and its
+        xxh3_64 this way cost about what a plain 64 MiB copy costs; the copy and then a checksum pass, 1.5x)."""
+        for _, _, n, checked in items:
+            if not 0 <= checked <= n:
+                raise E.DescriptorError(f"checksum over {checked} bytes of a {n}-byte range")
+        remote = self._check(items)
+        lbase, rbase = self.landing.data_ptr(), remote.data_ptr()
+        view = byte_view(self.landing)
+        move = ctypes.memmove
+        out: list[int] = []
+        for roff, loff, n, checked in items:
+            state = ChecksumState(algorithm, checked)
+            for at in range(0, n, COPY_CHUNK_BYTES):
+                if time.monotonic() > deadline:
+                    raise E.ExportTimeoutError("shared-memory copy ran past its deadline")
+                m = min(COPY_CHUNK_BYTES, n - at)
+                move(lbase + loff + at, rbase + roff + at, m)
+                if at < checked:
+                    state.update_bytes(view[loff + at : loff + min(at + m, checked)])
+            out.append(state.digest())
+        return out
 
     def close(self) -> None:
         self.detach()

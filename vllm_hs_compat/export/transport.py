@@ -43,7 +43,11 @@ class ProducerTransport(Protocol):
 
 
 class ConsumerTransport(Protocol):
-    """The trainer side: a landing buffer and reads into it."""
+    """The trainer side: a landing buffer and reads into it.
+
+    A transport that copies with the CPU may also offer ``read_checked(items, algorithm, deadline) -> digests``
+    (:meth:`ShmConsumerTransport.read_checked <vllm_hs_compat.export.shm.ShmConsumerTransport.read_checked>`):
+    the copy with each range's checksum computed on the way; the consumer uses it when it is there."""
 
     kind: str
     #: where records land, a 1-D CPU uint8 tensor
