@@ -331,3 +331,29 @@ def test_shm_copy_checksums_on_the_way_across_chunk_boundaries(backend: str, mak
             assert digest == checksum_bytes(bytes(src[r : r + k].numpy()), "xxh3_64")
         with pytest.raises(DescriptorError):
             t.read_checked([(lease.offset, 0, 16, 17)], "xxh3_64", time.monotonic() + 10)
+
+
+def test_a_descriptor_whose_nonce_is_not_hex_fails_its_record_alone_on_both_paths(
+    backend: str, make_producer: Make
+) -> None:
+    """The nonce's hex pattern is checked by the consumer (not by the descriptor decoder): a bad one fails its
+    record alone, and no release names it (the producer would refuse that release whole)."""
+    p = make_producer(lease_ttl_s=0.5)
+    sent = publish_all(p, 6, [(3, 2, 64, "bfloat16")])
+    for rid in ("r-1", "r-4"):
+        lease = p.pool._by_record[rid]
+        lease.wire = P.encode(msgspec.structs.replace(P.decode_descriptor(lease.wire), nonce="z" * 16))
+    with ExportConsumer(p.endpoint, p.token) as c:
+        got = c.next_batches(max_records=3, wait_s=0.5)  # the batch path: r-0, r-1, r-2
+        (b,) = [g for g in got if isinstance(g, RecordBatch)]
+        assert b.record_ids == ("r-0", "r-2")
+        check_batch(b, sent)
+        (err,) = [g for g in got if not isinstance(g, RecordBatch)]
+        assert isinstance(err, DescriptorError) and "'r-1'" in str(err) and "expires at the producer" in str(err)
+        rest = list(c.iter_records(batch=3, wait_s=0.2, idle_timeout_s=0.5, on_error="skip"))  # the record path
+        assert [r.meta.request_id for r in rest] == ["r-3", "r-5"]
+        assert c.stats()["bad_descriptors"] == 2 and c.stats()["abandoned"] == 0
+    wait_until(lambda: p.occupancy() == 0, 5.0, "the two leases to expire")
+    st = p.stats()
+    assert (st["delivered"], st["expired_claimed"]) == (4, 2)
+    ledger_balanced(st)

@@ -111,6 +111,8 @@ class Claim:
         m = d.meta
         if m.request_id != d.record_id:
             raise E.RecordFormatError(f"descriptor for {d.record_id!r} carries metadata of {m.request_id!r}")
+        if not P.is_nonce(d.nonce):
+            raise E.RecordFormatError(f"descriptor for {d.record_id!r} carries a nonce that is not 16 hex digits")
         if m.checksum_algorithm not in CHECKSUM_ALGORITHMS:
             raise E.RecordFormatError(
                 f"record {d.record_id!r}: unknown checksum algorithm {m.checksum_algorithm!r}; expected one of "
@@ -433,6 +435,8 @@ class ExportConsumer:
         lease noted in ``bad`` to be given back when it can be read."""
         self.counters["bad_descriptors"] += 1
         ref = P.decode_lease_ref(what) if isinstance(what, bytes) else what
+        if ref is not None and not P.is_nonce(ref.nonce):
+            ref = None  # a release naming it would be refused whole: its TTL reclaims it
         if ref is not None:
             bad.append((ref.lease, ref.nonce, "abandoned"))
         name = ref.record_id if ref is not None and ref.record_id else "?"
@@ -942,6 +946,7 @@ class ExportConsumer:
         rb = schema.planes * schema.hidden * dtype_itemsize(schema.dtype)
         pool = self._hello.pool_bytes if self._hello is not None else 0
         producer = self.producer
+        is_nonce = P.is_nonce
         good: list[P.RecordDesc] = []
         refused: list[tuple[int, str, str]] = []
         for d in descs:
@@ -951,6 +956,7 @@ class ExportConsumer:
             if (
                 d.producer == producer
                 and m.request_id == d.record_id
+                and is_nonce(d.nonce)
                 and nb == t * rb
                 and d.ids_offset == ids_at
                 and d.extent == ids_at + 4 * t

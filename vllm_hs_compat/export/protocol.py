@@ -184,17 +184,21 @@ class MetaWire(msgspec.Struct, forbid_unknown_fields=True):
 
 class RecordDesc(msgspec.Struct, forbid_unknown_fields=True):
     """Where a leased record lies in the pool: ``[offset, offset + extent)`` holds the hidden states
-    (``nbytes``) and, from ``ids_offset`` on, the token ids as little-endian uint32 (``ids_checksum``)."""
+    (``nbytes``) and, from ``ids_offset`` on, the token ids as little-endian uint32 (``ids_checksum``).
+
+    ``nonce`` and ``producer`` carry their lengths here but not their hex patterns (a regular expression per
+    string cost 1.4 us of a 2.8 us descriptor decode, per record): the consumer checks the nonce with
+    :func:`is_nonce` before it uses it and requires ``producer`` to equal the instance it attached to."""
 
     record_id: RecordId
     lease: LeaseId
-    nonce: Nonce
+    nonce: Annotated[str, msgspec.Meta(min_length=16, max_length=16)]
     offset: Offset
     nbytes: Size
     ids_offset: Offset
     extent: Size
     ids_checksum: U64
-    producer: InstanceId
+    producer: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     meta: MetaWire
 
 
@@ -346,7 +350,12 @@ def decode_lease_ref(raw: bytes | memoryview) -> LeaseRef | None:
 
 
 def _is_hex(s: str) -> bool:
-    return all(c in "0123456789abcdef" for c in s)
+    return not s.strip("0123456789abcdef")
+
+
+def is_nonce(s: str) -> bool:
+    """``s`` is a lease nonce: 16 lowercase hex digits (what :data:`Nonce` requires)."""
+    return len(s) == 16 and _is_hex(s)
 
 
 def check_header(frame: bytes) -> None:
