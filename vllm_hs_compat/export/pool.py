@@ -266,9 +266,9 @@ class LeasePool:
                 self._free_locked(lease)
 
     # --- consumer side --------------------------------------------------------------------------------------
-    def _claim_locked(self, lease: Lease) -> Lease:
+    def _claim_locked(self, lease: Lease, now: float | None = None) -> Lease:
         lease.state = LeaseState.CLAIMED
-        lease.deadline = self._clock() + self.lease_ttl_s
+        lease.deadline = (self._clock() if now is None else now) + self.lease_ttl_s
         self._ready.pop(lease.lease_id, None)
         self._claimed[lease.lease_id] = lease
         self._counters["claimed"] += 1
@@ -322,7 +322,8 @@ class LeasePool:
                     spent += c
                 total += lease.nbytes
                 take.append(lease)
-            return [self._claim_locked(lease) for lease in take]
+            now = self._clock()
+            return [self._claim_locked(lease, now) for lease in take]
 
     def ready_wire_size(self, record_id: str) -> int | None:
         """Encoded descriptor size of READY record ``record_id`` (None when it is not READY)."""
@@ -496,4 +497,7 @@ def _snapshot(lease: Lease) -> Lease:
 
 def _same(a: str, b: str) -> bool:
     """Constant-time equality of two nonces; any str (non-ASCII included) compares, never raises."""
-    return secrets.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+    try:
+        return secrets.compare_digest(a, b)  # ASCII strings (every real nonce): no encoding
+    except TypeError:
+        return secrets.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
