@@ -49,6 +49,7 @@ from vllm_hs_compat.errors import (
 )
 
 if TYPE_CHECKING:
+    from vllm_hs_compat.export.batch import BatchSchema, RecordBatch
     from vllm_hs_compat.export.capabilities import CapabilityKey, mint
     from vllm_hs_compat.export.consumer import Claim, ExportConsumer
     from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
 #: Imported on first use (PEP 562), so ``import vllm_hs_compat.export`` does not pay for ZeroMQ and msgspec
 #: until a producer, a consumer or a ticket is asked for.
 _LAZY = {
+    "BatchSchema": "batch",
+    "RecordBatch": "batch",
     "CapabilityKey": "capabilities",
     "mint": "capabilities",
     "Claim": "consumer",
@@ -90,6 +93,7 @@ __all__ = [
     "PARAMS_KEY",
     "WIRE_VERSION",
     "AuthError",
+    "BatchSchema",
     "CapabilityError",
     "CapabilityKey",
     "CaptureRecord",
@@ -112,6 +116,7 @@ __all__ = [
     "ProtocolError",
     "RecordFailedError",
     "RecordFormatError",
+    "RecordBatch",
     "RecordMeta",
     "RecordTooLargeError",
     "RemoteDisconnectedError",

@@ -9,6 +9,9 @@
     for rec in ExportConsumer(endpoint, token).iter_records(batch=64, idle_timeout_s=30):   # trainer only
         ...
 
+    for batch in ExportConsumer(endpoint, token).iter_batches(max_records=256):   # many small records, fast
+        batch.hidden_states, batch.token_ids, batch.cu_tokens    # packed, see vllm_hs_compat.export.batch
+
 Two kinds of consumer:
 
 * a **trainer** (``token``): claims any record or streams them all, and reads over the producer's data
@@ -1068,15 +1071,14 @@ class ExportConsumer:
         if direct:
             hidden = landing[off : off + hidden_bytes]
             ids32 = landing[off + ids_at : off + ids_at + 4 * total].view(torch.int32)
-        else:  # packed into owned memory by one C memmove per part (no torch op per record, no thread pool)
+        else:  # packed into owned memory by buffer slice copies (a C memcpy each; no torch op per record)
             hidden = torch.empty(hidden_bytes, dtype=torch.uint8)
             ids32 = torch.empty(total, dtype=torch.int32)
-            hout, iout, lbase = hidden.data_ptr(), ids32.data_ptr(), landing.data_ptr()
-            move = ctypes.memmove
+            hout, iout, lv = byte_view(hidden), byte_view(ids32), self._bytes_of(landing)
             for k, d in enumerate(descs):
-                a = cu_l[k]
-                move(hout + a * rb, lbase + places[k], d.nbytes)
-                move(iout + 4 * a, lbase + places[k] + d.ids_offset, 4 * (cu_l[k + 1] - a))
+                a, b, at = cu_l[k], cu_l[k + 1], places[k]
+                hout[a * rb : b * rb] = lv[at : at + d.nbytes]
+                iout[4 * a : 4 * b] = lv[at + d.ids_offset : at + d.extent]
         # verify: the bytes handed out, record by record
         hv, iv = byte_view(hidden), byte_view(ids32)
         for k, d in enumerate(descs):

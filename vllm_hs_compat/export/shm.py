@@ -43,6 +43,8 @@ DEFAULT_SHM_DIR: Final = "/dev/shm"
 #: this size stay in cache, so a checksum right after each chunk's copy reads it from there (``read_checked``),
 #: and on a busy host they avoid torch's intra-op thread pool (a 2 MiB ``copy_`` waited ms for a busy core).
 COPY_CHUNK_BYTES: Final = 256 << 10
+#: Ranges up to this size are copied by a buffer slice assignment (the GIL held; cheaper than a ctypes call).
+SMALL_COPY_BYTES: Final = 64 << 10
 _NAME_RE: Final = re.compile(r"^hsx2-(\d+)-([0-9a-f]{8,64})\.pool$")
 _TMP_RE: Final = re.compile(r"^\.hsx2-([0-9a-f]{8,64})\.tmp$")
 
@@ -167,6 +169,8 @@ class ShmConsumerTransport:
         self._mm: mmap.mmap | None = None
         self._remote: torch.Tensor | None = None
         self._size = 0
+        self._view_key = (0, 0)
+        self._view_cache = (memoryview(b""), memoryview(b""))
 
     def attach(self, info: Mapping[str, Any] | P.ShmInfo | P.NixlInfo) -> None:
         """Map the pool ``info`` (the producer's ``describe()``) names; forgets any earlier producer."""
@@ -204,6 +208,8 @@ class ShmConsumerTransport:
 
     def detach(self) -> None:
         self._remote = None
+        self._view_key = (0, 0)  # the views address the map that is about to go
+        self._view_cache = (memoryview(b""), memoryview(b""))
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -228,12 +234,23 @@ class ShmConsumerTransport:
         """Copy ``(remote_offset, local_offset, nbytes)`` ranges; each is checked against both buffers first."""
         remote = self._check(items)
         lbase, rbase = self.landing.data_ptr(), remote.data_ptr()
+        lv, rv = self._views(remote)
         move = ctypes.memmove
         for roff, loff, n in items:
             if time.monotonic() > deadline:
                 raise E.ExportTimeoutError("shared-memory copy ran past its deadline")
+            if n <= SMALL_COPY_BYTES:  # a buffer slice copy: one C memcpy, half the cost of a ctypes call
+                lv[loff : loff + n] = rv[roff : roff + n]
+                continue
             for at in range(0, n, COPY_CHUNK_BYTES):
                 move(lbase + loff + at, rbase + roff + at, min(COPY_CHUNK_BYTES, n - at))
+
+    def _views(self, remote: torch.Tensor) -> tuple[memoryview, memoryview]:
+        key = (self.landing.data_ptr(), remote.data_ptr())
+        if self._view_key != key:
+            self._view_cache = (byte_view(self.landing), byte_view(remote))
+            self._view_key = key
+        return self._view_cache
 
     def read_checked(self, items: Sequence[tuple[int, int, int, int]], algorithm: str, deadline: float) -> list[int]:
         """:meth:`read` of ``(remote_offset, local_offset, nbytes, checked_bytes)`` ranges that also returns, per
