@@ -357,3 +357,80 @@ def test_a_descriptor_whose_nonce_is_not_hex_fails_its_record_alone_on_both_path
     st = p.stats()
     assert (st["delivered"], st["expired_claimed"]) == (4, 2)
     ledger_balanced(st)
+
+
+# --- releases posted without waiting for their answers ----------------------------------------------------------
+def test_releases_far_from_the_deadline_are_posted_and_the_ledger_still_settles_exactly(
+    backend: str, make_producer: Make
+) -> None:
+    p = make_producer(num_slots=64, slot_bytes=64 << 10)
+    sent = publish_all(p, 12, [(5, 2, 64, "bfloat16")])
+    with ExportConsumer(p.endpoint, p.token) as c:
+        recs = [c.fetch(f"r-{i}") for i in range(4)]  # one posted release each
+        assert [r.meta.request_id for r in recs] == ["r-0", "r-1", "r-2", "r-3"]
+        batches = [b for b in c.next_batches(max_records=8, wait_s=0.5) if isinstance(b, RecordBatch)]
+        for b in batches:
+            check_batch(b, sent)
+        assert c.stats()["deferred_releases"] == 12
+        assert c.settle_pending(5.0) == 0  # every answer arrived
+        assert c.stats()["late_verdicts"] == 0
+        st = p.stats()
+        assert (st["delivered"], st["leases_claimed"]) == (12, 0)
+        ledger_balanced(st)
+
+
+def test_close_collects_the_answers_of_posted_releases(backend: str, make_producer: Make) -> None:
+    p = make_producer()
+    publish_all(p, 3, [(5, 2, 64, "bfloat16")])
+    with ExportConsumer(p.endpoint, p.token) as c:
+        for i in range(3):
+            c.fetch(f"r-{i}")
+    assert c.stats()["unanswered_releases"] == 0 and c.stats()["deferred_releases"] == 3
+    st = p.stats()  # no waiting: close() collected the answers, so the producer had settled them
+    assert (st["delivered"], st["leases_claimed"]) == (3, 0)
+    ledger_balanced(st)
+
+
+def test_a_release_near_the_deadline_waits_for_its_verdict(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    p = make_producer(lease_ttl_s=1.0)
+    sent = publish_all(p, 2, [(5, 2, 64, "bfloat16")])
+    with ExportConsumer(p.endpoint, p.token) as c:
+        assert c._transport is not None
+        for name in ("read", "read_checked"):
+            real = getattr(c._transport, name, None)
+            if real is not None:
+
+                def slow(*a: Any, _real: Any = real, **kw: Any) -> Any:
+                    out = _real(*a, **kw)
+                    time.sleep(0.6)  # past half the TTL since the claim: the verdict must be waited for
+                    return out
+
+                monkeypatch.setattr(c._transport, name, slow)
+        (b,) = c.next_batches(max_records=4, wait_s=0.5)
+        assert isinstance(b, RecordBatch) and b.record_ids == ("r-0", "r-1")
+        check_batch(b, sent)
+        assert c.stats()["deferred_releases"] == 0
+        assert p.stats()["delivered"] == 2  # settled before next_batches returned
+
+
+def test_a_posted_release_answered_otherwise_is_counted_and_logged(
+    backend: str, make_producer: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+
+    p = make_producer()
+    publish_all(p, 1, [(5, 2, 64, "bfloat16")])
+    with ExportConsumer(p.endpoint, p.token) as c:
+        claim = c.claim("r-0")
+        got = c._release([(claim.lease, "0" * 16, "delivered")], time.monotonic(), ["r-0"])  # a wrong nonce
+        assert got == ["released"]  # taken as released at once (posted) ...
+        with caplog.at_level("ERROR"):
+            assert c.settle_pending(5.0) == 0
+        assert c.stats()["late_verdicts"] == 1  # ... and the producer's "unknown" is counted when it arrives
+        assert "'r-0'" in caplog.text and "unknown" in caplog.text
+        c.abandon([claim])
+    wait_until(lambda: p.occupancy() == 0, 5.0, "the lease to be given back")

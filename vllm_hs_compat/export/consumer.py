@@ -20,13 +20,15 @@ Two kinds of consumer:
   the control plane (it is never given the pool's transport description, which would open every record).
 
 Every read is verified (hidden-state checksum unless ``verify_checksum=False``; the token ids' checksum always)
-and then released with its outcome; only a record whose lease was still held when the release arrived is handed
-out (:class:`LeaseExpiredError` otherwise).  Not thread-safe: one consumer per thread or process.  With
-``copy=False`` a record's tensor is a view of the landing buffer, valid until :meth:`ExportConsumer.release`;
-with ``copy=True`` (default) it is owned: valid as long as it is referenced, after ``release`` and ``close`` too.
-An owned record is not copied while the landing buffer has room (``lend_fraction``, half of it by default): its
-tensor views the landing space it was read into, which comes back to the consumer when the tensor is garbage
-collected.  Past that share it is copied into freshly allocated memory.
+and then released with its outcome; only a record whose lease was held through its read is handed out
+(:class:`LeaseExpiredError` otherwise): the producer's answer to the release says so, or, for a release made
+before half the lease TTL has passed since the claim was sent, the clock does (the release is then posted and its
+answer checked later: ``defer_releases``, see docs/export.md "Ledger").  Not thread-safe: one consumer per thread
+or process.  With ``copy=False`` a record's tensor is a view of the landing buffer, valid until
+:meth:`ExportConsumer.release`; with ``copy=True`` (default) it is owned: valid as long as it is referenced, after
+``release`` and ``close`` too.  An owned record is not copied while the landing buffer has room (``lend_fraction``,
+three quarters of it by default): its tensor views the landing space it was read into, which comes back to the
+consumer when the tensor is garbage collected.  Past that share it is copied into freshly allocated memory.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ MAX_BATCH = P.MAX_BATCH
 #: landed (``CHECK_PIECE_BYTES``); with ``overlap_verification`` a reader thread transfers piece k + 1 (NIXL's
 #: ``transfer`` releases the GIL) while this thread checksums piece k.
 OVERLAP_MIN_BYTES = 4 << 20
+#: A release is posted without waiting for its answer while less than this share of the lease TTL has passed
+#: since its claim was sent (``defer_releases``).
+DEFER_FRACTION = 0.5
+#: How long :meth:`ExportConsumer.close` waits for the answers to posted releases.
+CLOSE_COLLECT_S = 2.0
 #: pieces of a verified read without ``overlap_verification``: each checksummed right after it landed
 CHECK_PIECE_BYTES = 2 << 20
 #: pieces of a pipelined read: about an eighth of it, between these bounds
@@ -106,9 +113,12 @@ class Claim:
     ids_checksum: int
     producer: str
     meta: P.MetaWire
+    #: when the claim was sent (``time.monotonic()``; 0: unknown): its lease cannot expire before
+    #: ``claimed_at + lease_ttl_s``, which lets a release far from that point go without waiting for its answer
+    claimed_at: float = 0.0
 
     @classmethod
-    def from_desc(cls, d: P.RecordDesc) -> Claim:
+    def from_desc(cls, d: P.RecordDesc, claimed_at: float = 0.0) -> Claim:
         """A claim from a decoded descriptor, after the checks that need no bytes (any failure is this record's
         alone: :class:`RecordFormatError`)."""
         m = d.meta
@@ -147,6 +157,7 @@ class Claim:
             ids_checksum=d.ids_checksum,
             producer=d.producer,
             meta=m,
+            claimed_at=claimed_at,
         )
 
     @classmethod
@@ -240,6 +251,7 @@ class ExportConsumer:
         max_reply_bytes: int = P.DEFAULT_REPLY_BYTES,
         lend_fraction: float = 0.75,
         overlap_verification: bool = False,
+        defer_releases: bool = True,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -265,6 +277,10 @@ class ExportConsumer:
         #: :meth:`_transfer`).  Off by default: it needs a free core, and on the 2-vCPU box it was measured on
         #: (docs/benchmarks.md) it was slower than verifying after the transfer.
         self.overlap_verification = overlap_verification
+        #: Release without waiting for the answer while the leases are far from their deadline (see
+        #: :meth:`_release`): one control round trip less per read.  ``False``: wait for every verdict.
+        self.defer_releases = defer_releases
+        self._unsettled: dict[bytes, list[str]] = {}
         if not 0.0 <= lend_fraction <= 1.0:
             raise E.ExportConfigError(f"lend_fraction must be in [0, 1], found {lend_fraction!r}")
         #: How much of the landing buffer owned records (``copy=True``) may keep: such a record's tensor views
@@ -290,6 +306,9 @@ class ExportConsumer:
             "bad_descriptors": 0,
             "lease_expired": 0,
             "quarantined_bytes": 0,
+            "deferred_releases": 0,
+            "late_verdicts": 0,
+            "unanswered_releases": 0,
         }
         self._client: ControlClient | None = None
         self._reader: Any = None  # concurrent.futures.ThreadPoolExecutor, made on the first pipelined read
@@ -375,6 +394,8 @@ class ExportConsumer:
         if client is None:
             raise E.ExportClosedError("consumer is closed")
         rep, producer = client.call(req, timeout_s if timeout_s is not None else self.timeout_s)
+        if self._unsettled:
+            self._reconcile()
         if producer != self.producer:
             self._connect()
         return rep
@@ -394,6 +415,7 @@ class ExportConsumer:
         deadline = time.monotonic() + wait_s
         pause = 0.005
         while True:
+            sent = time.monotonic()
             rep = self._call(P.ClaimReq([record_id], max_reply_bytes=self._budget(), cap=self._cap()), timeout_s)
             if not isinstance(rep, P.ClaimReply):
                 raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
@@ -408,12 +430,12 @@ class ExportConsumer:
             pause = min(pause * 2, 0.1)
         if len(rep.records) != 1:
             raise E.ProtocolError(f"claim of one record answered with {len(rep.records)} descriptors")
-        (item,) = self._parse(rep.records)
+        (item,) = self._parse(rep.records, sent)
         if isinstance(item, HsCompatError):
             raise item
         return item
 
-    def _parse(self, raws: Sequence[bytes]) -> list[Claim | HsCompatError]:
+    def _parse(self, raws: Sequence[bytes], claimed_at: float = 0.0) -> list[Claim | HsCompatError]:
         """Each descriptor on its own: a bad one fails its record alone (its lease is given back if it can be
         read, else the producer's TTL reclaims it)."""
         out: list[Claim | HsCompatError] = []
@@ -425,7 +447,7 @@ class ExportConsumer:
                 out.append(self._refused(raw, e, bad))
                 continue
             try:
-                out.append(Claim.from_desc(desc))
+                out.append(Claim.from_desc(desc, claimed_at))
             except E.RecordFormatError as e:
                 out.append(self._refused(desc, e, bad))
         self._give_back_refused(bad)
@@ -454,6 +476,7 @@ class ExportConsumer:
     def _claim_next_items(
         self, max_records: int, wait_s: float, max_bytes: int | None = None
     ) -> list[Claim | HsCompatError]:
+        sent = time.monotonic()
         rep = self._call(
             P.ClaimNextReq(
                 max_records=max(1, min(max_records, MAX_BATCH)),
@@ -465,7 +488,7 @@ class ExportConsumer:
         )
         if not isinstance(rep, P.ClaimReply):
             raise E.ProtocolError(f"claim_next answered with {type(rep).__name__}")
-        return self._parse(rep.records)
+        return self._parse(rep.records, sent)
 
     def claim_next(self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None) -> list[Claim]:
         """Lease up to ``max_records`` published records (oldest first), waiting up to ``wait_s`` for one.  The
@@ -493,6 +516,63 @@ class ExportConsumer:
             log.info("release failed (%s); the producer's TTL reclaims the slots", e)
             return e
         return out
+
+    def _release(
+        self, entries: Sequence[tuple[int, str, str]], claimed_at: float, names: Sequence[str]
+    ) -> list[str] | E.ExportError:
+        """Release ``entries`` (of records ``names``) claimed at ``claimed_at``.  Far from the leases' deadline
+        (``defer_releases``: before half their TTL has passed since the claim was sent) the release is posted and
+        its verdict taken as ``released`` at once: no lease claimed then can have expired yet, so no byte read
+        under it can be another record's, and the answer (collected by later calls) only confirms it; any other
+        answer is counted (``late_verdicts``) and logged.  Otherwise this waits for the producer's verdicts."""
+        client = self._client
+        ttl = self._hello.lease_ttl_s if self._hello is not None else 0.0
+        if (
+            not self.defer_releases
+            or client is None
+            or claimed_at <= 0.0
+            or time.monotonic() >= claimed_at + DEFER_FRACTION * ttl
+        ):
+            return self._settle(entries)
+        for i in range(0, len(entries), P.MAX_RELEASES):
+            part = entries[i : i + P.MAX_RELEASES]
+            items = [P.ReleaseItem(lease, nonce, outcome) for lease, nonce, outcome in part]  # type: ignore[arg-type]
+            rid = client.post(P.ReleaseReq(items, cap=self._cap()))
+            self._unsettled[rid] = list(names[i : i + P.MAX_RELEASES])
+        self.counters["deferred_releases"] += len(entries)
+        return ["released"] * len(entries)
+
+    def _reconcile(self) -> None:
+        """Check the answers to posted releases that have arrived."""
+        client = self._client
+        if client is None or not self._unsettled:
+            return
+        for rid, answer in client.answers():
+            names = self._unsettled.pop(rid, None)
+            if names is None:
+                continue
+            if isinstance(answer, HsCompatError):
+                self.counters["late_verdicts"] += len(names)
+                log.error(
+                    "a deferred release of %d record(s) (%s...) failed at the producer: %s; their leases expire "
+                    "there (counted expired_claimed) although the records were delivered here",
+                    len(names),
+                    names[:3],
+                    answer,
+                )
+                continue
+            rep = answer[0]
+            results = rep.results if isinstance(rep, P.ReleaseReply) else []
+            bad: list[tuple[str, str]] = [(n, r) for n, r in zip(names, results, strict=False) if r != "released"]
+            bad += [(n, "no answer") for n in names[len(results) :]]
+            if bad:
+                self.counters["late_verdicts"] += len(bad)
+                log.error(
+                    "deferred releases answered %s for record(s) %s, delivered here before the answer (their "
+                    "leases were claimed less than half a TTL earlier: the producer restarted or its clock jumped?)",
+                    sorted({r for _, r in bad}),
+                    [n for n, _ in bad][:8],
+                )
 
     def abandon(self, claims: Sequence[Claim]) -> None:
         """Give leases back without reading them (counted ``abandoned`` on both sides; if the producer cannot be
@@ -638,7 +718,11 @@ class ExportConsumer:
                 (i, c, off, *self._verify(c, transport.landing, off, d))
                 for (i, c, off), d in zip(group, digests, strict=True)
             ]
-            settled = self._settle([(c.lease, c.nonce, outcome) for _, c, _, _, outcome in checked])
+            settled = self._release(
+                [(c.lease, c.nonce, outcome) for _, c, _, _, outcome in checked],
+                min(c.claimed_at for _, c, _, _, _ in checked),
+                [c.record_id for _, c, _, _, _ in checked],
+            )
             for k, (i, c, off, meta, _) in enumerate(checked):
                 bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[k])
                 if isinstance(meta, HsCompatError) or bad is not None:
@@ -849,6 +933,7 @@ class ExportConsumer:
         large ones) and one release message; no per-record tensor or :class:`RecordMeta` is made.  ``copy``: as
         for :meth:`fetch` (``False``: the batch's tensors view the landing buffer until :meth:`release`)."""
         budget = max(PAGE, self._landing.free_bytes() // 2)
+        claimed_at = time.monotonic()
         rep = self._call(
             P.ClaimNextReq(
                 max_records=max(1, min(max_records, MAX_BATCH)),
@@ -886,7 +971,7 @@ class ExportConsumer:
                 groups[key] = group = []
             group.append(d)
         for group in groups.values():
-            out.extend(self._read_group(group, copy, deadline, errors))
+            out.extend(self._read_group(group, copy, deadline, errors, claimed_at))
         return out + errors
 
     def iter_batches(
@@ -935,7 +1020,12 @@ class ExportConsumer:
         )
 
     def _read_group(
-        self, descs: list[P.RecordDesc], copy: bool, deadline: float, errors: list[HsCompatError]
+        self,
+        descs: list[P.RecordDesc],
+        copy: bool,
+        deadline: float,
+        errors: list[HsCompatError],
+        claimed_at: float = 0.0,
     ) -> list[RecordBatch]:
         """Check, read, verify and release records of one schema; their batches (several when the landing
         buffer cannot hold them at once).  Failed records' errors are appended to ``errors``."""
@@ -980,7 +1070,7 @@ class ExportConsumer:
         todo = [good] if good else []
         while todo:
             part = todo.pop()
-            got = self._read_part(schema, rb, part, copy, deadline, errors)
+            got = self._read_part(schema, rb, part, copy, deadline, errors, claimed_at)
             if isinstance(got, RecordBatch):
                 out.append(got)
             elif got is not None:  # did not fit the landing buffer: in halves, first half first
@@ -996,6 +1086,7 @@ class ExportConsumer:
         copy: bool,
         deadline: float,
         errors: list[HsCompatError],
+        claimed_at: float = 0.0,
     ) -> RecordBatch | bool | None:
         """One batch: ``RecordBatch``, or ``True`` (split it: the landing buffer cannot hold it now), or ``None``
         (every record failed; the errors are in ``errors``)."""
@@ -1095,7 +1186,7 @@ class ExportConsumer:
                 )
             outcomes.append((d.lease, d.nonce, "checksum_failed" if k in failed else "delivered"))
         self.counters["checksum_failures"] += len(failed)
-        settled = self._settle(outcomes)
+        settled = self._release(outcomes, claimed_at, [d.record_id for d in descs])
         if isinstance(settled, E.ExportError):
             self._landing.free(off, size)
             errors.extend([settled] * n)
@@ -1155,8 +1246,20 @@ class ExportConsumer:
         self._settle([(d.lease, d.nonce, "abandoned") for d in descs])
 
     # --- lifecycle ------------------------------------------------------------------------------------------
+    def settle_pending(self, timeout_s: float | None = None) -> int:
+        """Wait until the producer has answered every posted release (or ``timeout_s``, default the consumer's
+        timeout); returns how many are still unanswered.  Not needed for correctness (see :meth:`_release`):
+        for a caller that wants the producer's ledger settled now, e.g. before reading its stats."""
+        client = self._client
+        if client is None:
+            return 0
+        client.collect(self.timeout_s if timeout_s is None else timeout_s)
+        self._reconcile()
+        return sum(len(v) for v in self._unsettled.values())
+
     def stats(self) -> dict[str, int]:
         """This consumer's counters and landing-buffer use."""
+        self._reconcile()
         return {
             **self.counters,
             "landing_pages_in_use": self._landing.in_use(),
@@ -1172,8 +1275,21 @@ class ExportConsumer:
         return dict(rep.stats)
 
     def close(self) -> None:
-        """Close the connection and the transport (held records become invalid)."""
+        """Close the connection and the transport (held records become invalid).  Waits up to
+        ``CLOSE_COLLECT_S`` for the answers to posted releases (``unanswered_releases`` counts the rest: their
+        leases expire at the producer)."""
         if self._client is not None:
+            if self._unsettled:
+                try:
+                    self._client.collect(CLOSE_COLLECT_S)
+                    self._reconcile()
+                except HsCompatError as e:
+                    log.info("collecting the answers to posted releases: %s", e)
+                left = sum(len(v) for v in self._unsettled.values())
+                if left:
+                    self.counters["unanswered_releases"] += left
+                    log.warning("%d posted release(s) unanswered at close; their leases expire at the producer", left)
+                self._unsettled.clear()
             self._client.close()
             self._client = None
         if self._reader is not None:

@@ -588,6 +588,10 @@ class ControlClient:
         self.principal = "trainer" if token is not None else "record"
         self.stale_replies = 0
         self.resends = 0
+        #: requests sent with :meth:`post` whose answers have not arrived: rid -> frames (resent after a drop)
+        self._posted: dict[bytes, list[bytes]] = {}
+        #: answers to posted requests, in arrival order: (rid, (reply, producer) or the error it raised)
+        self._answers: list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]] = []
         self._handshakes = 0
         self._failures = 0
         sock = _context().socket(zmq.DEALER)
@@ -662,10 +666,12 @@ class ControlClient:
             if left <= 0:
                 break
             ready = dict(self._poller.poll(max(1, min(int(left * 1000) + 1, 100 if not sent else 1000))))
-            if self._mon in ready and self._events() and sent:
-                self.resends += 1  # the connection was re-made: the request may have been lost with the old one
-                sent = False
-                continue
+            if self._mon in ready and self._events():
+                self._resend_posted()
+                if sent:
+                    self.resends += 1  # the connection was re-made: the request may have been lost with the old one
+                    sent = False
+                    continue
             if self._sock not in ready:
                 continue
             reply = self._receive(rid)
@@ -681,24 +687,80 @@ class ControlClient:
             "stalled or the network is down"
         )
 
-    def _receive(self, rid: bytes) -> tuple[P.Reply, str] | None:
+    def _receive(self, rid: bytes | None) -> tuple[P.Reply, str] | None:
         while True:
             try:
                 got = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return None
-            if len(got) != 4 or got[1] != rid:
+            if len(got) == 4 and got[1] in self._posted and got[1] != rid:
+                del self._posted[got[1]]
+                try:
+                    self._answers.append((got[1], self._decode(got)))
+                except E.HsCompatError as e:
+                    self._answers.append((got[1], e))
+                continue
+            if rid is None or len(got) != 4 or got[1] != rid:
                 if len(got) >= 2:
                     P.check_header(got[0])
                 self.stale_replies += 1  # the answer to an earlier request that timed out, or a duplicate
                 continue
-            P.check_header(got[0])
-            rep = P.decode_reply(got[3])
-            producer = got[2].decode("ascii", "replace")
-            if isinstance(rep, P.ErrorReply):
-                cls = ERROR_CODES.get(rep.code, E.RemoteError)
-                raise cls(rep.message)
-            return rep, producer
+            return self._decode(got)
+
+    @staticmethod
+    def _decode(got: list[bytes]) -> tuple[P.Reply, str]:
+        P.check_header(got[0])
+        rep = P.decode_reply(got[3])
+        producer = got[2].decode("ascii", "replace")
+        if isinstance(rep, P.ErrorReply):
+            cls = ERROR_CODES.get(rep.code, E.RemoteError)
+            raise cls(rep.message)
+        return rep, producer
+
+    # --- requests whose answers are collected later ---------------------------------------------------------
+    def post(self, req: P.Request) -> bytes:
+        """Send ``req`` without waiting for its answer; returns its request id.  Its answer is collected by any
+        later :meth:`call` or :meth:`collect` and handed out by :meth:`answers`; a request lost in a dropped
+        connection is sent again (the producer answers a request id once).  For requests whose answer only
+        confirms what the caller already knows (a release far from its lease's deadline)."""
+        rid = P.new_rid()
+        frames = [P.HEADER, rid, P.encode(req)]
+        self._posted[rid] = frames
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the queue towards an unconnected producer is full: sent again when the connection is made
+        return rid
+
+    def _resend_posted(self) -> None:
+        for frames in self._posted.values():
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+    def collect(self, timeout_s: float = 0.0) -> None:
+        """Receive answers to posted requests for up to ``timeout_s`` (until none is outstanding)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._poller.poll(0):
+                if self._events():
+                    self._resend_posted()
+                self._receive(None)
+            left = deadline - time.monotonic()
+            if not self._posted or left <= 0:
+                return
+            self._poller.poll(max(1, min(int(left * 1000) + 1, 100)))
+
+    def answers(self) -> list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]]:
+        """Answers to posted requests received so far (each handed out once)."""
+        out, self._answers = self._answers, []
+        return out
+
+    @property
+    def outstanding(self) -> int:
+        """Posted requests not answered yet."""
+        return len(self._posted)
 
     def close(self) -> None:
         """Close the connection (pending answers are dropped)."""
