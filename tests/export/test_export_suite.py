@@ -121,6 +121,26 @@ def test_records_of_many_sizes_arrive_byte_for_byte(backend: str, make_producer:
     ledger_balanced(st)
 
 
+def test_strided_and_multi_piece_rows_arrive_byte_for_byte(backend: str, make_producer: Make, peer: Peer) -> None:
+    """The producer copies contiguous host rows piece by piece (checksumming each piece after its copy) and strided
+    rows with ``copy_``: both must land whole, in order, under a checksum the consumer verifies."""
+    p = make_producer(num_slots=16)
+    base = make_rows(11, 700, 3, 1024, "bfloat16")  # 4.1 MiB: five pieces, the last one partial
+    strided = make_rows(12, 3, 300, 512, "bfloat16").permute(1, 0, 2)  # [300, 3, 512], not contiguous
+    odd = make_rows(13, 3, 1, (1 << 19) + 1, "uint8")  # 1.5 MiB + 3 bytes: the last piece is no multiple of 8
+    assert not strided.is_contiguous()
+    cases = {"multi": base, "strided": strided, "odd": odd}
+    for rid, rows in cases.items():
+        p.publish(make_meta(rid, rows, 7), rows)
+    connect(peer, p)
+    results = peer.ok("fetch", ids=list(cases))["results"]
+    assert [r["ok"] for r in results] == [True] * 3, results
+    assert [r["sha256"] for r in results] == [digest(rows) for rows in cases.values()]
+    assert [r["shape"] for r in results] == [list(rows.shape) for rows in cases.values()]
+    wait_until(drained(p), 5.0, "the pool to drain after the fetch")
+    ledger_balanced(p.stats())
+
+
 def test_iterate_yields_every_record_in_publish_order(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer(num_slots=32, slot_bytes=256 * 1024)
     want = [(f"it-{i}", publish(p, f"it-{i}", 1 + 13 * i, 2, 96)) for i in range(30)]

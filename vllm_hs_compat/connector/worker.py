@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -336,13 +335,12 @@ class CaptureWorker:
                 self._queue.task_done()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every read record has reached the sink (True) or ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.005)
-        return False
+        """Wait until every read record has reached the sink (True) or ``timeout_s`` passed.  Sleeps on the
+        queue's condition (what ``Queue.join`` waits on; the publisher's ``task_done`` of the last record wakes
+        it), so the wait neither polls nor adds a poll interval to a drain."""
+        q = self._queue
+        with q.all_tasks_done:
+            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, max(0.0, timeout_s))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Publish what is read, stop the publisher, close the sink; log the counters."""

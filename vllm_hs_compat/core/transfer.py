@@ -263,8 +263,8 @@ def copy_requests_async(
 ) -> list[PendingRows | SlotError]:
     """Copy many requests' rows to host with one index upload and one gather (per chunk) for all of them.
 
-    Per request: a :class:`PendingRows` whose ``rows`` is a view of one pinned host tensor shared by the batch
-    (all complete together), or the :class:`~vllm_hs_compat.errors.SlotError` its block ids raised (that request
+    Per request: a :class:`PendingRows` whose ``rows`` is a view of one host tensor shared by the batch (pinned on
+    CUDA; all complete together), or the :class:`~vllm_hs_compat.errors.SlotError` its block ids raised (that request
     alone is left out).  Ordering as :func:`copy_rows_async`.
     """
     slots, where = batch_slots(
@@ -274,17 +274,17 @@ def copy_requests_async(
     pending = None
     if cache.device.type == "cuda" and total:
         pending = copy_rows_async(cache, view, slots, stream=stream, after=after, pool=pool, path=path, table=table)
+    elif total:  # CPU: synchronous, one gather (one allocation) for the whole batch
+        pending = PendingRows(gather_rows(cache, view, slots))
     result: list[PendingRows | SlotError] = []
     for (_, _, _, num_tokens), at in zip(requests, where, strict=True):
         if isinstance(at, SlotError):
             result.append(at)
         elif pending is not None:
-            # A view of the batch's pinned tensor: the block goes back to the allocator with the last view.
+            # A view of the batch's host tensor (pinned on CUDA): the memory goes with the last view.
             result.append(PendingRows(pending.rows[at : at + num_tokens], pending.event, pending._keepalive))
-        elif cache.device.type == "cuda":  # nothing to read at all (zero-token ranges)
+        else:  # nothing to read at all (zero-token ranges)
             result.append(PendingRows(torch.empty((0, view.num_planes, view.hidden_size), dtype=cache.dtype)))
-        else:  # CPU (synchronous): a tensor of its own per record, as before
-            result.append(PendingRows(gather_rows(cache, view, slots[at : at + num_tokens])))
     return result
 
 

