@@ -307,14 +307,18 @@ def test_many_ranges_in_one_read_are_checked_and_copied_exactly(backend: str, ma
 
 
 @pytest.mark.parametrize("backend", ["shm"])
-def test_shm_copy_checksums_on_the_way_across_chunk_boundaries(backend: str, make_producer: Make) -> None:
+def test_shm_copy_checksums_on_the_way_across_chunk_boundaries(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The shm copy that checksums each chunk right after copying it gives the checksum of exactly the first
-    ``checked`` bytes of each range as they landed, for ranges that are not whole chunks."""
+    ``checked`` bytes of each range as they landed, for ranges that are not whole chunks (pieces copied by torch
+    and, below 64 KiB, by a buffer copy)."""
     import time
 
     from vllm_hs_compat.core.records import checksum_bytes
     from vllm_hs_compat.export import shm
 
+    monkeypatch.setattr(shm, "COPY_CHUNK_BYTES", 96 << 10)  # pieces of 96 KiB: a 2 MiB record crosses many
     p = make_producer()
     rows = make_rows(4, 4096, 2, 256, "uint8")  # 2 MiB
     p.publish(make_meta("src", rows), rows)
