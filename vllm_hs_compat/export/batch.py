@@ -13,7 +13,7 @@ hidden size, provenance), packed back to back::
         cu = batch.cu_tokens                # [len(batch) + 1]: record i is rows cu[i]:cu[i + 1]
 
 Every record in a batch was verified exactly as :meth:`ExportConsumer.fetch` verifies one (hidden-state
-checksum, token ids' checksum, lease still held when released); a record that failed is not in any batch and its
+checksum, token ids' checksum, its lease held through the read); a record that failed is not in any batch and its
 error is handed out on its own (see ``iter_batches``).
 
 Pure: torch and the standard library.

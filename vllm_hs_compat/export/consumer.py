@@ -93,7 +93,7 @@ PIECE_MAX_BYTES = 8 << 20
 LEND_MIN_BYTES = 64 << 10
 #: Over NIXL, a batch whose records average at least this many bytes is read straight into its packed layout
 #: (two descriptors per record: hidden states, token ids); smaller records are read whole (one descriptor each:
-#: a descriptor costs a NIXL request about 2 us) and packed by two memmoves each (cheaper than a descriptor).
+#: a descriptor costs a NIXL request about 2 us) and packed by two buffer copies each (cheaper than a descriptor).
 #: Over shm every batch is copied straight into its packed layout.
 BATCH_DIRECT_MIN_BYTES = 64 << 10
 
