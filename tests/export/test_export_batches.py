@@ -61,6 +61,11 @@ def publish_all(p: ExportProducer, n: int, shapes: list[tuple[int, int, int, str
     return out
 
 
+def split(got: list[Any]) -> tuple[list[RecordBatch], list[Any]]:
+    """``next_batches``' answer: its batches and its errors, each in order."""
+    return [g for g in got if isinstance(g, RecordBatch)], [g for g in got if not isinstance(g, RecordBatch)]
+
+
 def check_batch(b: RecordBatch, sent: dict[str, Any]) -> None:
     """Every record of ``b`` is bit-exact with what was published: rows, token ids, positions, metadata."""
     assert b.cu_tokens[0] == 0 and b.cu_tokens[-1] == b.num_tokens == b.hidden_states.shape[0]
@@ -111,8 +116,7 @@ def test_a_damaged_record_fails_alone_and_its_batch_keeps_the_others(
     buf[ids.offset + P.decode_descriptor(ids.wire).ids_offset + 1] ^= 0x01
     with ExportConsumer(p.endpoint, p.token) as c:
         got = c.next_batches(max_records=16, wait_s=0.5)
-        (b,) = [g for g in got if isinstance(g, RecordBatch)]
-        errors = [g for g in got if not isinstance(g, RecordBatch)]
+        (b,), errors = split(got)
         assert b.record_ids == ("r-0", "r-2", "r-3", "r-5")
         check_batch(b, sent)
         assert [type(e) for e in errors] == [ChecksumMismatchError, ChecksumMismatchError]
@@ -156,8 +160,7 @@ def test_a_refused_descriptor_fails_its_record_alone_and_gives_its_lease_back(
     lease.wire = P.encode(msgspec.structs.replace(desc, nbytes=desc.nbytes + 8))  # disagrees with its shape
     with ExportConsumer(p.endpoint, p.token) as c:
         got = c.next_batches(max_records=8, wait_s=0.5)
-        batches = [g for g in got if isinstance(g, RecordBatch)]
-        errors = [g for g in got if not isinstance(g, RecordBatch)]
+        batches, errors = split(got)
         assert [b.record_ids for b in batches] == [("r-0", "r-1", "r-3")]
         check_batch(batches[0], sent)
         assert len(errors) == 1 and isinstance(errors[0], DescriptorError) and "'r-2'" in str(errors[0])
@@ -174,10 +177,9 @@ def test_undecodable_descriptors_fall_back_to_one_by_one(backend: str, make_prod
     p.pool._by_record["r-1"].wire = b"\xc1garbage"  # not msgpack: its lease cannot be named, the TTL takes it
     with ExportConsumer(p.endpoint, p.token) as c:
         got = c.next_batches(max_records=8, wait_s=0.5)
-        (b,) = [g for g in got if isinstance(g, RecordBatch)]
+        (b,), (err,) = split(got)
         assert b.record_ids == ("r-0", "r-2")
         check_batch(b, sent)
-        (err,) = [g for g in got if not isinstance(g, RecordBatch)]
         assert isinstance(err, DescriptorError) and "expires at the producer" in str(err)
         assert c.stats()["bad_descriptors"] == 1
 
@@ -195,8 +197,7 @@ def test_a_batch_is_split_to_fit_the_landing_buffer_and_a_record_too_large_fails
             got += c.next_batches(max_records=16, wait_s=0.2)
             if sum(len(b) if isinstance(b, RecordBatch) else 1 for b in got) == 7:
                 break
-        batches = [g for g in got if isinstance(g, RecordBatch)]
-        errors = [g for g in got if not isinstance(g, RecordBatch)]
+        batches, errors = split(got)
         assert sorted(r for b in batches for r in b.record_ids) == sorted(sent)
         assert max(len(b) for b in batches) < 6  # split: 6 x 256 KiB do not fit in 1 MiB at once
         for b in batches:
@@ -349,10 +350,9 @@ def test_a_descriptor_whose_nonce_is_not_hex_fails_its_record_alone_on_both_path
         lease.wire = P.encode(msgspec.structs.replace(P.decode_descriptor(lease.wire), nonce="z" * 16))
     with ExportConsumer(p.endpoint, p.token) as c:
         got = c.next_batches(max_records=3, wait_s=0.5)  # the batch path: r-0, r-1, r-2
-        (b,) = [g for g in got if isinstance(g, RecordBatch)]
+        (b,), (err,) = split(got)
         assert b.record_ids == ("r-0", "r-2")
         check_batch(b, sent)
-        (err,) = [g for g in got if not isinstance(g, RecordBatch)]
         assert isinstance(err, DescriptorError) and "'r-1'" in str(err) and "expires at the producer" in str(err)
         rest = list(c.iter_records(batch=3, wait_s=0.2, idle_timeout_s=0.5, on_error="skip"))  # the record path
         assert [r.meta.request_id for r in rest] == ["r-3", "r-5"]

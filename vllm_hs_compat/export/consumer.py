@@ -473,14 +473,13 @@ class ExportConsumer:
             self._settle(bad)
             self.counters["abandoned"] += len(bad)
 
-    def _claim_next_items(
-        self, max_records: int, wait_s: float, max_bytes: int | None = None
-    ) -> list[Claim | HsCompatError]:
+    def _claim_next_reply(self, max_records: int, wait_s: float, max_bytes: int) -> tuple[list[bytes], float]:
+        """One ``claim_next``: the encoded descriptors and when the claim was sent (``time.monotonic()``)."""
         sent = time.monotonic()
         rep = self._call(
             P.ClaimNextReq(
                 max_records=max(1, min(max_records, MAX_BATCH)),
-                max_bytes=max_bytes or self._landing_bytes,
+                max_bytes=max_bytes,
                 wait_s=min(max(wait_s, 0.0), P.MAX_WAIT_S),
                 max_reply_bytes=self._budget(),
             ),
@@ -488,7 +487,13 @@ class ExportConsumer:
         )
         if not isinstance(rep, P.ClaimReply):
             raise E.ProtocolError(f"claim_next answered with {type(rep).__name__}")
-        return self._parse(rep.records, sent)
+        return rep.records, sent
+
+    def _claim_next_items(
+        self, max_records: int, wait_s: float, max_bytes: int | None = None
+    ) -> list[Claim | HsCompatError]:
+        raws, sent = self._claim_next_reply(max_records, wait_s, max_bytes or self._landing_bytes)
+        return self._parse(raws, sent)
 
     def claim_next(self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None) -> list[Claim]:
         """Lease up to ``max_records`` published records (oldest first), waiting up to ``wait_s`` for one.  The
@@ -905,8 +910,6 @@ class ExportConsumer:
         """Stream published records oldest first (trainer only).  Stops after ``idle_timeout_s`` without a record
         (``None``: never).  ``on_error="raise"`` raises each failed record's error (the stream survives; call
         ``next`` again), ``"skip"`` logs and counts it."""
-        if on_error not in ("raise", "skip"):
-            raise E.ExportConfigError(f"on_error must be 'raise' or 'skip', found {on_error!r}")
 
         def fetch(wait: float) -> list[CaptureRecord | HsCompatError]:
             items = self._claim_next_items(batch, wait)
@@ -932,28 +935,16 @@ class ExportConsumer:
         One claim message, one transfer request per batch (one descriptor per record for small records, two for
         large ones) and one release message; no per-record tensor or :class:`RecordMeta` is made.  ``copy``: as
         for :meth:`fetch` (``False``: the batch's tensors view the landing buffer until :meth:`release`)."""
-        budget = max(PAGE, self._landing.free_bytes() // 2)
-        claimed_at = time.monotonic()
-        rep = self._call(
-            P.ClaimNextReq(
-                max_records=max(1, min(max_records, MAX_BATCH)),
-                max_bytes=budget,
-                wait_s=min(max(wait_s, 0.0), P.MAX_WAIT_S),
-                max_reply_bytes=self._budget(),
-            ),
-            wait_s + self.timeout_s,
-        )
-        if not isinstance(rep, P.ClaimReply):
-            raise E.ProtocolError(f"claim_next answered with {type(rep).__name__}")
-        if not rep.records:
+        raws, claimed_at = self._claim_next_reply(max_records, wait_s, max(PAGE, self._landing.free_bytes() // 2))
+        if not raws:
             return []
         errors: list[HsCompatError] = []
         try:
-            descs = P.decode_descriptors(rep.records)
+            descs = P.decode_descriptors(raws)
         except E.ProtocolError:  # one of them is bad: learn which, one by one
             descs = []
             bad: list[tuple[int, str, str]] = []
-            for raw in rep.records:
+            for raw in raws:
                 try:
                     descs.append(P.decode_descriptor(raw))
                 except E.ProtocolError as e:
@@ -986,8 +977,6 @@ class ExportConsumer:
         :meth:`next_batches`).  Stops after ``idle_timeout_s`` without a record (``None``: never).  A record that
         failed is not in any batch: ``on_error="raise"`` raises its error after the batches of its claim (the
         stream survives; call ``next`` again), ``"skip"`` logs it (it is counted either way)."""
-        if on_error not in ("raise", "skip"):
-            raise E.ExportConfigError(f"on_error must be 'raise' or 'skip', found {on_error!r}")
         return _Stream(lambda wait: self.next_batches(max_records, wait, copy), wait_s, idle_timeout_s, on_error)
 
     def _schema(self, d: P.RecordDesc) -> BatchSchema:
@@ -1318,6 +1307,8 @@ class _Stream(Iterator[_T]):
         idle_timeout_s: float | None,
         on_error: str,
     ) -> None:
+        if on_error not in ("raise", "skip"):
+            raise E.ExportConfigError(f"on_error must be 'raise' or 'skip', found {on_error!r}")
         self._fetch = fetch
         self._wait_s = wait_s
         self._idle = idle_timeout_s
