@@ -1,4 +1,9 @@
-"""Min / median / max over runs of bench_export.py JSON files: python summarize.py DIR before after"""
+"""Min / median / max over runs of bench_export.py JSON files, as a markdown table (docs/benchmarks.md):
+
+    python benchmarks/summarize_export.py DIR before after      # DIR/before-*.json against DIR/after-*.json
+
+Rows whose figure the runs do not have (an older benchmark, an API the "before" tree lacks) are left out or "–".
+"""
 
 import glob
 import json
@@ -68,13 +73,17 @@ for be in ("nixl", "shm"):
             ra = [r[be][lim + s] / r[be][k] for r in A]
             rows.append((be, f"{m} MiB", label, mmm(rb, rx), mmm(ra, rx)))
     n = 10000
+    if be == "nixl":
+        lim = "raw_small_batched_s"
+    else:  # the first round's benchmark had no memmove limit: its torch copy_ per record then
+        lim = "memmove_small_loop_s" if all("memmove_small_loop_s" in r[be] for r in B + A) else "memcpy_small_loop_s"
     for key, label in (
         ("api_batches_small_s", "iter_batches"),
         ("api_small_s", "iter_records"),
         ("raw_small_batched_s", "LIMIT raw NIXL 256/request"),
         ("raw_small_single_s", "raw NIXL 1/request"),
-        ("memcpy_small_loop_s", "torch copy_ 1/record"),
-        ("memmove_small_loop_s", "C memmove 1/record" + (" (LIMIT)" if be == "shm" else "")),
+        ("memcpy_small_loop_s", "torch copy_ 1/record" + (" (LIMIT)" if lim == "memcpy_small_loop_s" else "")),
+        ("memmove_small_loop_s", "C memmove 1/record" + (" (LIMIT)" if lim == "memmove_small_loop_s" else "")),
         ("publish_small_s", "publish() in caller"),
         ("publish_nowait_small_s", "publish_nowait() in caller, wall"),
         ("publish_nowait_small_cpu_s", "publish_nowait() in caller, CPU"),
@@ -83,7 +92,6 @@ for be in ("nixl", "shm"):
         if all(key in r[be] for r in A):
             b = mmm([r[be][key] / n * 1e6 for r in B], us) if all(key in r[be] for r in B) else "–"
             rows.append((be, "4 KiB x 10,000", label + " (us/record)", b, mmm([r[be][key] / n * 1e6 for r in A], us)))
-    lim = "raw_small_batched_s" if be == "nixl" else "memmove_small_loop_s"
     for key, label in (("api_batches_small_s", "iter_batches"), ("api_small_s", "iter_records")):
         if not all(key in r[be] for r in A):
             continue
