@@ -307,9 +307,9 @@ def _engine(model: str, out: Path, transport: str, num_records: int) -> Any:
 
 
 def _serve(llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    from vllm import SamplingParams
+    from vllm_hs_compat.adapters.engine_api import sampling_params
 
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    params = sampling_params(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [dict(o.kv_transfer_params or {}) for o in outs]
 

@@ -146,8 +146,7 @@ def analyse(records: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]]
 
 
 def _capture(args: argparse.Namespace, model: str, layers: list[int], prompts: list[list[int]]) -> list[Any]:
-    from vllm import SamplingParams
-
+    from vllm_hs_compat.adapters.engine_api import sampling_params
     from vllm_hs_compat.connector import flush
     from vllm_hs_compat.demo.engine import build_llm, shutdown
     from vllm_hs_compat.export.files import iter_records
@@ -172,7 +171,7 @@ def _capture(args: argparse.Namespace, model: str, layers: list[int], prompts: l
             **kwargs,
         )
         outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+            [{"prompt_token_ids": p} for p in prompts], sampling_params(max_tokens=1, temperature=0.0), use_tqdm=False
         )
         failed = [
             o.kv_transfer_params

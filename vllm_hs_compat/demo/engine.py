@@ -64,8 +64,7 @@ def build_llm(
 ) -> Any:
     """An offline ``vllm.LLM`` capturing ``layer_ids`` through the connector (chunked prefill and prefix caching
     on).  On CPU: eager, block size 32 (CPU attention); on a GPU: vLLM's defaults, a fifth of the memory."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm_hs_compat.adapters.engine_api import offline_llm
 
     args: dict[str, Any] = dict(
         model=model,
@@ -77,7 +76,6 @@ def build_llm(
         enable_chunked_prefill=True,
         enable_prefix_caching=True,
         speculative_config=speculative_config(layer_ids),
-        kv_transfer_config=KVTransferConfig(**kv_transfer_config(extra_config)),
     )
     if max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = max_num_batched_tokens
@@ -86,7 +84,7 @@ def build_llm(
     else:
         args.update(enforce_eager=True, block_size=32)
     args.update(kwargs)
-    return LLM(**args)
+    return offline_llm(args, kv_transfer_config(extra_config))
 
 
 def shutdown(llm: Any) -> None:
