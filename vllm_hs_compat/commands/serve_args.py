@@ -44,7 +44,11 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--advertise-host", default=None, help="export sink: the address trainers dial (with a wildcard bind)"
     )
-    p.add_argument("--file-path", default="/tmp/hidden-states", help="file sink: the records' folder")
+    p.add_argument(
+        "--file-path",
+        default="hidden-states",
+        help="file sink: the records' folder (a relative one is taken from where this command runs)",
+    )
     p.add_argument("--callback", default=None, help="callback sink: module:function")
     p.add_argument("--capture", choices=("prompt", "all", "output"), default="prompt")
     p.add_argument("--dtype", default=None, help="the serving dtype (default: the model config's)")
@@ -225,7 +229,7 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
                 export[key] = value
         extra["export"] = export
     elif args.sink == "file":
-        extra["file"] = {"path": args.file_path}
+        extra["file"] = {"path": os.path.abspath(args.file_path)}
     else:
         if not args.callback or ":" not in args.callback:
             raise ToolError("--sink callback needs --callback module:function")
