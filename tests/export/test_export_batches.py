@@ -19,6 +19,7 @@ from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.export import (
     ChecksumMismatchError,
     DescriptorError,
+    ExportConfigError,
     ExportConsumer,
     ExportProducer,
     LeaseExpiredError,
@@ -438,3 +439,115 @@ def test_a_posted_release_answered_otherwise_is_counted_and_logged(
         assert "'r-0'" in caplog.text and "unknown" in caplog.text
         c.abandon([claim])
     wait_until(lambda: p.occupancy() == 0, 5.0, "the lease to be given back")
+
+
+def test_fetch_batch_reads_the_ids_asked_for_in_their_order_and_fails_the_others_alone(
+    backend: str, make_producer: Make, layout: str
+) -> None:
+    """40 ids (two claim messages of at most 32) in an order of the caller's, an id given twice, one never
+    published and one the producer knows failed: one batch in the order asked, one named error per bad id,
+    every lease released delivered."""
+    from vllm_hs_compat.export import RecordFailedError, UnknownRecordError
+
+    p = make_producer(num_slots=64, slot_bytes=64 << 10)
+    sent = publish_all(p, 40, [(3, 2, 64, "bfloat16")])
+    p.fail("gone", "capture_failed", "its blocks were freed")
+    want = [f"r-{i}" for i in (7, 3, 39, 0, *range(8, 39), 1, 2, 4, 5, 6)]
+    assert sorted(want) == sorted(sent)
+    with ExportConsumer(p.endpoint, p.token) as c:
+        calls: list[int] = []
+        call = c._call
+
+        def counted(req: P.Request, timeout_s: float | None = None) -> P.Reply:
+            if isinstance(req, P.ClaimReq):
+                calls.append(len(req.ids))
+            return call(req, timeout_s)
+
+        c._call = counted  # type: ignore[method-assign]
+        got = c.fetch_batch([*want, "nope", "r-3", "gone"])
+        (b,), errors = split(got)
+        assert list(b.record_ids) == want
+        check_batch(b, sent)
+        assert calls == [32, 10]  # 42 distinct ids: the last 10 in a second claim message
+        assert [type(e) for e in errors] == [RecordFailedError, UnknownRecordError]
+        assert "'gone'" in str(errors[0]) and "blocks were freed" in str(errors[0]) and "'nope'" in str(errors[1])
+        assert c.stats()["batches"] == 1 and c.stats()["records"] == 40
+        (alone,) = c.fetch_batch(["nope"])
+        assert isinstance(alone, UnknownRecordError)
+    wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
+    st = p.stats()
+    assert st["delivered"] == 40
+    ledger_balanced(st)
+
+
+def test_fetch_batch_waits_for_records_published_after_it_was_called(backend: str, make_producer: Make) -> None:
+    import threading
+
+    p = make_producer()
+    rows = [make_rows(7 + i, 4, 2, 64, "bfloat16") for i in range(3)]
+    metas = [make_meta(f"late-{i}", r, i) for i, r in enumerate(rows)]
+    p.publish(metas[0], rows[0])
+    later = threading.Timer(0.3, lambda: [p.publish(m, r) for m, r in zip(metas[1:], rows[1:], strict=True)])
+    later.start()
+    try:
+        with ExportConsumer(p.endpoint, p.token) as c:
+            got = c.fetch_batch([m.request_id for m in metas], wait_s=10.0)
+            assert all(isinstance(g, RecordBatch) for g in got)
+            recs = {rid: b[i] for b in got if isinstance(b, RecordBatch) for i, rid in enumerate(b.record_ids)}
+            assert sorted(recs) == [m.request_id for m in metas]
+            for m, r in zip(metas, rows, strict=True):
+                assert torch.equal(recs[m.request_id].hidden_states.view(torch.uint8), r.view(torch.uint8))
+            with pytest.raises(ExportConfigError):
+                c.fetch_batch([""])
+    finally:
+        later.cancel()
+        later.join()
+
+
+def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records of 1.5 MiB (a batch of 6 MiB) are read straight into the packed layout and checksummed on the way:
+    over NIXL in READs of ``CHECK_PIECE_BYTES`` (here an odd size, so pieces cut records anywhere), over shm by
+    the copy that checksums each chunk.  Exact bytes, and a flipped bit fails its record alone."""
+    from vllm_hs_compat.export import shm
+
+    monkeypatch.setattr(consumer_mod, "CHECK_PIECE_BYTES", 300_001)
+    p = make_producer()
+    rows = [make_rows(50 + i, 768, 2, 512, "bfloat16") for i in range(4)]  # 1.5 MiB each
+    metas = [make_meta(f"big-{i}", r, i) for i, r in enumerate(rows)]
+    for m, r in zip(metas, rows, strict=True):
+        p.publish(m, r)
+    p.transport.buffer[p.pool._by_record["big-2"].offset + 1_000_003] ^= 0x04
+    with ExportConsumer(p.endpoint, p.token) as c:
+        t = c._transport
+        assert t is not None
+        reads: list[int] = []
+        if isinstance(t, shm.ShmConsumerTransport):
+            checked = t.read_checked
+
+            def spy(items: Any, *a: Any) -> Any:
+                reads.append(len(items))
+                return checked(items, *a)
+
+            monkeypatch.setattr(t, "read_checked", spy)
+        else:
+            read = t.read
+
+            def spy(items: Any, *a: Any) -> Any:
+                reads.append(len(items))
+                return read(items, *a)
+
+            monkeypatch.setattr(t, "read", spy)
+        (b,), errors = split(c.fetch_batch([m.request_id for m in metas]))
+        assert b.record_ids == ("big-0", "big-1", "big-3")
+        for i, k in enumerate((0, 1, 3)):
+            a, z = int(b.cu_tokens[i]), int(b.cu_tokens[i + 1])
+            assert torch.equal(b.hidden_states[a:z].view(torch.uint8), rows[k].view(torch.uint8))
+        assert [type(e) for e in errors] == [ChecksumMismatchError] and "'big-2'" in str(errors[0])
+        # shm: one checked copy of 8 ranges; NIXL: ceil(6 MiB / 300,001 B) = 21 READs, the token ids in the last
+        assert reads == [8] if isinstance(t, shm.ShmConsumerTransport) else len(reads) == 21
+    wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
+    st = p.stats()
+    assert (st["delivered"], st["checksum_failed"]) == (3, 1)
+    ledger_balanced(st)

@@ -233,6 +233,60 @@ def _token_ids(raw: memoryview) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _same_schema(a: P.MetaWire, b: P.MetaWire) -> bool:
+    """The two records' rows can share one batch tensor (see :class:`BatchSchema`)."""
+    return (
+        a.shape[1] == b.shape[1]
+        and a.shape[2] == b.shape[2]
+        and a.dtype == b.dtype
+        and a.layer_ids == b.layer_ids
+        and a.pre_norm == b.pre_norm
+        and a.checksum_algorithm == b.checksum_algorithm
+        and a.schema_version == b.schema_version
+        and a.vllm_version == b.vllm_version
+        and a.adapter == b.adapter
+    )
+
+
+def _pack_uniform(
+    landing: torch.Tensor, off: int, descs: Sequence[P.RecordDesc], slot: int, hidden: torch.Tensor, ids: torch.Tensor
+) -> bool:
+    """Pack records read whole into ``slot``-byte places from ``off`` on into ``hidden`` and ``ids`` with two
+    strided copies (numpy's: one thread, no torch intra-op team), when every record has the same extent (the same
+    token count: the usual small-record batch); False (nothing done) otherwise or without numpy."""
+    d0 = descs[0]
+    nb, at, extent = d0.nbytes, d0.ids_offset, d0.extent
+    if any(d.extent != extent or d.nbytes != nb for d in descs):
+        return False  # (records of one schema with the same nbytes have the same ids_offset)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - torch environments carry numpy
+        return False
+    n = len(descs)
+    src = landing[off : off + n * slot].numpy().reshape(n, slot)
+    np.copyto(hidden.numpy().reshape(n, nb), src[:, :nb])
+    np.copyto(ids.numpy().view(np.uint8).reshape(n, extent - at), src[:, at:extent])
+    return True
+
+
+def _pieces(ranges: Sequence[tuple[int, int, int]], size: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """``(remote, local, nbytes)`` ranges cut into pieces of ``size`` bytes (the last one shorter), in order:
+    each piece a list of ``(remote, local, nbytes, range index, offset in the range)``."""
+    pieces: list[list[tuple[int, int, int, int, int]]] = [[]]
+    room = size
+    for k, (remote, local, nbytes) in enumerate(ranges):
+        at = 0
+        while at < nbytes:
+            if room == 0:
+                pieces.append([])
+                room = size
+            n = min(nbytes - at, room)
+            pieces[-1].append((remote + at, local + at, n, k, at))
+            room -= n
+            at += n
+    return pieces
+
+
 class ExportConsumer:
     """Fetches and streams records from one producer (see the module docstring)."""
 
@@ -765,18 +819,7 @@ class ExportConsumer:
             return [None] * len(group)
         overlap = self.overlap_verification
         size = max(PIECE_MIN_BYTES, min(PIECE_MAX_BYTES, -(-total // 8))) if overlap else CHECK_PIECE_BYTES
-        pieces: list[list[tuple[int, int, int, int, int]]] = [[]]  # (remote, local, nbytes, record k, at)
-        room = size
-        for k, (_, c, off) in enumerate(group):
-            at = 0
-            while at < c.extent:
-                if room == 0:
-                    pieces.append([])
-                    room = size
-                n = min(c.extent - at, room)
-                pieces[-1].append((c.offset + at, off + at, n, k, at))
-                room -= n
-                at += n
+        pieces = _pieces([(c.offset, off, c.extent) for _, c, off in group], size)
         states = [ChecksumState(c.meta.checksum_algorithm, c.nbytes) for _, c, _ in group]
         land = self._bytes_of(transport.landing)
 
@@ -938,7 +981,78 @@ class ExportConsumer:
         raws, claimed_at = self._claim_next_reply(max_records, wait_s, max(PAGE, self._landing.free_bytes() // 2))
         if not raws:
             return []
+        return self._batches(raws, claimed_at, copy, timeout_s, [])
+
+    def fetch_batch(
+        self,
+        record_ids: Sequence[str],
+        copy: bool = True,
+        timeout_s: float | None = None,
+        wait_s: float = 0.0,
+    ) -> list[RecordBatch | HsCompatError]:
+        """Claim, read, verify and release the records ``record_ids`` together (trainer only): what
+        :meth:`fetch` does for one id, with one claim message per ``MAX_CLAIM_IDS`` (32) ids, one transfer
+        request and one release for all of them (so the claim's round trip is paid once, not per record).
+
+        Returns, as :meth:`next_batches` does, the records that passed as :class:`RecordBatch` objects (one per
+        schema, records in the order of ``record_ids``; ``batch.record_ids`` names them) and then one named error
+        per id that failed: :class:`UnknownRecordError` for an id not published (after ``wait_s``, see
+        :meth:`claim`), :class:`RecordFailedError` for one the producer knows failed, and the read's or the
+        verification's error otherwise.  An id given twice is fetched once."""
+        if self._transport is None:
+            raise E.ExportConfigError(
+                "fetch_batch needs the trainer token (a ticket holder fetches its one record with fetch())"
+            )
+        ids = list(dict.fromkeys(record_ids))
+        for rid in ids:
+            if not isinstance(rid, str) or not 0 < len(rid) <= P.MAX_ID_CHARS:
+                raise E.ExportConfigError(f"record ids must be strings of 1..{P.MAX_ID_CHARS} characters: {rid!r}")
+        raws: list[bytes] = []
         errors: list[HsCompatError] = []
+        claimed_at = 0.0
+        until = time.monotonic() + wait_s
+        pause = 0.005
+        while ids:
+            missing: list[tuple[str, str]] = []
+            again: list[str] = []
+            for i in range(0, len(ids), P.MAX_CLAIM_IDS):
+                sent = time.monotonic()
+                rep = self._call(P.ClaimReq(ids[i : i + P.MAX_CLAIM_IDS], max_reply_bytes=self._budget()), timeout_s)
+                if not isinstance(rep, P.ClaimReply):
+                    raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
+                if rep.records:
+                    raws.extend(rep.records)
+                    claimed_at = claimed_at or sent  # the oldest claim bounds when releases may be posted
+                for err in rep.errors:
+                    if err.code == "failed_record":
+                        errors.append(E.RecordFailedError(f"record {err.record_id!r} will not be published: "
+                                                          f"{err.message}"))  # fmt: skip
+                    elif err.message == P.REPLY_FULL:
+                        again.append(err.record_id)
+                    else:
+                        missing.append((err.record_id, err.message))
+            if missing and time.monotonic() + pause <= until:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+                again.extend(rid for rid, _ in missing)
+            else:
+                errors.extend(E.UnknownRecordError(message) for _, message in missing)
+            ids = again
+        if not raws:
+            return list(errors)
+        order = {rid: k for k, rid in enumerate(dict.fromkeys(record_ids))}
+        return self._batches(raws, claimed_at, copy, timeout_s, errors, order)
+
+    def _batches(
+        self,
+        raws: list[bytes],
+        claimed_at: float,
+        copy: bool,
+        timeout_s: float | None,
+        errors: list[HsCompatError],
+        order: Mapping[str, int] | None = None,
+    ) -> list[RecordBatch | HsCompatError]:
+        """Decode, group by schema, read, verify and release claimed descriptors: batches, then errors."""
         try:
             descs = P.decode_descriptors(raws)
         except E.ProtocolError:  # one of them is bad: learn which, one by one
@@ -950,18 +1064,19 @@ class ExportConsumer:
                 except E.ProtocolError as e:
                     errors.append(self._refused(raw, e, bad))
             self._give_back_refused(bad)
+        if order is not None:
+            descs.sort(key=lambda d: order.get(d.record_id, len(order)))
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         out: list[RecordBatch | HsCompatError] = []
-        groups: dict[tuple[object, ...], list[P.RecordDesc]] = {}
+        groups: list[list[P.RecordDesc]] = []  # by schema, in order of first appearance (usually one)
+        last: list[P.RecordDesc] = []
         for d in descs:
-            m = d.meta
-            key = (m.dtype, m.shape[1], m.shape[2], m.pre_norm, m.checksum_algorithm, m.vllm_version, m.adapter,
-                   m.schema_version, tuple(m.layer_ids))  # fmt: skip
-            group = groups.get(key)
-            if group is None:
-                groups[key] = group = []
-            group.append(d)
-        for group in groups.values():
+            if not last or not _same_schema(d.meta, last[0].meta):
+                last = next((g for g in groups if _same_schema(d.meta, g[0].meta)), [])
+                if not last:
+                    groups.append(last)
+            last.append(d)
+        for group in groups:
             out.extend(self._read_group(group, copy, deadline, errors, claimed_at))
         return out + errors
 
@@ -1028,6 +1143,8 @@ class ExportConsumer:
         rb = schema.planes * schema.hidden * dtype_itemsize(schema.dtype)
         pool = self._hello.pool_bytes if self._hello is not None else 0
         producer = self.producer
+        # every nonce is 16 characters (the decoder checks lengths): all hex together, or check them one by one
+        all_hex = P.is_hex("".join([d.nonce for d in descs]))
         is_nonce = P.is_nonce
         good: list[P.RecordDesc] = []
         refused: list[tuple[int, str, str]] = []
@@ -1038,7 +1155,7 @@ class ExportConsumer:
             if (
                 d.producer == producer
                 and m.request_id == d.record_id
-                and is_nonce(d.nonce)
+                and (all_hex or is_nonce(d.nonce))
                 and nb == t * rb
                 and d.ids_offset == ids_at
                 and d.extent == ids_at + 4 * t
@@ -1130,8 +1247,14 @@ class ExportConsumer:
                 places[k] = at
                 at += s
             items = [(d.offset, places[k], d.extent) for k, d in enumerate(descs)]
+        algorithm = schema.checksum_algorithm
+        verify = self.verify_checksum
+        digests: list[int] | None = None  # the hidden states' checksums, when taken on the way
         try:
-            transport.read(items, b"", deadline)
+            if direct and verify and hidden_bytes >= OVERLAP_MIN_BYTES:
+                digests = self._read_verified(transport, items[:n], items[n:], algorithm, deadline)
+            else:
+                transport.read(items, b"", deadline)
         except E.ExportError as e:
             self.counters["read_failures"] += n
             if isinstance(e, E.ExportTimeoutError):
@@ -1143,9 +1266,7 @@ class ExportConsumer:
                 self._abandon_leases(descs)
             return None
         lengths = torch.tensor(lengths_l, dtype=torch.int64)
-        algorithm = schema.checksum_algorithm
         digest = checksum_function(algorithm)
-        verify = self.verify_checksum
         outcomes: list[tuple[int, str, str]] = []
         failed: dict[int, HsCompatError] = {}
         if direct:
@@ -1154,16 +1275,17 @@ class ExportConsumer:
         else:  # packed into owned memory by buffer slice copies (a C memcpy each; no torch op per record)
             hidden = torch.empty(hidden_bytes, dtype=torch.uint8)
             ids32 = torch.empty(total, dtype=torch.int32)
-            hout, iout, lv = byte_view(hidden), byte_view(ids32), self._bytes_of(landing)
-            for k, d in enumerate(descs):
-                a, b, at = cu_l[k], cu_l[k + 1], places[k]
-                hout[a * rb : b * rb] = lv[at : at + d.nbytes]
-                iout[4 * a : 4 * b] = lv[at + d.ids_offset : at + d.extent]
+            if not _pack_uniform(landing, off, descs, slots[0], hidden, ids32):
+                hout, iout, lv = byte_view(hidden), byte_view(ids32), self._bytes_of(landing)
+                for k, d in enumerate(descs):
+                    a, b, at = cu_l[k], cu_l[k + 1], places[k]
+                    hout[a * rb : b * rb] = lv[at : at + d.nbytes]
+                    iout[4 * a : 4 * b] = lv[at + d.ids_offset : at + d.extent]
         # verify: the bytes handed out, record by record
         hv, iv = byte_view(hidden), byte_view(ids32)
         for k, d in enumerate(descs):
             a, b = cu_l[k], cu_l[k + 1]
-            if verify and digest(hv[a * rb : b * rb]) != d.meta.checksum:
+            if verify and (digest(hv[a * rb : b * rb]) if digests is None else digests[k]) != d.meta.checksum:
                 failed[k] = E.ChecksumMismatchError(
                     f"record {d.record_id!r}: {algorithm} of the {d.nbytes} bytes read does not match the "
                     "producer's checksum; the slot was overwritten or the transfer torn"
@@ -1229,6 +1351,34 @@ class ExportConsumer:
                 batch.hidden_states = hs.clone()
                 self._landing.free(off, size)
         return batch
+
+    def _read_verified(
+        self,
+        transport: ConsumerTransport,
+        hidden: Sequence[tuple[int, int, int]],
+        rest: Sequence[tuple[int, int, int]],
+        algorithm: str,
+        deadline: float,
+    ) -> list[int]:
+        """Read the ``hidden`` ranges ``(remote, local, nbytes)`` (and ``rest``, unchecked) and return the checksum
+        of each hidden range, taken on the way as :meth:`_transfer` takes it for one record: over shm chunk by
+        chunk right after each chunk's copy, over NIXL in ``CHECK_PIECE_BYTES`` READs, each checksummed as soon
+        as it landed (while it is in cache)."""
+        checked = getattr(transport, "read_checked", None)
+        if checked is not None:
+            got: list[int] = checked([(r, lo, n, n) for r, lo, n in hidden] + [(r, lo, n, 0) for r, lo, n in rest],
+                                     algorithm, deadline)  # fmt: skip
+            return got[: len(hidden)]
+        pieces = _pieces(hidden, CHECK_PIECE_BYTES)
+        pieces[-1].extend((r, lo, n, -1, 0) for r, lo, n in rest)
+        states = [ChecksumState(algorithm, n) for _, _, n in hidden]
+        land = self._bytes_of(transport.landing)
+        for piece in pieces:
+            transport.read([(r, lo, n) for r, lo, n, _, _ in piece], b"", deadline)
+            for _, lo, n, k, _ in piece:
+                if k >= 0:
+                    states[k].update_bytes(land[lo : lo + n])
+        return [st.digest() for st in states]
 
     def _abandon_leases(self, descs: Sequence[P.RecordDesc]) -> None:
         self.counters["abandoned"] += len(descs)

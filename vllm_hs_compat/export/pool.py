@@ -223,7 +223,10 @@ class LeasePool:
             self._fates[lease.lease_id] = (lease.nonce, fate)
             while len(self._fates) > _FATES_KEPT:
                 self._fates.popitem(last=False)
-        self._free[lease.first_slot : lease.first_slot + lease.n_slots] = bytes(lease.n_slots)
+        if lease.n_slots == 1:
+            self._free[lease.first_slot] = 0
+        else:
+            self._free[lease.first_slot : lease.first_slot + lease.n_slots] = bytes(lease.n_slots)
         self._used -= lease.n_slots
         lease.state = LeaseState.FREED
         self._by_id.pop(lease.lease_id, None)
@@ -266,13 +269,13 @@ class LeasePool:
                 self._free_locked(lease)
 
     # --- consumer side --------------------------------------------------------------------------------------
-    def _claim_locked(self, lease: Lease, now: float | None = None) -> Lease:
+    def _claim_locked(self, lease: Lease, now: float | None = None, snapshot: bool = True) -> Lease:
         lease.state = LeaseState.CLAIMED
         lease.deadline = (self._clock() if now is None else now) + self.lease_ttl_s
         self._ready.pop(lease.lease_id, None)
         self._claimed[lease.lease_id] = lease
         self._counters["claimed"] += 1
-        return _snapshot(lease)  # a snapshot the caller may read without the lock
+        return _snapshot(lease) if snapshot else lease  # a snapshot the caller may read without the lock
 
     def claim(self, record_id: str) -> Lease:
         with self._cond:
@@ -294,11 +297,14 @@ class LeasePool:
         *,
         budget: int | None = None,
         cost: Callable[[Lease], int] | None = None,
+        snapshots: bool = True,
     ) -> list[Lease]:
         """Claim up to ``max_records`` READY records (oldest first, at most ``max_bytes`` in total; the first one
         is always taken, even when larger, so the stream cannot stall on it), waiting up to ``timeout_s`` for the
         first.  With ``budget`` and ``cost``, the claimed leases' costs (their encoded descriptors) also sum to at
-        most ``budget``: what does not fit stays READY for the next claim."""
+        most ``budget``: what does not fit stays READY for the next claim.  ``snapshots=False`` returns the live
+        leases instead of copies: only their fields that never change after publication (``lease_id``,
+        ``record_id``, ``offset``, ``nbytes``, ``nonce``, ``wire``) may be read without the lock."""
         deadline = self._clock() + timeout_s
         with self._cond:
             while True:
@@ -323,7 +329,7 @@ class LeasePool:
                 total += lease.nbytes
                 take.append(lease)
             now = self._clock()
-            return [self._claim_locked(lease, now) for lease in take]
+            return [self._claim_locked(lease, now, snapshots) for lease in take]
 
     def ready_wire_size(self, record_id: str) -> int | None:
         """Encoded descriptor size of READY record ``record_id`` (None when it is not READY)."""

@@ -475,7 +475,7 @@ class ExportProducer:
                 continue
             size = self.pool.ready_wire_size(rid)
             if size is not None and out and spent + size + 8 > budget:
-                errors.append(P.ClaimError(rid, "unknown_record", "not claimed: the reply is full; claim it again"))
+                errors.append(P.ClaimError(rid, "unknown_record", P.REPLY_FULL))
                 continue
             try:
                 lease = self.pool.claim(rid)
@@ -493,8 +493,8 @@ class ExportProducer:
             return again
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
         leases = self.pool.claim_next(
-            req.max_records, req.max_bytes, 0.0, budget=budget, cost=lambda lease: len(lease.wire) + 8
-        )
+            req.max_records, req.max_bytes, 0.0, budget=budget, cost=lambda lease: len(lease.wire) + 8, snapshots=False
+        )  # only each lease's id and wire are read: they never change
         if not leases and not call.final:
             return None  # park until a publish or the deadline
         self._remember(call, leases)

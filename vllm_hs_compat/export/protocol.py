@@ -56,6 +56,9 @@ MAX_RELEASES: Final = 512
 MAX_READ_BYTES: Final = 8 << 20
 MAX_WAIT_S: Final = 30.0
 MAX_ID_CHARS: Final = 512
+#: The message of a claim error for an id left unclaimed because the reply reached the client's size budget
+#: (the id is fine: claim it again).
+REPLY_FULL: Final = "not claimed: the reply is full; claim it again"
 
 # --- constrained field types ----------------------------------------------------------------------------------
 RecordId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -344,18 +347,19 @@ def decode_lease_ref(raw: bytes | memoryview) -> LeaseRef | None:
         return None
     if not isinstance(ref.lease, int) or isinstance(ref.lease, bool) or not 1 <= ref.lease <= 1 << 62:
         return None
-    if not isinstance(ref.nonce, str) or len(ref.nonce) != 16 or not _is_hex(ref.nonce):
+    if not isinstance(ref.nonce, str) or len(ref.nonce) != 16 or not is_hex(ref.nonce):
         return None
     return ref
 
 
-def _is_hex(s: str) -> bool:
+def is_hex(s: str) -> bool:
+    """``s`` is lowercase hex digits only (the empty string too)."""
     return not s.strip("0123456789abcdef")
 
 
 def is_nonce(s: str) -> bool:
     """``s`` is a lease nonce: 16 lowercase hex digits (what :data:`Nonce` requires)."""
-    return len(s) == 16 and _is_hex(s)
+    return len(s) == 16 and is_hex(s)
 
 
 def check_header(frame: bytes) -> None:
