@@ -9,13 +9,16 @@ prints the limit it is compared with, measured in the same run, interleaved with
   defaults, ``copy`` left at its default, the previous record still referenced, as in a loop) and
   ``fetch(copy=False)`` + ``release``, against one raw NIXL READ of the same bytes of the producer's pool by a
   bare agent; plus what bounds the difference: the checksum of the same bytes alone, the claim and a ping round
-  trip alone, a memcpy of the same size;
+  trip alone, a bare ZeroMQ round trip with CURVE between the same two processes, a memcpy of the same size;
 * large records (shm): the same fetches against a memcpy of the same size between warm buffers (the fastest of
   torch ``copy_``, one C ``memmove`` and ``memmove`` in 256 KiB chunks, each timed every iteration);
 * small records: 10,000 records of 4 KiB streamed with ``iter_batches`` (``max_records=256``, defaults
   otherwise; one tensor per batch) and with ``iter_records`` (batches of 256, one record object each), against
   raw NIXL READs of the same 10,000 ranges at the same batching (256 descriptors per request) and
   one request per range (NIXL), or one C ``memmove`` per record (shm; a torch ``copy_`` per record is printed too);
+* many records by id (``FETCH_BATCH`` records of 2 MiB; NIXL and shm): ``fetch_batch(ids)`` (one claim message,
+  one transfer request, one release) and the same ids with one ``fetch()`` each, against one raw NIXL READ of
+  the same ranges in one request (NIXL) or a memcpy of their total size (shm);
 * publish: the time ``ExportProducer.publish`` takes in the calling (serving) thread, per small record and per
   64 MiB record.
 
@@ -50,6 +53,8 @@ SMALL = 4096
 #: a small record's slot: its 4 KiB of rows and its token id (4 bytes), rounded up to 64
 SMALL_SLOT = SMALL + 64
 BATCH = 256
+#: records of one ``fetch_batch`` call (a step's finished requests, as a trainer holding their tickets sees them)
+FETCH_BATCH = 32
 HIDDEN, PLANES = 1024, 4  # bf16 rows: 8 KiB per token
 
 
@@ -111,11 +116,53 @@ def serve() -> None:
             if flush is not None:
                 flush(30.0)
             ans = {"drain_s": time.perf_counter() - t0}
+        elif op == "zmq_echo":  # a bare ZeroMQ ROUTER with CURVE echoing every message: the round trip's floor
+            ans = _zmq_echo()
         elif op == "stop":
             for p in producers.values():
                 p.close()
             producers.clear()
         print(json.dumps(ans), file=chan, flush=True)
+
+
+def _zmq_echo() -> dict[str, Any]:
+    import threading
+
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.curve_server = True
+    sock.curve_secretkey = secret
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def echo() -> None:
+        while True:
+            sock.send_multipart(sock.recv_multipart())
+
+    threading.Thread(target=echo, daemon=True).start()
+    return {"endpoint": f"tcp://127.0.0.1:{port}", "key": public.decode()}
+
+
+class BareZmq:
+    """A DEALER with CURVE against the producer process's echo: one request/answer of a claim's size."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.curve_serverkey = info["key"].encode()
+        self.sock.curve_publickey, self.sock.curve_secretkey = zmq.curve_keypair()
+        self.sock.connect(info["endpoint"])
+        self.round_trip()
+
+    def round_trip(self) -> None:
+        self.sock.send_multipart([P.HEADER, b"r" * 16, b"x" * 64])
+        self.sock.recv_multipart()
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class Server:
@@ -206,6 +253,7 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
     ep = srv(op="start", name=name, backend=backend, num_slots=2 * (size // MiB) + 8, slot_bytes=MiB)
     c = ExportConsumer(ep["endpoint"], ep["token"])  # the defaults, as a user builds it
     raw = RawNixl(c.hello["transport"], size) if backend == "nixl" else None
+    bare = BareZmq(srv(op="zmq_echo"))
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first
@@ -217,6 +265,7 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         "raw",
         "claim",
         "ping",
+        "zmq",
         "memcpy",
         "xxh3",
         "pub",
@@ -255,6 +304,7 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         zdt, z = _timed(lambda: c.fetch(f"Z{i}", copy=False))  # noqa: B023
         zdt += _timed(lambda: c.release(z))[0]  # noqa: B023
         pdt, _ = _timed(lambda: c._call(P.PingReq()))
+        qdt, _ = _timed(bare.round_trip)
         if raw is not None:
             srv(op="publish_large", name=name, size=size, id=f"B{i}")
             srv(op="drain", name=name)
@@ -270,6 +320,7 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
                 t["overlap"].append(sdt)
             t["nocopy"].append(zdt)
             t["ping"].append(pdt)
+            t["zmq"].append(qdt)
             t["memcpy"].append(mdt)
             t["xxh3"].append(xdt)
             t["pub"].append(pub)
@@ -278,6 +329,49 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
             if raw is not None:
                 t["raw"].append(rdt)
                 t["claim"].append(cdt)
+    del prev
+    c.close()
+    bare.close()
+    return {k: med(v) for k, v in t.items() if v}
+
+
+def bench_fetch_batch(srv: Server, backend: str, size: int, iters: int) -> dict[str, float]:
+    """``FETCH_BATCH`` records of ``size`` by id: ``fetch_batch`` and one ``fetch`` each, against their limit."""
+    name = f"F{size}"
+    ep = srv(op="start", name=name, backend=backend, num_slots=3 * FETCH_BATCH + 8, slot_bytes=size + (64 << 10))
+    c = ExportConsumer(ep["endpoint"], ep["token"])  # the defaults
+    if not hasattr(c, "fetch_batch"):  # a tree from before fetch_batch
+        c.close()
+        return {}
+    raw = RawNixl(c.hello["transport"], FETCH_BATCH * size) if backend == "nixl" else None
+    src = torch.randint(0, 256, (FETCH_BATCH * size,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t: dict[str, list[float]] = {"fb": [], "fbseq": [], "fblimit": []}
+    prev: Any = None
+    for i in range(iters + 1):
+        ids = [f"G{i}-{j}" for j in range(FETCH_BATCH)]
+        seq = [f"Q{i}-{j}" for j in range(FETCH_BATCH)]
+        lim = [f"R{i}-{j}" for j in range(FETCH_BATCH)]
+        for rid in ids + seq + (lim if raw is not None else []):
+            srv(op="publish_large", name=name, size=size, id=rid)
+        srv(op="drain", name=name)
+        dt, got = _timed(lambda: c.fetch_batch(ids))  # noqa: B023
+        if len(got) != 1 or len(getattr(got[0], "record_ids", ())) != FETCH_BATCH:
+            raise RuntimeError(f"fetch_batch returned {got!r}")
+        prev = got
+        sdt, recs = _timed(lambda: [c.fetch(rid) for rid in seq])  # noqa: B023
+        prev = recs
+        if raw is not None:
+            claims = [c.claim(rid) for rid in lim]
+            ldt, _ = _timed(lambda: raw.read([(cl.offset, j * size, cl.nbytes) for j, cl in enumerate(claims)]))  # noqa: B023
+            c.abandon(claims)
+        else:
+            ldt = _fastest_copy(dst, src)
+        if i:
+            t["fb"].append(dt)
+            t["fbseq"].append(sdt)
+            t["fblimit"].append(ldt)
     del prev
     c.close()
     return {k: med(v) for k, v in t.items() if v}
@@ -356,6 +450,9 @@ def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
             for k, v in bench_large(srv, backend, size, n).items():
                 out[f"{k}_{size // MiB}"] = v
             srv(op="stop")
+        for k, v in bench_fetch_batch(srv, backend, 2 * MiB, max(3, iters // 2)).items():
+            out[f"{k}_2"] = v
+        srv(op="stop")
         out.update(bench_small(srv, backend, n_small))
         srv(op="stop")
     finally:
@@ -389,6 +486,8 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
             ms("LIMIT raw NIXL READ of the same bytes (bare agent)", r["raw" + s], size)
             ms("claim round trip alone", r["claim" + s])
         ms("ping round trip alone (control plane)", r["ping" + s])
+        if "zmq" + s in r:
+            ms("bare ZeroMQ round trip (CURVE, same processes)", r["zmq" + s])
         lim_label = ("LIMIT " if backend == "shm" else "") + "memcpy of the same size (warm, fastest of 3)"
         ms(lim_label, r["memcpy" + s], size)
         ms("xxh3_64 of the same size alone", r["xxh3" + s], size)
@@ -404,6 +503,15 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
         if "noverify" + s in r:
             ratio(f"{m} MiB: fetch() default, verify_checksum=False / {lim}", limit, r["noverify" + s])
         ratio(f"{m} MiB: fetch(copy=False) / {lim}", limit, r["nocopy" + s])
+    if "fb_2" in r:
+        nb = FETCH_BATCH * 2 * MiB
+        print(f"{FETCH_BATCH} records of 2 MiB by id (medians):")
+        ms(f"fetch_batch({FETCH_BATCH} ids), defaults", r["fb_2"], nb)
+        ms(f"fetch() of each of the {FETCH_BATCH} ids", r["fbseq_2"], nb)
+        label = "raw NIXL READ of the same ranges, one request" if backend == "nixl" else "memcpy of the same size"
+        ms(f"LIMIT {label}", r["fblimit_2"], nb)
+        ratio(f"{FETCH_BATCH} x 2 MiB: fetch_batch / {lim}", r["fblimit_2"], r["fb_2"], "(target >= 0.8x, 2 MiB)")
+        ratio(f"{FETCH_BATCH} x 2 MiB: fetch() each / {lim}", r["fblimit_2"], r["fbseq_2"])
     print(f"{n_small} small records of {SMALL} B:")
     us(f"API iter_records (batches of {BATCH}, defaults)", r["api_small_s"])
     if "api_batches_small_s" in r:

@@ -6,7 +6,9 @@ per phase, and the producer's per-record lease work alone.
 The consumer's phases are timed by wrapping its own methods (control calls, descriptor decoding, the transfer,
 everything else); the producer runs in a second process (``bench_export.py --serve``), so its share shows up
 inside the control calls.  The producer's lease work (claim, release, the release message's decoding) is then
-timed alone, in this process, on a pool of the same records.  Prints microseconds per record.
+timed alone, in this process, on a pool of the same records.  Over NIXL the floor of any verified, leased
+stream at this batching is measured too, piece by piece (a bare agent's READ, one control round trip per batch,
+two checksums and two packing copies per record).  Prints microseconds per record (RATIO rows: ratios).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_export as B  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_hs_compat.core.records import RecordMeta  # noqa: E402
+from vllm_hs_compat.core.records import RecordMeta, checksum_function  # noqa: E402
 from vllm_hs_compat.export import ExportConsumer  # noqa: E402
 from vllm_hs_compat.export import protocol as P  # noqa: E402
 from vllm_hs_compat.export.pool import LeasePool  # noqa: E402
@@ -76,10 +78,59 @@ def consumer_phases(backend: str, n: int, repeats: int) -> list[dict[str, float]
                 )
                 row["TOTAL iter_batches"] = total / n * 1e6
                 runs.append(row)
+        if backend == "nixl":
+            for row, floor in zip(runs, floor_phases(c, n, len(runs)), strict=True):
+                row.update(floor)
+                read = floor["FLOOR raw NIXL READ (bare agent, one request per batch)"]
+                row["RATIO raw READ / TOTAL iter_batches (bench_export's ratio)"] = read / row["TOTAL iter_batches"]
         c.close()
         return runs
     finally:
         srv.close()
+
+
+def floor_phases(c: ExportConsumer, n: int, repeats: int) -> list[dict[str, float]]:
+    """The floor of any verified, leased stream of these records at this batching, measured piece by piece in
+    this process: a bare agent's NIXL READ of each batch's ranges (one request), one control round trip per
+    batch (a ping), and per record the two checksums (rows, token id) and the two copies that pack it."""
+    digest = checksum_function("xxh3_64")
+    raw = B.RawNixl(c.hello["transport"], B.BATCH * B.SMALL_SLOT)
+    packed = bytearray(B.BATCH * B.SMALL)
+    ids = bytearray(B.BATCH * 4)
+    out = []
+    for _ in range(repeats):
+        t_read = t_ping = t_sum = t_copy = 0.0
+        for b in range(0, n, B.BATCH):
+            k = min(B.BATCH, n - b)
+            t0 = time.perf_counter()
+            raw.read([((b + j) * B.SMALL_SLOT, j * B.SMALL_SLOT, B.SMALL_SLOT) for j in range(k)])
+            t1 = time.perf_counter()
+            c._call(P.PingReq())
+            t2 = time.perf_counter()
+            land = memoryview(raw.buf.numpy())
+            for j in range(k):
+                at = j * B.SMALL_SLOT
+                digest(land[at : at + B.SMALL])
+                digest(land[at + B.SMALL : at + B.SMALL + 4])
+            t3 = time.perf_counter()
+            for j in range(k):
+                at = j * B.SMALL_SLOT
+                packed[j * B.SMALL : (j + 1) * B.SMALL] = land[at : at + B.SMALL]
+                ids[4 * j : 4 * j + 4] = land[at + B.SMALL : at + B.SMALL + 4]
+            t4 = time.perf_counter()
+            t_read, t_ping, t_sum, t_copy = t_read + t1 - t0, t_ping + t2 - t1, t_sum + t3 - t2, t_copy + t4 - t3
+        row = {
+            "FLOOR raw NIXL READ (bare agent, one request per batch)": t_read / n * 1e6,
+            "FLOOR one control round trip per batch (ping)": t_ping / n * 1e6,
+            "FLOOR two checksums per record": t_sum / n * 1e6,
+            "FLOOR two packing copies per record": t_copy / n * 1e6,
+        }
+        row["FLOOR total"] = sum(row.values())
+        row["RATIO raw READ / floor (the best any verified stream can do here)"] = (
+            row["FLOOR raw NIXL READ (bare agent, one request per batch)"] / row["FLOOR total"]
+        )
+        out.append(row)
+    return out
 
 
 def producer_leases(n: int) -> dict[str, float]:
