@@ -343,6 +343,7 @@ class LoneReads:
         self.device = device
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.pool = PinnedIndexPool()
+        self.side: Any = side_stream(device)
         self.shape_tail = (view.num_planes, view.hidden_size)
         self.token_bytes = view.num_planes * view.hidden_size * view.dtype.itemsize
         self._lock = threading.Lock()
@@ -356,7 +357,6 @@ class LoneReads:
         num_tokens: int,
         out: torch.Tensor | None,
         after: Any,
-        side: Any,
     ) -> PendingRows | None:
         """Queue the copy of tokens ``[start, start + num_tokens)`` of ``req_id`` to host after ``after`` (an event
         or a stream; None: the current stream); None where the caller must take the general path."""
@@ -400,6 +400,7 @@ class LoneReads:
             if written is None:
                 written = self._marks.event = _cuda.Event()
             written.record(cur)
+        side = self.side
         torch.cuda.set_stream(side)
         try:
             # Rule 1: after the written event.  Rule 2: the index tensor is born on the side stream, from a
@@ -450,7 +451,7 @@ def read_request_async(
     :func:`copy_rows_async` of its slots.  Ordered after everything queued so far on the current stream."""
     lone = lone_reads(cache, view)
     if lone is not None:
-        pending = lone.read(req_id, block_ids, start, num_tokens, out, None, side_stream(cache.device))
+        pending = lone.read(req_id, block_ids, start, num_tokens, out, None)
         if pending is not None:
             return pending
     slots = request_slots(req_id, block_ids, view, num_tokens=num_tokens, start=start)
@@ -476,7 +477,6 @@ class RowReader:
         self.pool = PinnedIndexPool()
         self.table = row_table(cache, view) if cache.device.type == "cuda" else None
         self.lone = LoneReads(self.table, view, cache.device) if self.table is not None else None
-        self._side: Any = side_stream(cache.device) if cache.device.type == "cuda" else None
 
     def mark_written(self) -> None:
         """Record the point after the latest capture write on the current (writing) stream (CUDA only)."""
@@ -497,7 +497,7 @@ class RowReader:
         """Copy positions ``[start, start + num_tokens)`` of ``req_id`` to host; raises the named
         :class:`~vllm_hs_compat.errors.SlotError` when its blocks cannot address them."""
         if self.lone is not None and (self.path or _default_path()) == "staged":
-            pending = self.lone.read(req_id, block_ids, start, num_tokens, out, self._written, self._side)
+            pending = self.lone.read(req_id, block_ids, start, num_tokens, out, self._written)
             if pending is not None:
                 return pending
         slots = request_slots(req_id, block_ids, self.view, num_tokens=num_tokens, start=start)
