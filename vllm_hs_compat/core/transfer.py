@@ -318,7 +318,8 @@ _PY_INDEX_MAX = 512
 #: bytes or half the rows it keeps; else it takes the per-token path.
 _OVERREAD_BYTES = 4 << 20
 #: Per-plane (LBHNC) lone reads gather whole-block chunks with ``index_select`` (then one transposing copy) instead
-#: of the Triton row kernel, whose launch costs the host more (docs/benchmarks.md has the figures).
+#: of the Triton row kernel, expected to cost the host less than its launch; not yet measured on the H200
+#: (``benchmarks/probe_lone_read.py`` times both).  ``VLLM_HS_COMPAT_LONE_CHUNKS=0`` takes the kernel path.
 LONE_PER_PLANE_CHUNKS = os.environ.get("VLLM_HS_COMPAT_LONE_CHUNKS", "1") != "0"
 
 
