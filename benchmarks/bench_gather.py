@@ -6,7 +6,8 @@ A benchmark, not a test.  Every case prints the limit it is compared with (measu
   per layout: ``[nb,N,P,C]`` (<= 0.28), LBNHC and LBHNC (0.29+), LBNHC kernel-split x4;
 * capture to host of one request (wall time of issue + wait, host work included: slots from block ids, index
   upload, gather, copy) vs a plain contiguous D2H of the same bytes into a preallocated pinned buffer: ``api``
-  (``api.copy_request_async``), ``staged`` / ``direct`` (``RowReader.read``), ``floor`` (indices already on the
+  (``api.copy_request_async``, whole-block lone read) and ``api-general`` (its per-token fallback), ``staged`` /
+  ``direct`` (``RowReader.read``, lone read per ``VLLM_HS_COMPAT_LONE_READ``), ``floor`` (indices already on the
   device, one gather, one D2H);
 * one step's batch (``--step-requests`` x ``--step-tokens`` issued together) vs one D2H of all its bytes, and the
   host-side time per request at 1,024 finished requests per step.
@@ -290,13 +291,21 @@ def _host_layout(layout: str, nb: int, gen: torch.Generator, before: Any, args: 
                     f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             want = None
             from vllm_hs_compat import api
+            from vllm_hs_compat.core import transfer
 
             def lone(blocks: list[int] = blocks, t: int = t) -> torch.Tensor:
                 return api.copy_request_async(cache, view, "r", blocks, t).wait()
 
-            got = lone()
-            want = got.clone()
-            record("host", case, "api", wall_times(lone, reps), limit, nbytes)
+            # "api": the whole-block lone read (LoneReads); "api-general": the per-token path it falls back to.
+            for variant, on in [("api-general", False), ("api", True)]:  # want: the per-token rows
+                saved, transfer.LONE_READS = transfer.LONE_READS, on
+                try:
+                    got = lone()
+                    want = got.clone() if want is None else want
+                    ok = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                    record("host", case, variant + ("" if ok else " WRONG"), wall_times(lone, reps), limit, nbytes)
+                finally:
+                    transfer.LONE_READS = saved
             for path, reader in readers.items():
 
                 def new(reader: RowReader = reader, blocks: list[int] = blocks, t: int = t) -> torch.Tensor:

@@ -31,7 +31,11 @@ def main(paths: list[str]) -> None:
                         limits[key].append(r["bytes"] / r["limit_median_s"] / 1e9)
     for kind, title, variants in [
         ("gather", "Device gather vs a contiguous device copy", ["before", "after", "index_select"]),
-        ("host", "One request to host vs a contiguous D2H", ["before", "api", "staged", "direct", "floor"]),
+        (
+            "host",
+            "One request to host vs a contiguous D2H",
+            ["before", "api", "api-general", "staged", "direct", "floor"],
+        ),  # noqa: E501
         ("step", "One step's batch to host vs one contiguous D2H", ["before", "staged", "direct"]),
         ("issue", "Host-side issue time per request (us)", ["before", "staged", "direct"]),
     ]:

@@ -150,9 +150,10 @@ def copy_request_async(
     compute stream; call on the compute stream once the rows are written (``wait_for_save``) and keep the
     request's blocks until ``PendingRows.done()``.  Synchronous on CPU.
 
-    On CUDA the request's blocks are gathered whole with one index upload and one ``index_select`` (state kept
-    per capture tensor: its row table, a pool of pinned index buffers), so a lone request costs the host a dozen
-    torch calls; a step's finished requests read together through :func:`copy_requests_async` cost less each."""
+    On CUDA the row table is kept per capture tensor.  With ``VLLM_HS_COMPAT_LONE_READ=1`` (off by default until
+    its GPU races and figures have run) the request's blocks are gathered whole: one index upload from a pooled
+    pinned buffer and one ``index_select``.  A step's finished requests read together through
+    :func:`copy_requests_async` cost the host less each."""
     return read_request_async(tensor, view, req_id, block_ids, num_tokens, start=start, out=out)
 
 

@@ -24,6 +24,17 @@ from gpu_views import NB, N, P, expected, make_cache, write  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 
+
+@pytest.fixture(params=[False, True], ids=["general", "lone"])
+def lone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both lone-request paths: the general one (slots per token) and ``LoneReads`` (whole blocks, off by
+    default: ``VLLM_HS_COMPAT_LONE_READ``)."""
+    from vllm_hs_compat.core import transfer
+
+    monkeypatch.setattr(transfer, "LONE_READS", bool(request.param))
+    return bool(request.param)
+
+
 SPIN = 2_000_000
 
 
@@ -60,12 +71,12 @@ def run(order: ViewOrder, split: int, mark: bool, iters: int = 30) -> int:
 
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_marked_write_orders_the_read(order: ViewOrder, split: int) -> None:
+def test_marked_write_orders_the_read(order: ViewOrder, split: int, lone: bool) -> None:
     assert run(order, split, mark=True) == 0
 
 
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_negative_control_unmarked_write_is_caught(order: ViewOrder) -> None:
+def test_negative_control_unmarked_write_is_caught(order: ViewOrder, lone: bool) -> None:
     # Without the mark the copy waits only for the current stream: it must be seen reading stale rows,
     # or the stress does not exercise the race and the test above proves nothing.
     assert run(order, 1, mark=False) > 0
@@ -169,13 +180,11 @@ def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20, lone: bool
     return bad
 
 
-@pytest.mark.parametrize("lone", [False, True])
 @pytest.mark.parametrize("order", list(ViewOrder))
 def test_pinned_index_buffers_are_reused_only_after_their_upload(order: ViewOrder, lone: bool) -> None:
     assert run_reuse(order, ignore_events=False, lone=lone) == 0
 
 
-@pytest.mark.parametrize("lone", [False, True])
 @pytest.mark.parametrize("order", list(ViewOrder))
 def test_negative_control_reusing_a_busy_index_buffer_is_caught(order: ViewOrder, lone: bool) -> None:
     assert run_reuse(order, ignore_events=True, lone=lone) > 0
@@ -215,19 +224,19 @@ def run_api(order: ViewOrder, split: int, on_current: bool, iters: int = 30) -> 
 
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_api_lone_read_is_ordered_after_the_current_stream(order: ViewOrder, split: int) -> None:
+def test_api_lone_read_is_ordered_after_the_current_stream(order: ViewOrder, split: int, lone: bool) -> None:
     assert run_api(order, split, on_current=True) == 0
 
 
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_negative_control_api_write_on_another_stream_is_caught(order: ViewOrder) -> None:
+def test_negative_control_api_write_on_another_stream_is_caught(order: ViewOrder, lone: bool) -> None:
     assert run_api(order, 1, on_current=False) > 0
 
 
 @pytest.mark.parametrize("dest", ["new", "pinned", "pageable"])
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("physical", ["NPC", "LBNHC", "LBHNC", "LBNHC_gap"])
-def test_lone_read_exact_in_every_layout(physical: str, split: int, dest: str) -> None:
+def test_lone_read_exact_in_every_layout(physical: str, split: int, dest: str, lone: bool) -> None:
     """Random bits through ``api.copy_request_async`` and ``RowReader.read``: whole-block gathers (per-plane ones
     rearranged by the copy), unaligned starts and ends, a cache with a gap after every block (chunk offsets)."""
     from vllm_hs_compat import api

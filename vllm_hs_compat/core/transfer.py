@@ -320,6 +320,9 @@ _OVERREAD_BYTES = 4 << 20
 #: Per-plane (LBHNC) lone reads gather whole-block chunks with ``index_select`` (then one transposing copy) instead
 #: of the Triton row kernel, expected to cost the host less than its launch; not yet measured on the H200
 #: (``benchmarks/probe_lone_read.py`` times both).  ``VLLM_HS_COMPAT_LONE_CHUNKS=0`` takes the kernel path.
+#: The whole-block lone read (:class:`LoneReads`) is off by default until its tests/gpu races and figures have run
+#: on a GPU (``benchmarks/run_lone_h200.sh``); ``VLLM_HS_COMPAT_LONE_READ=1`` turns it on.
+LONE_READS = os.environ.get("VLLM_HS_COMPAT_LONE_READ", "0") == "1"
 LONE_PER_PLANE_CHUNKS = os.environ.get("VLLM_HS_COMPAT_LONE_CHUNKS", "1") != "0"
 
 
@@ -450,7 +453,7 @@ def read_request_async(
 ) -> PendingRows:
     """One request's rows to host (``api.copy_request_async``): the :class:`LoneReads` path where it fits, else
     :func:`copy_rows_async` of its slots.  Ordered after everything queued so far on the current stream."""
-    lone = lone_reads(cache, view)
+    lone = lone_reads(cache, view) if LONE_READS else None
     if lone is not None:
         pending = lone.read(req_id, block_ids, start, num_tokens, out, None)
         if pending is not None:
@@ -497,7 +500,7 @@ class RowReader:
     ) -> PendingRows:
         """Copy positions ``[start, start + num_tokens)`` of ``req_id`` to host; raises the named
         :class:`~vllm_hs_compat.errors.SlotError` when its blocks cannot address them."""
-        if self.lone is not None and (self.path or _default_path()) == "staged":
+        if LONE_READS and self.lone is not None and (self.path or _default_path()) == "staged":
             pending = self.lone.read(req_id, block_ids, start, num_tokens, out, self._written)
             if pending is not None:
                 return pending
