@@ -5,7 +5,10 @@ A benchmark, not a test.  Every case prints the limit it is compared with (measu
 * device gather (``gather_rows``) of T scattered tokens vs a contiguous device-to-device copy of the same bytes,
   per layout: ``[nb,N,P,C]`` (<= 0.28), LBNHC and LBHNC (0.29+), LBNHC kernel-split x4;
 * capture to host of one request (wall time of issue + wait, host work included: slots from block ids, index
-  upload, gather, copy) vs a plain contiguous D2H of the same bytes into a preallocated pinned buffer;
+  upload, gather, copy) vs a plain contiguous D2H of the same bytes into a preallocated pinned buffer: ``api``
+  (``api.copy_request_async``, whole-block lone read) and ``api-general`` (its per-token fallback), ``staged`` /
+  ``direct`` (``RowReader.read``, lone read per ``VLLM_HS_COMPAT_LONE_READ``), ``floor`` (indices already on the
+  device, one gather, one D2H);
 * one step's batch (``--step-requests`` x ``--step-tokens`` issued together) vs one D2H of all its bytes, and the
   host-side time per request at 1,024 finished requests per step.
 
@@ -287,6 +290,22 @@ def _host_layout(layout: str, nb: int, gen: torch.Generator, before: Any, args: 
                 with open(f"{args.profile_dir}/profile_{layout}_{t}.txt", "w") as f:
                     f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             want = None
+            from vllm_hs_compat import api
+            from vllm_hs_compat.core import transfer
+
+            def lone(blocks: list[int] = blocks, t: int = t) -> torch.Tensor:
+                return api.copy_request_async(cache, view, "r", blocks, t).wait()
+
+            # "api": the whole-block lone read (LoneReads); "api-general": the per-token path it falls back to.
+            for variant, on in [("api-general", False), ("api", True)]:  # want: the per-token rows
+                saved, transfer.LONE_READS = transfer.LONE_READS, on
+                try:
+                    got = lone()
+                    want = got.clone() if want is None else want
+                    ok = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                    record("host", case, variant + ("" if ok else " WRONG"), wall_times(lone, reps), limit, nbytes)
+                finally:
+                    transfer.LONE_READS = saved
             for path, reader in readers.items():
 
                 def new(reader: RowReader = reader, blocks: list[int] = blocks, t: int = t) -> torch.Tensor:
@@ -299,7 +318,7 @@ def _host_layout(layout: str, nb: int, gen: torch.Generator, before: Any, args: 
                 record("host", case, path + ("" if ok else " WRONG"), wall_times(fn, reps), limit, nbytes)
             del src, pinned
         # --- one step's batch ---
-        for count, t in [(args.step_requests, args.step_tokens), (1024, 128)]:
+        for count, t in [] if args.no_step else [(args.step_requests, args.step_tokens), (1024, 128)]:
             nbytes = count * t * per_token
             tables = block_lists(gen, nb, n, [t] * count)
             src = torch.empty((count * t, p, c), dtype=torch.bfloat16, device="cuda")
@@ -357,6 +376,7 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--step-reps", type=int, default=5)
     ap.add_argument("--host-layouts", default="LBNHC,LBHNC")
+    ap.add_argument("--no-step", action="store_true", help="host cases: one request only (no step batches)")
     ap.add_argument("--only", choices=["gather", "host", "all"], default="all")
     ap.add_argument("--before", default=None, help="folder holding an older copy of the package as vhc_before")
     ap.add_argument("--json", default=None)

@@ -27,11 +27,15 @@ def main(paths: list[str]) -> None:
                     continue
                 ratios[key][r["variant"]].append(r["ratio_median"])
                 if r["variant"] == "before" or not limits[key] or len(limits[key]) < len(paths):
-                    if r["variant"] in ("before", "after", "staged") and len(limits[key]) < len(paths):
+                    if r["variant"] in ("before", "after", "staged", "api") and len(limits[key]) < len(paths):
                         limits[key].append(r["bytes"] / r["limit_median_s"] / 1e9)
     for kind, title, variants in [
         ("gather", "Device gather vs a contiguous device copy", ["before", "after", "index_select"]),
-        ("host", "One request to host vs a contiguous D2H", ["before", "staged", "direct", "floor"]),
+        (
+            "host",
+            "One request to host vs a contiguous D2H",
+            ["before", "api", "api-general", "staged", "direct", "floor"],
+        ),  # noqa: E501
         ("step", "One step's batch to host vs one contiguous D2H", ["before", "staged", "direct"]),
         ("issue", "Host-side issue time per request (us)", ["before", "staged", "direct"]),
     ]:

@@ -24,6 +24,17 @@ from gpu_views import NB, N, P, expected, make_cache, write  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 
+
+@pytest.fixture(params=[False, True], ids=["general", "lone"])
+def lone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both lone-request paths: the general one (slots per token) and ``LoneReads`` (whole blocks, off by
+    default: ``VLLM_HS_COMPAT_LONE_READ``)."""
+    from vllm_hs_compat.core import transfer
+
+    monkeypatch.setattr(transfer, "LONE_READS", bool(request.param))
+    return bool(request.param)
+
+
 SPIN = 2_000_000
 
 
@@ -60,12 +71,12 @@ def run(order: ViewOrder, split: int, mark: bool, iters: int = 30) -> int:
 
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_marked_write_orders_the_read(order: ViewOrder, split: int) -> None:
+def test_marked_write_orders_the_read(order: ViewOrder, split: int, lone: bool) -> None:
     assert run(order, split, mark=True) == 0
 
 
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_negative_control_unmarked_write_is_caught(order: ViewOrder) -> None:
+def test_negative_control_unmarked_write_is_caught(order: ViewOrder, lone: bool) -> None:
     # Without the mark the copy waits only for the current stream: it must be seen reading stale rows,
     # or the stress does not exercise the race and the test above proves nothing.
     assert run(order, 1, mark=False) > 0
@@ -126,14 +137,17 @@ def test_negative_control_batched_unmarked_write_is_caught(order: ViewOrder) -> 
     assert run_many(order, 1, mark=False, path="staged") > 0
 
 
-def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20) -> int:
+def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20, lone: bool = False) -> int:
     """Two steps' reads back to back while the first still waits for its write: the pinned index buffer of the
-    first must not be handed to the second (its upload has not run yet)."""
+    first must not be handed to the second (its upload has not run yet).  ``lone``: two lone reads
+    (``RowReader.read``, the whole-block path) instead of two one-request batches."""
     cache = make_cache(order)
     view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
     reader = RowReader(cache, view)
     if ignore_events:
         reader.pool._ready = lambda event: True  # type: ignore[method-assign]  # the bug: reuse without the event
+        assert reader.lone is not None
+        reader.lone.pool._ready = lambda event: True  # type: ignore[method-assign]
     writer = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(3)
     bad = 0
@@ -152,8 +166,12 @@ def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20) -> int:
             write(cache, order, sa, va)
             write(cache, order, sb, vb)
             reader.mark_written()
-        first = reader.read_many([(f"a{it}", a, 0, tokens)])[0]
-        second = reader.read_many([(f"b{it}", b, 0, tokens)])[0]
+        if lone:
+            first = reader.read(f"a{it}", a, start=0, num_tokens=tokens)
+            second = reader.read(f"b{it}", b, start=0, num_tokens=tokens)
+        else:
+            first = reader.read_many([(f"a{it}", a, 0, tokens)])[0]
+            second = reader.read_many([(f"b{it}", b, 0, tokens)])[0]
         assert not isinstance(first, Exception) and not isinstance(second, Exception)
         wrong = int(not torch.equal(first.wait(), expected(va, tokens)))
         wrong += int(not torch.equal(second.wait(), expected(vb, tokens)))
@@ -163,13 +181,97 @@ def run_reuse(order: ViewOrder, ignore_events: bool, iters: int = 20) -> int:
 
 
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_pinned_index_buffers_are_reused_only_after_their_upload(order: ViewOrder) -> None:
-    assert run_reuse(order, ignore_events=False) == 0
+def test_pinned_index_buffers_are_reused_only_after_their_upload(order: ViewOrder, lone: bool) -> None:
+    assert run_reuse(order, ignore_events=False, lone=lone) == 0
 
 
 @pytest.mark.parametrize("order", list(ViewOrder))
-def test_negative_control_reusing_a_busy_index_buffer_is_caught(order: ViewOrder) -> None:
-    assert run_reuse(order, ignore_events=True) > 0
+def test_negative_control_reusing_a_busy_index_buffer_is_caught(order: ViewOrder, lone: bool) -> None:
+    assert run_reuse(order, ignore_events=True, lone=lone) > 0
+
+
+def run_api(order: ViewOrder, split: int, on_current: bool, iters: int = 30) -> int:
+    """``api.copy_request_async`` (the lone path: whole blocks, pinned index pool per cache, no marked event) orders
+    itself after the current stream: the write late on the current stream must be read exactly; written on
+    another stream (``on_current=False``, the negative control) it must be caught reading stale rows."""
+    from vllm_hs_compat import api
+
+    cache = make_cache(order, split)
+    view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
+    other = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(6)
+    bad = 0
+    for it in range(iters):
+        tokens = 150
+        blocks = (torch.randperm(NB - 1, generator=gen)[: -(-(tokens + 5) // N)] + 1).tolist()
+        slots = manager_slots(f"r{it}", blocks, group_block_size=N, num_tokens=tokens, start=5).cuda()
+        value = float(it % 50 + 1)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.current_stream() if on_current else other):
+            torch.cuda._sleep(SPIN)
+            write(cache, order, slots, value)
+        pending = api.copy_request_async(cache, view, f"r{it}", blocks, tokens, start=5)
+        for _ in range(4):
+            junk = torch.zeros((tokens,), dtype=torch.int64, device="cuda")
+            junk += 0
+            del junk
+        got = pending.wait()
+        torch.cuda.synchronize()
+        if not torch.equal(got, expected(value, tokens)):
+            bad += 1
+    return bad
+
+
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("order", list(ViewOrder))
+def test_api_lone_read_is_ordered_after_the_current_stream(order: ViewOrder, split: int, lone: bool) -> None:
+    assert run_api(order, split, on_current=True) == 0
+
+
+@pytest.mark.parametrize("order", list(ViewOrder))
+def test_negative_control_api_write_on_another_stream_is_caught(order: ViewOrder, lone: bool) -> None:
+    assert run_api(order, 1, on_current=False) > 0
+
+
+@pytest.mark.parametrize("dest", ["new", "pinned", "pageable"])
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("physical", ["NPC", "LBNHC", "LBHNC", "LBNHC_gap"])
+def test_lone_read_exact_in_every_layout(physical: str, split: int, dest: str, lone: bool) -> None:
+    """Random bits through ``api.copy_request_async`` and ``RowReader.read``: whole-block gathers (per-plane ones
+    rearranged by the copy), unaligned starts and ends, a cache with a gap after every block (chunk offsets)."""
+    from vllm_hs_compat import api
+    from vllm_hs_compat.core import gather_rows
+
+    nb, n = NB * split, N // split
+    if physical == "LBHNC":
+        cache = torch.empty(nb, P, n, 1024, dtype=torch.bfloat16, device="cuda")
+        order = ViewOrder.BLOCK_PLANE_TOKEN
+    elif physical == "LBNHC_gap":
+        cache = torch.empty(nb, 2 * n, P, 1024, dtype=torch.bfloat16, device="cuda")[:, :n].permute(0, 2, 1, 3)
+        order = ViewOrder.BLOCK_PLANE_TOKEN
+    else:
+        cache = torch.empty(nb, n, P, 1024, dtype=torch.bfloat16, device="cuda")
+        order = ViewOrder.BLOCK_TOKEN_PLANE if physical == "NPC" else ViewOrder.BLOCK_PLANE_TOKEN
+        cache = cache if physical == "NPC" else cache.permute(0, 2, 1, 3)
+    cache.view(torch.int16).random_(-(2**15), 2**15)
+    view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
+    reader = RowReader(cache, view)
+    assert reader.lone is not None and reader.lone.plan is not None
+    gen = torch.Generator().manual_seed(7)
+    for start, tokens in [(0, 16), (0, 160), (7, 300), (3, 1), (16, 45), (0, 33)]:
+        blocks = (torch.randperm(NB - 1, generator=gen)[: -(-(start + tokens) // N)] + 1).tolist()
+        slots = manager_slots("r", blocks, group_block_size=N, num_tokens=tokens, start=start).cuda()
+        want = gather_rows(cache, view, slots).cpu().view(torch.int16)
+        for fn in (api.copy_request_async, None):
+            out = None
+            if dest != "new":
+                out = torch.empty((tokens, P, 1024), dtype=torch.bfloat16, pin_memory=dest == "pinned")
+            if fn is None:
+                got = reader.read("r", blocks, start=start, num_tokens=tokens, out=out).wait()
+            else:
+                got = fn(cache, view, "r", blocks, tokens, start=start, out=out).wait()
+            assert out is None or got is out
+            assert torch.equal(got.view(torch.int16), want), f"start={start} tokens={tokens}"
 
 
 @pytest.mark.parametrize("dst_kind", ["pinned_host", "device"])

@@ -18,6 +18,7 @@ import enum
 import math
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -399,3 +400,106 @@ def _widest_alias(tensor: torch.Tensor) -> torch.Tensor:
         ):
             return tensor.view(dt)
     return tensor
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A :class:`RowTable` cut into chunks of whole blocks, for reads of a few manager blocks.
+
+    A chunk is one kernel block's ``N`` token rows of one plane (per-plane tables) or of all planes (packed), or,
+    where a manager block's rows are one contiguous run, the whole manager block.  A request's tokens are whole
+    blocks but for the first and last, so a read gathers ``k`` manager blocks' chunks (``k * len(offsets)``
+    indices instead of ``tokens * rows_per_token``, computed on the host without tensor operations) and drops the
+    rows before ``start`` and past the end.  Chunk ``i`` of manager block ``m`` is ``m * per_block + offsets[i]``.
+    """
+
+    chunks: torch.Tensor
+    """``[num_chunks, chunk_rows * W]`` alias of the row table."""
+    per_block: int
+    offsets: tuple[int, ...]
+    group_block_size: int
+    kernel_split: int
+    block_tokens: int
+    rows_per_token: int
+    width: int
+    """``W``: wide elements per row."""
+
+    @property
+    def whole_blocks(self) -> bool:
+        """True when a manager block is one chunk whose index is the block id itself."""
+        return self.per_block == 1 and self.offsets == (0,)
+
+    def indices(self, used: Sequence[int]) -> list[int]:
+        """Chunk indices of manager blocks ``used``, in token order (block, kernel block, plane)."""
+        if self.whole_blocks:
+            return list(used)
+        pb, offs = self.per_block, self.offsets
+        return [m * pb + o for m in used for o in offs]
+
+    def fill(self, used: Sequence[int], out: torch.Tensor, words: Any = None, *, python_max: int = 512) -> None:
+        """Store the chunk indices of ``used`` into ``out`` (int64, CPU, exactly that many elements): with one
+        slice assignment into ``words`` (a ``ctypes`` array over ``out``'s memory) when given and the count is at
+        most ``python_max`` (any count for whole blocks), else with two tensor operations."""
+        count = int(out.numel())
+        if words is not None and (self.whole_blocks or count <= python_max):
+            words[:count] = self.indices(used)
+            return
+        ids = torch.tensor(list(used), dtype=torch.int64).view(-1, 1)
+        offsets = torch.tensor(self.offsets, dtype=torch.int64)
+        torch.add(ids * self.per_block, offsets, out=out.view(len(used), len(self.offsets)))
+
+    def copy_into(
+        self, idx: torch.Tensor, k: int, head: int, num_tokens: int, out: torch.Tensor, *, non_blocking: bool = False
+    ) -> None:
+        """Gather the chunks ``idx`` (on the table's device; :meth:`indices` of ``k`` manager blocks) and copy the
+        rows of tokens ``[head, head + num_tokens)`` of them into ``out`` (contiguous ``[num_tokens, P, C]`` in the
+        cache's dtype: pinned host or device memory)."""
+        stage = torch.index_select(self.chunks, 0, idx)
+        src = self.arrange(stage, k, head, num_tokens)
+        dst = out.view(num_tokens * self.rows_per_token, -1)
+        dst = dst if dst.dtype == self.chunks.dtype else dst.view(self.chunks.dtype)
+        dst.view(src.shape).copy_(src, non_blocking=non_blocking)
+
+    def arrange(self, stage: torch.Tensor, k: int, head: int, num_tokens: int) -> torch.Tensor:
+        """Gathered chunks ``stage`` of ``k`` manager blocks as the rows of tokens ``[head, head + num_tokens)``
+        of them: ``[num_tokens, rows_per_token, W]`` (a view where the rows allow it, else a device copy)."""
+        per, w, n = self.rows_per_token, self.width, self.block_tokens
+        if per == 1:
+            return stage.view(k * self.group_block_size, 1, w)[head : head + num_tokens]
+        rows = stage.view(k * self.kernel_split, per, n, w).transpose(1, 2)  # [kernel blocks, N, planes, W]
+        if head == 0 and num_tokens == k * self.group_block_size:
+            return rows  # same elements in token order: the copy to the destination arranges them
+        return rows.reshape(k * self.group_block_size, per, w)[head : head + num_tokens]
+
+
+def chunk_plan(table: RowTable, view: CaptureView) -> ChunkPlan | None:
+    """The :class:`ChunkPlan` of ``table``, or None where its tokens are not runs of whole rows per block."""
+    n, per, r = table.block_tokens, table.rows_per_token, view.kernel_split
+    t = table.table
+    if t.dim() != 2 or t.stride(1) != 1 or t.stride(0) != t.shape[1]:
+        return None  # rows are not back to back
+    if table.token_stride != 1 or table.block_stride % n or (per > 1 and table.plane_stride % n):
+        return None
+    width = int(t.shape[1])
+    offsets: tuple[int, ...]
+    if table.block_stride == per * n and (per == 1 or table.plane_stride == n):
+        # A manager block (its r kernel blocks, all planes) is one run of r * per * n rows at m * r * per * n.
+        rows = r * per * n
+        per_block, offsets = 1, (0,)
+    else:
+        rows = n
+        per_block = r * table.block_stride // n
+        offsets = tuple((j * table.block_stride + p * table.plane_stride) // n for j in range(r) for p in range(per))
+    count = int(t.shape[0]) // rows
+    if count == 0:
+        return None
+    return ChunkPlan(
+        chunks=t[: count * rows].view(count, rows * width),
+        per_block=per_block,
+        offsets=offsets,
+        group_block_size=view.group_block_size,
+        kernel_split=r,
+        block_tokens=n,
+        rows_per_token=per,
+        width=width,
+    )

@@ -16,8 +16,10 @@ On CPU the copy is synchronous and the handle is complete at once.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +27,19 @@ from typing import Any
 import torch
 
 from ..errors import SlotError, TransferError
-from .layout import CaptureView, RowTable, _triton_rows, gather_rows, gather_slots, kernel_gather_into, row_table
-from .slots import batch_slots, request_slots
+from .layout import (
+    CaptureView,
+    ChunkPlan,
+    RowTable,
+    _triton_rows,
+    cached_row_table,
+    chunk_plan,
+    gather_rows,
+    gather_slots,
+    kernel_gather_into,
+    row_table,
+)
+from .slots import batch_slots, check_blocks, request_slots
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
 _streams: dict[int, Any] = {}
@@ -102,6 +115,7 @@ class PinnedIndexPool:
     def __init__(self, max_buffers: int = 8) -> None:
         self.max_buffers = max_buffers
         self._free: list[tuple[torch.Tensor, Any]] = []
+        self._words: dict[tuple[int, int], Any] = {}
         self.allocated = 0
 
     @staticmethod
@@ -117,12 +131,22 @@ class PinnedIndexPool:
         self.allocated += 1
         return torch.empty(max(4096, 1 << max(0, numel - 1).bit_length()), dtype=torch.int64, pin_memory=True)
 
+    def words(self, buf: torch.Tensor) -> Any:
+        """A ``ctypes`` int64 array over a buffer of this pool: Python ints are stored into the pinned memory with
+        one slice assignment, no tensor operation."""
+        key = (buf.data_ptr(), buf.numel())
+        arr = self._words.get(key)
+        if arr is None:
+            arr = self._words[key] = (ctypes.c_int64 * buf.numel()).from_address(buf.data_ptr())
+        return arr
+
     def give(self, buf: torch.Tensor, uploaded: Any) -> None:
         """Return ``buf``; ``uploaded`` is an event recorded (on the side stream) after the copy that reads it."""
         self._free.append((buf, uploaded))
         if len(self._free) > self.max_buffers:
             self._free.sort(key=lambda item: item[0].numel())
-            del self._free[0]
+            dropped = self._free.pop(0)[0]
+            self._words.pop((dropped.data_ptr(), dropped.numel()), None)
 
 
 def _gather_to_host(
@@ -288,6 +312,157 @@ def copy_requests_async(
     return result
 
 
+#: Chunk indices of a lone read computed in Python up to this many (above it, a few tensor operations).
+_PY_INDEX_MAX = 512
+#: A lone read gathers whole blocks while the rows it drops (before ``start``, past the end) stay within this many
+#: bytes or half the rows it keeps; else it takes the per-token path.
+_OVERREAD_BYTES = 4 << 20
+#: Per-plane (LBHNC) lone reads gather whole-block chunks with ``index_select`` (then one transposing copy) instead
+#: of the Triton row kernel, expected to cost the host less than its launch; not yet measured on the H200
+#: (``benchmarks/probe_lone_read.py`` times both).  ``VLLM_HS_COMPAT_LONE_CHUNKS=0`` takes the kernel path.
+#: The whole-block lone read (:class:`LoneReads`) is off by default until its tests/gpu races and figures have run
+#: on a GPU (``benchmarks/run_lone_h200.sh``); ``VLLM_HS_COMPAT_LONE_READ=1`` turns it on.
+LONE_READS = os.environ.get("VLLM_HS_COMPAT_LONE_READ", "0") == "1"
+LONE_PER_PLANE_CHUNKS = os.environ.get("VLLM_HS_COMPAT_LONE_CHUNKS", "1") != "0"
+
+
+class LoneReads:
+    """The lone-request read (one request issued alone, :meth:`RowReader.read`, ``api.copy_request_async``) with
+    as little host work as the ordering rules allow.
+
+    The request's manager blocks are gathered whole (:class:`~vllm_hs_compat.core.layout.ChunkPlan`): their chunk
+    indices -- the block ids themselves for packed caches -- are stored straight into a reused pinned buffer from
+    Python, uploaded on the side stream after the wait on the written event, gathered with one ``index_select``
+    and copied to host from the rows of the range.  The side stream is made current with ``torch.cuda.set_stream``
+    (no stream context object) and the completion event is the one handed back.  Reads this plan does not fit
+    (no chunk plan, a pageable destination, a stage over :data:`STAGE_BYTES`, many rows dropped, another device
+    current) return None: the caller takes the general path.  Thread-safe (the pinned pool is locked).
+    """
+
+    def __init__(self, table: RowTable, view: CaptureView, device: torch.device) -> None:
+        self.view = view
+        self.plan: ChunkPlan | None = chunk_plan(table, view)
+        if self.plan is not None and self.plan.rows_per_token > 1 and not LONE_PER_PLANE_CHUNKS:
+            self.plan = None
+        self.device = device
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.pool = PinnedIndexPool()
+        self.side: Any = side_stream(device)
+        self.shape_tail = (view.num_planes, view.hidden_size)
+        self.token_bytes = view.num_planes * view.hidden_size * view.dtype.itemsize
+        self._lock = threading.Lock()
+        self._marks = threading.local()  # per thread: an event recorded on the current stream ("written so far")
+
+    def read(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        start: int,
+        num_tokens: int,
+        out: torch.Tensor | None,
+        after: Any,
+    ) -> PendingRows | None:
+        """Queue the copy of tokens ``[start, start + num_tokens)`` of ``req_id`` to host after ``after`` (an event
+        or a stream; None: the current stream); None where the caller must take the general path."""
+        plan = self.plan
+        if plan is None or num_tokens <= 0:
+            return None
+        view = self.view
+        bs = view.group_block_size
+        first, need = check_blocks(
+            req_id,
+            block_ids,
+            group_block_size=bs,
+            num_tokens=num_tokens,
+            start=start,
+            num_manager_blocks=view.num_manager_blocks,
+        )
+        k = need - first
+        staged = k * bs * self.token_bytes
+        dropped = staged - num_tokens * self.token_bytes
+        if staged > STAGE_BYTES or dropped > max(_OVERREAD_BYTES, num_tokens * self.token_bytes // 2):
+            return None
+        if out is not None:
+            _check_out(out, (num_tokens, *self.shape_tail), view.dtype)
+            if not out.is_pinned():
+                return None
+        cur = torch.cuda.current_stream()
+        if cur.device_index != self.device_index:
+            return None  # set_stream would change the current device: the general path uses a stream context
+        used = block_ids[first:need]
+        count = k * len(plan.offsets)
+        with self._lock:
+            buf = self.pool.take(count)
+            words = self.pool.words(buf)
+        host_idx = buf[:count]
+        plan.fill(used, host_idx, words, python_max=_PY_INDEX_MAX)
+        if out is None:
+            out = torch.empty((num_tokens, *self.shape_tail), dtype=view.dtype, pin_memory=True)
+        written = after
+        if written is None:
+            written = getattr(self._marks, "event", None)
+            if written is None:
+                written = self._marks.event = _cuda.Event()
+            written.record(cur)
+        side = self.side
+        torch.cuda.set_stream(side)
+        try:
+            # Rule 1: after the written event.  Rule 2: the index tensor is born on the side stream, from a
+            # pinned buffer no queued upload still reads, and is kept alive with the result.
+            _wait(side, written)
+            idx = host_idx.to(self.device, non_blocking=True)
+            plan.copy_into(idx, k, start - first * bs, num_tokens, out, non_blocking=True)
+            finished = _cuda.Event()
+            finished.record(side)
+        finally:
+            torch.cuda.set_stream(cur)
+        with self._lock:
+            self.pool.give(buf, finished)
+        return PendingRows(out, finished, (idx, host_idx, out))
+
+
+_LONE: dict[int, tuple[Any, CaptureView, LoneReads | None]] = {}
+_LONE_LOCK = threading.Lock()
+
+
+def lone_reads(cache: torch.Tensor, view: CaptureView) -> LoneReads | None:
+    """The :class:`LoneReads` of a CUDA capture tensor, made once per tensor object and view (the entry goes when
+    the tensor does); None on CPU or where the tensor has no row table."""
+    if cache.device.type != "cuda":
+        return None
+    key = id(cache)
+    hit = _LONE.get(key)
+    if hit is not None and hit[0]() is cache and hit[1] == view:
+        return hit[2]
+    table = cached_row_table(cache, view)
+    lone = LoneReads(table, view, cache.device) if table is not None else None
+    with _LONE_LOCK:
+        _LONE[key] = (weakref.ref(cache, lambda _, key=key: _LONE.pop(key, None)), view, lone)  # type: ignore[misc]
+    return lone
+
+
+def read_request_async(
+    cache: torch.Tensor,
+    view: CaptureView,
+    req_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    *,
+    start: int = 0,
+    out: torch.Tensor | None = None,
+) -> PendingRows:
+    """One request's rows to host (``api.copy_request_async``): the :class:`LoneReads` path where it fits, else
+    :func:`copy_rows_async` of its slots.  Ordered after everything queued so far on the current stream."""
+    lone = lone_reads(cache, view) if LONE_READS else None
+    if lone is not None:
+        pending = lone.read(req_id, block_ids, start, num_tokens, out, None)
+        if pending is not None:
+            return pending
+    slots = request_slots(req_id, block_ids, view, num_tokens=num_tokens, start=start)
+    table = cached_row_table(cache, view) if cache.device.type == "cuda" else None
+    return copy_rows_async(cache, view, slots, out=out, table=table)
+
+
 class RowReader:
     """Reads requests' rows out of one capture cache, ordered after the cache's last write.
 
@@ -305,6 +480,7 @@ class RowReader:
         self._written: Any = None
         self.pool = PinnedIndexPool()
         self.table = row_table(cache, view) if cache.device.type == "cuda" else None
+        self.lone = LoneReads(self.table, view, cache.device) if self.table is not None else None
 
     def mark_written(self) -> None:
         """Record the point after the latest capture write on the current (writing) stream (CUDA only)."""
@@ -324,6 +500,10 @@ class RowReader:
     ) -> PendingRows:
         """Copy positions ``[start, start + num_tokens)`` of ``req_id`` to host; raises the named
         :class:`~vllm_hs_compat.errors.SlotError` when its blocks cannot address them."""
+        if LONE_READS and self.lone is not None and (self.path or _default_path()) == "staged":
+            pending = self.lone.read(req_id, block_ids, start, num_tokens, out, self._written)
+            if pending is not None:
+                return pending
         slots = request_slots(req_id, block_ids, self.view, num_tokens=num_tokens, start=start)
         return copy_rows_async(
             self.cache,
