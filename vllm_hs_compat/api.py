@@ -150,10 +150,9 @@ def copy_request_async(
     compute stream; call on the compute stream once the rows are written (``wait_for_save``) and keep the
     request's blocks until ``PendingRows.done()``.  Synchronous on CPU.
 
-    On CUDA the row table is kept per capture tensor.  With ``VLLM_HS_COMPAT_LONE_READ=1`` (off by default until
-    its GPU races and figures have run) the request's blocks are gathered whole: one index upload from a pooled
-    pinned buffer and one ``index_select``.  A step's finished requests read together through
-    :func:`copy_requests_async` cost the host less each."""
+    On CUDA the row table is kept per capture tensor and the request's blocks are gathered whole: one index upload
+    from a pooled pinned buffer and one ``index_select`` (``VLLM_HS_COMPAT_LONE_READ=0``: the per-token path).  A
+    step's finished requests read together through :func:`copy_requests_async` cost the host less each."""
     return read_request_async(tensor, view, req_id, block_ids, num_tokens, start=start, out=out)
 
 

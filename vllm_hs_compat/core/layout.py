@@ -455,6 +455,12 @@ class ChunkPlan:
         rows of tokens ``[head, head + num_tokens)`` of them into ``out`` (contiguous ``[num_tokens, P, C]`` in the
         cache's dtype: pinned host or device memory)."""
         stage = torch.index_select(self.chunks, 0, idx)
+        if self.rows_per_token == 1:  # rows in token order: a slice of them, one copy
+            w = self.width
+            dst = out.view(num_tokens, -1)
+            dst = dst if dst.dtype == self.chunks.dtype else dst.view(self.chunks.dtype)
+            dst.copy_(stage.view(-1, w)[head : head + num_tokens], non_blocking=non_blocking)
+            return
         src = self.arrange(stage, k, head, num_tokens)
         dst = out.view(num_tokens * self.rows_per_token, -1)
         dst = dst if dst.dtype == self.chunks.dtype else dst.view(self.chunks.dtype)

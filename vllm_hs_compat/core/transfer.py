@@ -320,9 +320,9 @@ _OVERREAD_BYTES = 4 << 20
 #: Per-plane (LBHNC) lone reads gather whole-block chunks with ``index_select`` (then one transposing copy) instead
 #: of the Triton row kernel, expected to cost the host less than its launch; not yet measured on the H200
 #: (``benchmarks/probe_lone_read.py`` times both).  ``VLLM_HS_COMPAT_LONE_CHUNKS=0`` takes the kernel path.
-#: The whole-block lone read (:class:`LoneReads`) is off by default until its tests/gpu races and figures have run
-#: on a GPU (``benchmarks/run_lone_h200.sh``); ``VLLM_HS_COMPAT_LONE_READ=1`` turns it on.
-LONE_READS = os.environ.get("VLLM_HS_COMPAT_LONE_READ", "0") == "1"
+#: The whole-block lone read (:class:`LoneReads`) is on by default (tests/gpu races and figures ran on an H200,
+#: docs/benchmarks.md); ``VLLM_HS_COMPAT_LONE_READ=0`` takes the general path.
+LONE_READS = os.environ.get("VLLM_HS_COMPAT_LONE_READ", "1") != "0"
 LONE_PER_PLANE_CHUNKS = os.environ.get("VLLM_HS_COMPAT_LONE_CHUNKS", "1") != "0"
 
 
@@ -386,8 +386,8 @@ class LoneReads:
             _check_out(out, (num_tokens, *self.shape_tail), view.dtype)
             if not out.is_pinned():
                 return None
-        cur = torch.cuda.current_stream()
-        if cur.device_index != self.device_index:
+        cur = _current_stream(self.device_index)
+        if cur is None:
             return None  # set_stream would change the current device: the general path uses a stream context
         used = block_ids[first:need]
         count = k * len(plan.offsets)
@@ -419,6 +419,31 @@ class LoneReads:
         with self._lock:
             self.pool.give(buf, finished)
         return PendingRows(out, finished, (idx, host_idx, out))
+
+
+_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device: Any = getattr(torch._C, "_cuda_getDevice", None)
+#: per device index: (raw handle, torch Stream) of the stream last seen current there
+_current: dict[int, tuple[int, Any]] = {}
+
+
+def _current_stream(device_index: int) -> Any:
+    """The current stream if the current device is ``device_index``, else None.  ``torch.cuda.current_stream()``
+    makes a new Python object each call (~7 us on the H200's host); the stream object made for a raw handle is
+    kept and handed out again while that handle is current (the current stream is per thread: the handle is
+    compared on every call)."""
+    if _raw_stream is None or _get_device is None:  # pragma: no cover - torch without these bindings
+        cur = torch.cuda.current_stream()
+        return cur if cur.device_index == device_index else None
+    if _get_device() != device_index:
+        return None
+    raw = _raw_stream(device_index)
+    hit = _current.get(device_index)
+    if hit is not None and hit[0] == raw:
+        return hit[1]
+    cur = torch.cuda.current_stream(device_index)
+    _current[device_index] = (raw, cur)
+    return cur
 
 
 _LONE: dict[int, tuple[Any, CaptureView, LoneReads | None]] = {}
