@@ -998,7 +998,9 @@ class ExportConsumer:
         schema, records in the order of ``record_ids``; ``batch.record_ids`` names them) and then one named error
         per id that failed: :class:`UnknownRecordError` for an id not published (after ``wait_s``, see
         :meth:`claim`), :class:`RecordFailedError` for one the producer knows failed, and the read's or the
-        verification's error otherwise.  An id given twice is fetched once."""
+        verification's error otherwise.  Records claimed are read at once, not held while the ids still missing
+        are waited for: those that turn up later come in batches of their own.  An id given twice is fetched
+        once."""
         if self._transport is None:
             raise E.ExportConfigError(
                 "fetch_batch needs the trainer token (a ticket holder fetches its one record with fetch())"
@@ -1007,12 +1009,14 @@ class ExportConsumer:
         for rid in ids:
             if not isinstance(rid, str) or not 0 < len(rid) <= P.MAX_ID_CHARS:
                 raise E.ExportConfigError(f"record ids must be strings of 1..{P.MAX_ID_CHARS} characters: {rid!r}")
-        raws: list[bytes] = []
+        order = {rid: k for k, rid in enumerate(ids)}
+        out: list[RecordBatch | HsCompatError] = []
         errors: list[HsCompatError] = []
-        claimed_at = 0.0
         until = time.monotonic() + wait_s
         pause = 0.005
-        while ids:
+        while ids:  # a round: claim every id still pending, then read what was claimed at once
+            raws: list[bytes] = []
+            claimed_at = 0.0
             missing: list[tuple[str, str]] = []
             again: list[str] = []
             for i in range(0, len(ids), P.MAX_CLAIM_IDS):
@@ -1031,17 +1035,18 @@ class ExportConsumer:
                         again.append(err.record_id)
                     else:
                         missing.append((err.record_id, err.message))
+            if raws:  # read now: a claimed lease must not age while the other ids are waited for
+                got = self._batches(raws, claimed_at, copy, timeout_s, [], order)
+                out.extend(g for g in got if isinstance(g, RecordBatch))
+                errors.extend(g for g in got if not isinstance(g, RecordBatch))
             if missing and time.monotonic() + pause <= until:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
                 again.extend(rid for rid, _ in missing)
             else:
                 errors.extend(E.UnknownRecordError(message) for _, message in missing)
-            ids = again
-        if not raws:
-            return list(errors)
-        order = {rid: k for k, rid in enumerate(dict.fromkeys(record_ids))}
-        return self._batches(raws, claimed_at, copy, timeout_s, errors, order)
+            ids = sorted(again, key=order.__getitem__)
+        return out + errors
 
     def _batches(
         self,
