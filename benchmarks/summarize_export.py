@@ -50,6 +50,7 @@ for be in ("nixl", "shm"):
             ("xxh3", "xxh3_64 alone"),
             ("claim", "claim round trip"),
             ("ping", "ping round trip"),
+            ("zmq", "bare ZeroMQ round trip (CURVE)"),
             ("pub", "publish() in caller"),
             ("pubnw", "publish_nowait() in caller (wall)"),
         ):
@@ -72,6 +73,18 @@ for be in ("nixl", "shm"):
             rb = [r[be][lim + s] / r[be][k] for r in B]
             ra = [r[be][lim + s] / r[be][k] for r in A]
             rows.append((be, f"{m} MiB", label, mmm(rb, rx), mmm(ra, rx)))
+    for key, label in (
+        ("fb_2", "fetch_batch of 32 ids (ms)"),
+        ("fbseq_2", "fetch() of each of the 32 ids (ms)"),
+        ("fblimit_2", "LIMIT " + ("raw NIXL READ of the 32 ranges" if be == "nixl" else "memcpy") + " (ms)"),
+    ):
+        if all(key in r[be] for r in A):
+            b = mmm([r[be][key] for r in B], ms) if all(key in r[be] for r in B) else "–"
+            rows.append((be, "32 x 2 MiB by id", label, b, mmm([r[be][key] for r in A], ms)))
+    for key, label in (("fb_2", "RATIO fetch_batch / limit"), ("fbseq_2", "RATIO fetch() each / limit")):
+        if all(key in r[be] for r in A):
+            b = mmm([r[be]["fblimit_2"] / r[be][key] for r in B], rx) if all(key in r[be] for r in B) else "–"
+            rows.append((be, "32 x 2 MiB by id", label, b, mmm([r[be]["fblimit_2"] / r[be][key] for r in A], rx)))
     n = 10000
     if be == "nixl":
         lim = "raw_small_batched_s"
