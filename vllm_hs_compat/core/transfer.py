@@ -457,7 +457,7 @@ def lone_reads(cache: torch.Tensor, view: CaptureView) -> LoneReads | None:
         return None
     key = id(cache)
     hit = _LONE.get(key)
-    if hit is not None and hit[0]() is cache and hit[1] == view:
+    if hit is not None and hit[0]() is cache and (hit[1] is view or hit[1] == view):
         return hit[2]
     table = cached_row_table(cache, view)
     lone = LoneReads(table, view, cache.device) if table is not None else None
