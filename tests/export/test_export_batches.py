@@ -551,3 +551,38 @@ def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
     st = p.stats()
     assert (st["delivered"], st["checksum_failed"]) == (3, 1)
     ledger_balanced(st)
+
+
+def test_fetch_batch_reads_what_it_claimed_when_the_control_plane_fails_midway(
+    backend: str, make_producer: Make
+) -> None:
+    """The second claim message of 40 ids times out: the 32 records claimed by the first are still read and
+    delivered, the 8 others each get the timeout (their records stay published, unclaimed)."""
+    from vllm_hs_compat.export import ExportTimeoutError
+
+    p = make_producer(num_slots=64, slot_bytes=64 << 10)
+    sent = publish_all(p, 40, [(3, 2, 64, "bfloat16")])
+    with ExportConsumer(p.endpoint, p.token) as c:
+        call = c._call
+        claims = 0
+
+        def flaky(req: P.Request, timeout_s: float | None = None) -> P.Reply:
+            nonlocal claims
+            if isinstance(req, P.ClaimReq):
+                claims += 1
+                if claims == 2:
+                    raise ExportTimeoutError("no answer (injected)")
+            return call(req, timeout_s)
+
+        c._call = flaky  # type: ignore[method-assign]
+        (b,), errors = split(c.fetch_batch(list(sent)))
+        assert list(b.record_ids) == list(sent)[:32]
+        check_batch(b, sent)
+        assert len(errors) == 8 and all(isinstance(e, ExportTimeoutError) for e in errors)
+        c._call = call  # type: ignore[method-assign]
+        (rest,) = c.fetch_batch(list(sent)[32:])  # nothing was lost: they are still there
+        assert isinstance(rest, RecordBatch) and len(rest) == 8
+    wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
+    st = p.stats()
+    assert st["delivered"] == 40
+    ledger_balanced(st)

@@ -997,8 +997,9 @@ class ExportConsumer:
         Returns, as :meth:`next_batches` does, the records that passed as :class:`RecordBatch` objects (one per
         schema, records in the order of ``record_ids``; ``batch.record_ids`` names them) and then one named error
         per id that failed: :class:`UnknownRecordError` for an id not published (after ``wait_s``, see
-        :meth:`claim`), :class:`RecordFailedError` for one the producer knows failed, and the read's or the
-        verification's error otherwise.  Records claimed are read at once, not held while the ids still missing
+        :meth:`claim`), :class:`RecordFailedError` for one the producer knows failed, the control plane's error
+        (a timeout...) for the ids whose claim it cut off, and the read's or the verification's error otherwise.
+        Records claimed are read at once, not held while the ids still missing
         are waited for: those that turn up later come in batches of their own.  An id given twice is fetched
         once."""
         if self._transport is None:
@@ -1019,11 +1020,18 @@ class ExportConsumer:
             claimed_at = 0.0
             missing: list[tuple[str, str]] = []
             again: list[str] = []
+            cut: E.ExportError | None = None
             for i in range(0, len(ids), P.MAX_CLAIM_IDS):
                 sent = time.monotonic()
-                rep = self._call(P.ClaimReq(ids[i : i + P.MAX_CLAIM_IDS], max_reply_bytes=self._budget()), timeout_s)
-                if not isinstance(rep, P.ClaimReply):
-                    raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
+                req = P.ClaimReq(ids[i : i + P.MAX_CLAIM_IDS], max_reply_bytes=self._budget())
+                try:
+                    rep = self._call(req, timeout_s)
+                    if not isinstance(rep, P.ClaimReply):
+                        raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
+                except E.ExportError as e:  # this and the later ids fail with it; what was claimed is still read
+                    cut = e
+                    errors.extend([e] * (len(ids) - i))
+                    break
                 if rep.records:
                     raws.extend(rep.records)
                     claimed_at = claimed_at or sent  # the oldest claim bounds when releases may be posted
@@ -1039,6 +1047,10 @@ class ExportConsumer:
                 got = self._batches(raws, claimed_at, copy, timeout_s, [], order)
                 out.extend(g for g in got if isinstance(g, RecordBatch))
                 errors.extend(g for g in got if not isinstance(g, RecordBatch))
+            if cut is not None:  # no more rounds: the control plane failed
+                errors.extend([cut] * len(again))
+                errors.extend(E.UnknownRecordError(message) for _, message in missing)
+                break
             if missing and time.monotonic() + pause <= until:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
