@@ -9,7 +9,7 @@ set -uo pipefail
 BASE=${1:-44716fd}
 OUT=${OUT:-benchmarks/results/capture_h200_lone_2026-12-01}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 VLLM_HS_COMPAT_LONE_READ=1  # tests/gpu run both paths either way
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1  # the lone read is the default; tests/gpu run both paths either way
 PY=${PYTHON:-python3}
 BEFORE="$(mktemp -d)"
 git archive "$BASE" vllm_hs_compat | tar -x -C "$BEFORE" && mv "$BEFORE/vllm_hs_compat" "$BEFORE/vhc_before" || exit 2

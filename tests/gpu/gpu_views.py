@@ -32,3 +32,12 @@ def write(cache: torch.Tensor, order: ViewOrder, slots: torch.Tensor, value: flo
 def expected(value: float, tokens: int) -> torch.Tensor:
     base = torch.full((tokens, P, C), value, dtype=torch.bfloat16)
     return base + torch.arange(P, dtype=torch.bfloat16).view(1, P, 1)
+
+
+def churn(numel: int) -> None:
+    """Reuse freed compute-stream memory: same-size int64 tensors full of slot 0 (the null block, never a
+    request's), so a stale index reads wrong rows instead of faulting."""
+    for _ in range(4):
+        junk = torch.zeros((numel,), dtype=torch.int64, device="cuda")
+        junk += 0
+        del junk

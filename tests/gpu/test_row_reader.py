@@ -20,15 +20,15 @@ from vllm_hs_compat.core import ViewOrder, describe_capture_view, manager_slots
 from vllm_hs_compat.core.transfer import RowReader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_views import NB, N, P, expected, make_cache, write  # noqa: E402
+from gpu_views import NB, N, P, churn, expected, make_cache, write  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 
 
 @pytest.fixture(params=[False, True], ids=["general", "lone"])
 def lone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both lone-request paths: the general one (slots per token) and ``LoneReads`` (whole blocks, off by
-    default: ``VLLM_HS_COMPAT_LONE_READ``)."""
+    """Both lone-request paths: the general one (slots per token) and ``LoneReads`` (whole blocks, the default;
+    ``VLLM_HS_COMPAT_LONE_READ=0`` turns it off)."""
     from vllm_hs_compat.core import transfer
 
     monkeypatch.setattr(transfer, "LONE_READS", bool(request.param))
@@ -58,10 +58,7 @@ def run(order: ViewOrder, split: int, mark: bool, iters: int = 30) -> int:
                 reader.mark_written()  # what save_kv_layer does, on the writing stream
         # next step, on another (current) stream: the connector reads the finished request's rows
         pending = reader.read(f"r{it}", blocks, start=0, num_tokens=tokens)
-        for _ in range(4):  # the caching allocator hands freed memory out again
-            junk = torch.zeros((tokens,), dtype=torch.int64, device="cuda")
-            junk += 0
-            del junk
+        churn(tokens)  # the caching allocator hands freed memory out again
         got = pending.wait()
         torch.cuda.synchronize()
         if not torch.equal(got, expected(value, tokens)):
@@ -113,10 +110,7 @@ def run_many(order: ViewOrder, split: int, mark: bool, path: str, iters: int = 2
             if mark:
                 reader.mark_written()
         got = reader.read_many([(f"r{it}.{k}", tables[k], 0, lengths[k]) for k in range(per_step)])
-        for _ in range(4):
-            junk = torch.zeros((sum(lengths),), dtype=torch.int64, device="cuda")
-            junk += 0
-            del junk
+        churn(sum(lengths))
         for k, pending in enumerate(got):
             assert not isinstance(pending, Exception)
             rows = pending.wait()
@@ -211,10 +205,7 @@ def run_api(order: ViewOrder, split: int, on_current: bool, iters: int = 30) -> 
             torch.cuda._sleep(SPIN)
             write(cache, order, slots, value)
         pending = api.copy_request_async(cache, view, f"r{it}", blocks, tokens, start=5)
-        for _ in range(4):
-            junk = torch.zeros((tokens,), dtype=torch.int64, device="cuda")
-            junk += 0
-            del junk
+        churn(tokens)
         got = pending.wait()
         torch.cuda.synchronize()
         if not torch.equal(got, expected(value, tokens)):

@@ -19,20 +19,11 @@ from vllm_hs_compat.core import ViewOrder, describe_capture_view, gather_rows, m
 from vllm_hs_compat.core.transfer import copy_requests_async, copy_rows_async
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_views import NB, N, P, expected, make_cache, write  # noqa: E402
+from gpu_views import NB, N, P, churn, expected, make_cache, write  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 
 SPIN = 2_000_000  # cycles the side stream is held back
-
-
-def churn(numel: int) -> None:
-    """Reuse freed compute-stream memory: same-size int64 tensors full of slot 0 (the null block, never a
-    request's), so a stale index reads wrong rows instead of faulting."""
-    for _ in range(4):
-        junk = torch.zeros((numel,), dtype=torch.int64, device="cuda")
-        junk += 0
-        del junk
 
 
 def run(order: ViewOrder, mode: str, iters: int = 40, path: str = "staged") -> int:

@@ -806,34 +806,53 @@ class ExportConsumer:
         ``overlap_verification`` the pieces are about an eighth of the read and a reader thread transfers piece
         k + 1 while this thread checksums piece k (it pays only where a core is free)."""
         total = sum(c.extent for _, c, _ in group)
-        checked = getattr(transport, "read_checked", None)
-        if checked is not None and self.verify_checksum:  # shm: each chunk checksummed right after its copy
-            algorithms = {c.meta.checksum_algorithm for _, c, _ in group}
-            if len(algorithms) == 1:
-                digests: list[int] = checked(
-                    [(c.offset, off, c.extent, c.nbytes) for _, c, off in group], algorithms.pop(), deadline
-                )
-                return list(digests)
-        if not self.verify_checksum or total < OVERLAP_MIN_BYTES:
+        if not self.verify_checksum or (total < OVERLAP_MIN_BYTES and not hasattr(transport, "read_checked")):
             transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
             return [None] * len(group)
-        overlap = self.overlap_verification
+        return list(
+            self._read_checked(
+                transport,
+                [(c.offset, off, c.extent, c.nbytes) for _, c, off in group],
+                [c.meta.checksum_algorithm for _, c, _ in group],
+                deadline,
+                overlap=self.overlap_verification,
+            )
+        )
+
+    def _read_checked(
+        self,
+        transport: ConsumerTransport,
+        items: Sequence[tuple[int, int, int, int]],
+        algorithms: Sequence[str],
+        deadline: float,
+        *,
+        overlap: bool = False,
+    ) -> list[int]:
+        """Read ``(remote, local, nbytes, checked)`` ranges and return the checksum of each one's first ``checked``
+        bytes (its own algorithm), taken on the way while the bytes are in cache: over shm by the copy that
+        checksums each chunk right after copying it (one algorithm for all), else in ``CHECK_PIECE_BYTES`` reads
+        (pieces cut ranges anywhere), each checksummed as soon as it landed, or with ``overlap`` in pieces of
+        about an eighth of the read, a reader thread transferring piece k + 1 while this thread checksums piece k."""
+        shm_checked = getattr(transport, "read_checked", None)
+        if shm_checked is not None and len(set(algorithms)) == 1:
+            return list(shm_checked(items, algorithms[0], deadline))
+        total = sum(n for _, _, n, _ in items)
         size = max(PIECE_MIN_BYTES, min(PIECE_MAX_BYTES, -(-total // 8))) if overlap else CHECK_PIECE_BYTES
-        pieces = _pieces([(c.offset, off, c.extent) for _, c, off in group], size)
-        states = [ChecksumState(c.meta.checksum_algorithm, c.nbytes) for _, c, _ in group]
+        pieces = _pieces([(r, lo, n) for r, lo, n, _ in items], size)
+        states = [ChecksumState(a, it[3]) for a, it in zip(algorithms, items, strict=True)]
         land = self._bytes_of(transport.landing)
 
         def check(piece: list[tuple[int, int, int, int, int]]) -> None:
             for _, lo, n, k, at in piece:
-                nbytes = group[k][1].nbytes
-                if at < nbytes:
-                    states[k].update_bytes(land[lo : lo + min(n, nbytes - at)])
+                checked = items[k][3]
+                if at < checked:
+                    states[k].update_bytes(land[lo : lo + min(n, checked - at)])
 
         if not overlap:
             for piece in pieces:
                 transport.read([(r, lo, n) for r, lo, n, _, _ in piece], b"", deadline)
                 check(piece)
-            return [s.digest() for s in states]
+            return [st.digest() for st in states]
         reader = self._reader_pool()
         fut = reader.submit(transport.read, [(r, lo, n) for r, lo, n, _, _ in pieces[0]], b"", deadline)
         try:
@@ -849,7 +868,7 @@ class ExportConsumer:
         finally:
             if fut is not None:  # never leave a transfer writing into landing space that is about to be freed
                 fut.exception()
-        return [s.digest() for s in states]
+        return [st.digest() for st in states]
 
     def _reader_pool(self) -> Any:
         if self._reader is None:
@@ -1268,8 +1287,9 @@ class ExportConsumer:
         verify = self.verify_checksum
         digests: list[int] | None = None  # the hidden states' checksums, when taken on the way
         try:
-            if direct and verify and hidden_bytes >= OVERLAP_MIN_BYTES:
-                digests = self._read_verified(transport, items[:n], items[n:], algorithm, deadline)
+            if direct and verify and hidden_bytes >= OVERLAP_MIN_BYTES:  # checksummed on the way, as a large fetch()
+                ranges = [(r, lo, m, m) for r, lo, m in items[:n]] + [(r, lo, m, 0) for r, lo, m in items[n:]]
+                digests = self._read_checked(transport, ranges, [algorithm] * len(ranges), deadline)[:n]
             else:
                 transport.read(items, b"", deadline)
         except E.ExportError as e:
@@ -1368,34 +1388,6 @@ class ExportConsumer:
                 batch.hidden_states = hs.clone()
                 self._landing.free(off, size)
         return batch
-
-    def _read_verified(
-        self,
-        transport: ConsumerTransport,
-        hidden: Sequence[tuple[int, int, int]],
-        rest: Sequence[tuple[int, int, int]],
-        algorithm: str,
-        deadline: float,
-    ) -> list[int]:
-        """Read the ``hidden`` ranges ``(remote, local, nbytes)`` (and ``rest``, unchecked) and return the checksum
-        of each hidden range, taken on the way as :meth:`_transfer` takes it for one record: over shm chunk by
-        chunk right after each chunk's copy, over NIXL in ``CHECK_PIECE_BYTES`` READs, each checksummed as soon
-        as it landed (while it is in cache)."""
-        checked = getattr(transport, "read_checked", None)
-        if checked is not None:
-            got: list[int] = checked([(r, lo, n, n) for r, lo, n in hidden] + [(r, lo, n, 0) for r, lo, n in rest],
-                                     algorithm, deadline)  # fmt: skip
-            return got[: len(hidden)]
-        pieces = _pieces(hidden, CHECK_PIECE_BYTES)
-        pieces[-1].extend((r, lo, n, -1, 0) for r, lo, n in rest)
-        states = [ChecksumState(algorithm, n) for _, _, n in hidden]
-        land = self._bytes_of(transport.landing)
-        for piece in pieces:
-            transport.read([(r, lo, n) for r, lo, n, _, _ in piece], b"", deadline)
-            for _, lo, n, k, _ in piece:
-                if k >= 0:
-                    states[k].update_bytes(land[lo : lo + n])
-        return [st.digest() for st in states]
 
     def _abandon_leases(self, descs: Sequence[P.RecordDesc]) -> None:
         self.counters["abandoned"] += len(descs)
