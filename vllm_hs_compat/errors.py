@@ -80,6 +80,11 @@ class ExportConfigError(ExportError):
     """A producer or consumer setting is invalid."""
 
 
+class UnsafeTokenFileError(ExportConfigError):
+    """The token file (or its directory) could have been read or planted by someone else: not a regular file,
+    group/other permission bits, another owner, or a directory others can write.  Refused, never adopted."""
+
+
 class ExportClosedError(ExportError):
     """The producer or consumer was used after close()."""
 
@@ -158,6 +163,11 @@ class TransportError(ExportError):
 
 class TransportUnavailableError(TransportError):
     """The requested transport cannot be used here (e.g. ``nixl`` is not installed)."""
+
+
+class UnsafePoolFileError(TransportUnavailableError):
+    """The shared-memory pool file a consumer was told to map is not a regular file of this user (a FIFO, a
+    symbolic link, a directory, another user's file): refused, never mapped."""
 
 
 class RemoteDisconnectedError(TransportError):

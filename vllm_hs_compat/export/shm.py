@@ -18,11 +18,14 @@ earlier release (``hsx-<pid>-...``, no lock) and this one out of each other's sw
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import re
+import stat
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -49,36 +52,96 @@ _NAME_RE: Final = re.compile(r"^hsx2-(\d+)-([0-9a-f]{8,64})\.pool$")
 _TMP_RE: Final = re.compile(r"^\.hsx2-([0-9a-f]{8,64})\.tmp$")
 
 
-def _sweep_dead(shm_dir: str) -> int:
-    """Remove pool files whose owner is dead: those whose ``flock`` can be taken."""
-    removed = 0
+#: How every name in the shm directory is opened: never through a link, never blocking (opening a FIFO for
+#: reading waits for a writer, forever), never inherited by a child.  What opens is then checked on the open
+#: descriptor (:func:`_untrusted`), so swapping the name between the check and the use gains nothing.
+SAFE_OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISLNK, "symbolic link"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return f"file of type {stat.S_IFMT(mode):#o}"
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a file in the shm directory is not one of this user's pool files (None when it may be one): it must
+    be a regular file owned by the effective uid."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"a {_kind(st.st_mode)}, not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+    return None
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """What a start-up sweep did: pool files of dead producers removed, names it left alone because they are not
+    this user's regular files (FIFOs, links, directories, sockets, other users' files: counted, never opened
+    for blocking, followed or unlinked)."""
+
+    removed: int = 0
+    skipped: int = 0
+
+
+def _sweep_dead(shm_dir: str) -> SweepResult:
+    """Remove pool files whose owner is dead: this user's regular files whose ``flock`` can be taken."""
+    out = SweepResult()
     try:
         names = os.listdir(shm_dir)
     except OSError:
-        return 0
+        return out
     for name in names:
         if not (_NAME_RE.match(name) or _TMP_RE.match(name)):
             continue
         path = os.path.join(shm_dir, name)
+        try:  # a first look without opening: FIFOs, devices, links and others' files are never opened at all
+            why = _untrusted(os.stat(path, follow_symlinks=False))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            why = f"not inspectable ({e.strerror})"
+        if why is None:
+            try:
+                fd = os.open(path, SAFE_OPEN_FLAGS)
+            except FileNotFoundError:
+                continue  # gone already
+            except OSError as e:  # swapped for a link (ELOOP), a socket (ENXIO), unreadable (EACCES)
+                why = f"not openable ({e.strerror})"
+        if why is not None:
+            out.skipped += 1
+            log.debug("stale-pool sweep: left %s alone: %s", path, why)
+            continue
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue  # gone already, or someone else's (0600)
-        try:
+            why = _untrusted(os.fstat(fd))  # the name may have been swapped after the first look
+            if why is not None:
+                out.skipped += 1
+                log.debug("stale-pool sweep: left %s alone: %s", path, why)
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # locked: its producer is alive, in whatever pid namespace
             # The lock is ours, so its owner is gone.  Unlink only if the name still points at this file.
             try:
-                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                st, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
                     os.unlink(path)
-                    removed += 1
+                    out.removed += 1
             except OSError:
                 pass
         finally:
             os.close(fd)
-    return removed
+    return out
 
 
 def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
@@ -95,9 +158,16 @@ class ShmProducerTransport:
             raise E.TransportUnavailableError(
                 f"shared-memory directory {shm_dir!r} does not exist; pass shm_dir= an existing tmpfs directory"
             )
-        swept = _sweep_dead(shm_dir)
-        if swept:
-            log.info("removed %d pool file(s) left by dead producers in %s", swept, shm_dir)
+        self.sweep = _sweep_dead(shm_dir)
+        if self.sweep.removed:
+            log.info("removed %d pool file(s) left by dead producers in %s", self.sweep.removed, shm_dir)
+        if self.sweep.skipped:
+            log.info(
+                "left %d name(s) in %s alone that look like pool files but are not this user's regular files "
+                "(debug log names them)",
+                self.sweep.skipped,
+                shm_dir,
+            )
         self.path = os.path.join(shm_dir, f"hsx2-{os.getpid()}-{instance}.pool")
         tmp = os.path.join(shm_dir, f".hsx2-{instance}.tmp")
         self.pool_bytes = pool_bytes
@@ -108,7 +178,7 @@ class ShmProducerTransport:
                 f"{shm_dir} has {free} bytes free, the pool needs {pool_bytes}; shrink num_slots/slot_bytes, "
                 "enlarge the tmpfs (Docker: --shm-size) or pass shm_dir="
             )
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until close() or death: the liveness proof
             # Reserve the pages now: a sparse tmpfs file that cannot be backed later would kill the serving
@@ -178,7 +248,8 @@ class ShmConsumerTransport:
         if not isinstance(desc, P.ShmInfo):
             raise E.TransportUnavailableError("producer offers transport 'nixl', this is shm")
         path, size = desc.path, desc.size
-        real = os.path.realpath(path)
+        # The directory may be reached through links (``/dev/shm`` often is one); the name itself never is.
+        real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
         if os.path.dirname(real) != self._shm_dir or not _NAME_RE.match(os.path.basename(real)):
             raise E.DescriptorError(
                 f"producer names pool file {path!r}, expected an hsx2-<pid>-<id>.pool file in "
@@ -187,17 +258,29 @@ class ShmConsumerTransport:
             )
         self.detach()
         try:
-            fd = os.open(real, os.O_RDONLY)
+            fd = os.open(real, SAFE_OPEN_FLAGS)
         except FileNotFoundError:
             raise E.StaleMetadataError(
                 f"pool file {real} is gone: the producer restarted or exited; reconnect for fresh metadata"
             ) from None
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # a symbolic link, a socket
+                kind = "a symbolic link" if e.errno == errno.ELOOP else "a socket"
+                raise E.UnsafePoolFileError(
+                    f"pool file {real} is {kind}, not a regular file: refusing to map it (someone else may have "
+                    "planted it; a producer's pool is a regular file it creates itself)"
+                ) from None
             raise E.TransportUnavailableError(
                 f"cannot open pool file {real}: {e}; producer and consumer must run as the same user on one host"
             ) from None
         try:
             st = os.fstat(fd)
+            why = _untrusted(st)
+            if why is not None:
+                raise E.UnsafePoolFileError(
+                    f"pool file {real} is {why}: refusing to map it; a producer's pool is a regular file owned "
+                    "by the user both producer and consumer run as (someone else may have planted this one)"
+                )
             if st.st_size < size:
                 raise E.StaleMetadataError(f"pool file {real} has {st.st_size} bytes, producer says {size}")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
