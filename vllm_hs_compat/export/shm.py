@@ -10,10 +10,13 @@ is never tracked. Files are created ``0600`` (same user only) and named ``hsx2-<
 Ownership survives containers: the producer holds an exclusive ``flock`` on its file for as long as it lives
 (the lock is taken on a temporary name, before the file is renamed into place, so it is never visible
 unlocked).  The kernel drops the lock when the process dies, SIGKILL included.  On start a producer removes the
-files whose lock it can take: their owner is dead.  The pid in the name is for people only; it is never used to
-decide liveness, because DP ranks in sibling containers that share ``/dev/shm`` live in other pid namespaces,
-where a live producer's pid means nothing (or another process).  The ``hsx2-`` prefix keeps producers of the
-earlier release (``hsx-<pid>-...``, no lock) and this one out of each other's sweeps.
+files whose lock it can take: their owner is dead.  Anyone can create names in ``/dev/shm``, so the sweep (and a
+consumer's attach) opens only this user's regular files: never through a link, never blocking on a FIFO (see
+:data:`SAFE_OPEN_FLAGS`); anything else under the pattern is left alone and counted.  The pid in the name is
+for people only; it is never used to decide liveness, because DP ranks in sibling containers that share
+``/dev/shm`` live in other pid namespaces, where a live producer's pid means nothing (or another process).
+The ``hsx2-`` prefix keeps producers of the earlier release (``hsx-<pid>-...``, no lock) and this one out of
+each other's sweeps.
 """
 
 from __future__ import annotations
