@@ -83,9 +83,11 @@ def test_a_ticket_opens_its_own_record_and_nothing_else(
     backend: str, make_producer: Make, peers: dict[str, Peer]
 ) -> None:
     p = make_producer(token=TOKEN)
-    h_a = publish(p, "req-A", 20, seed=1)
+    ticket_a = p.ticket("req-A").kv_transfer_params()  # minted first (as the connector's scheduler does)
+    rows_a = make_rows(1, 20, 2, 64)
+    p.publish(make_meta("req-A", rows_a, 1), rows_a, ExportTicket.parse(ticket_a).publication)
+    h_a = digest(rows_a)
     h_b = publish(p, "req-B", 20, seed=2)
-    ticket_a = p.ticket("req-A").kv_transfer_params()
     assert TOKEN not in str(ticket_a)
     client = peers["no-token"]  # whoever sent request A: its ticket, nothing else (no token in its environment)
     ans = client.ok("ticket_consumer", params=ticket_a, timeout_s=10.0)
@@ -421,13 +423,14 @@ def test_a_bad_descriptor_fails_its_record_alone(backend: str, make_producer: Ma
 def test_a_read_after_the_lease_expired_is_lease_expired(backend: str, make_producer: Make, tmp_path: Any) -> None:
     p = make_producer(lease_ttl_s=0.3)
     publish(p, "late", 8, seed=1)
-    publish(p, "late-ticket", 8, seed=2)
+    rows = make_rows(2, 8, 2, 64)
+    ticket = p.publish(make_meta("late-ticket", rows, 2), rows)
     with ExportConsumer(p.endpoint, p.token, landing_bytes=MiB) as c:
         claim = c.claim("late")
         wait_until(lambda: p.stats()["expired_claimed"] == 1, 5.0, "the lease to expire")  # the slot is untouched
         (res,) = c.read([claim])
         assert isinstance(res, LeaseExpiredError)
-    ticket = P.ExportTicket.parse(p.ticket("late-ticket").kv_transfer_params())
+    ticket = P.ExportTicket.parse(ticket.kv_transfer_params())
     with ExportConsumer(ticket.endpoint, None, ticket=ticket) as t:  # a ticket holder: reads over the control plane
         claim = t.claim("late-ticket")
         wait_until(lambda: p.stats()["expired_claimed"] == 2, 5.0, "the ticket holder's lease to expire")

@@ -16,11 +16,12 @@ from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import Call, ControlClient, ControlServer, curve_keys, parse_endpoint, server_key
 
 TOKEN = "s" * 20
+CAP = "c2." + "A" * 22 + "." + "A" * 43  # the shape of a capability (the longest the schema takes)
 
 REQUESTS: list[P.Request] = [
     P.HelloReq(),
     P.PingReq(),
-    P.ClaimReq(["a", "b" * 512], max_reply_bytes=P.MIN_REPLY_BYTES, cap="c1." + "A" * 43),
+    P.ClaimReq(["a", "b" * 512], max_reply_bytes=P.MIN_REPLY_BYTES, cap=CAP),
     P.ClaimNextReq(max_records=64, max_bytes=1 << 40, wait_s=30.0),
     P.ReleaseReq([P.ReleaseItem(1, "0123456789abcdef", "checksum_failed")], cap=None),
     P.ReadReq(lease=3, nonce="0123456789abcdef", offset=0, length=P.MAX_READ_BYTES),
@@ -36,10 +37,8 @@ def test_every_request_round_trips_and_stays_under_the_request_limit(req: P.Requ
 
 
 def test_the_largest_valid_requests_fit_the_request_limit() -> None:
-    claim = P.ClaimReq(["x" * P.MAX_ID_CHARS] * P.MAX_CLAIM_IDS, cap="c1." + "A" * 43)
-    release = P.ReleaseReq(
-        [P.ReleaseItem((1 << 62), "f" * 16, "checksum_failed")] * P.MAX_RELEASES, cap="c1." + "A" * 43
-    )
+    claim = P.ClaimReq(["x" * P.MAX_ID_CHARS] * P.MAX_CLAIM_IDS, cap=CAP)
+    release = P.ReleaseReq([P.ReleaseItem((1 << 62), "f" * 16, "checksum_failed")] * P.MAX_RELEASES, cap=CAP)
     for req in (claim, release):
         assert len(P.encode(req)) <= P.MAX_REQUEST_BYTES
 
@@ -84,12 +83,17 @@ def test_headers_name_the_wire_version() -> None:
 
 
 def test_the_ticket_is_plain_json_data_and_validated() -> None:
-    t = P.ExportTicket("r", "127.0.0.1:5", "t" * 40, "ab" * 8, "shm", 10, server_key(TOKEN), "c1." + "A" * 43)
+    t = P.ExportTicket("r", "127.0.0.1:5", "t" * 40, "ab" * 8, "shm", 10, server_key(TOKEN), CAP)
     params = t.kv_transfer_params()
-    assert "t" * 40 not in str(params) and params["hs_export"]["v"] == 2
+    assert "t" * 40 not in str(params) and params["hs_export"]["v"] == 3
     back = P.ExportTicket.parse(params)
     assert back.token is None and back.cap == t.cap and back.server_key == t.server_key
-    for bad in ({**params["hs_export"], "cap": "c1.x"}, {**params["hs_export"], "nbytes": "10"}):
+    for bad in (
+        {**params["hs_export"], "cap": "c1.x"},
+        {**params["hs_export"], "nbytes": "10"},
+        {**params["hs_export"], "cap": "c1." + "A" * 43},  # an older capability in a version-3 ticket
+        {**params["hs_export"], "v": 2},  # a version-2 ticket carrying this release's capability
+    ):
         with pytest.raises(E.ExportConfigError):
             P.ExportTicket.parse({"hs_export": bad})
     v1 = {k: v for k, v in params["hs_export"].items() if k not in ("cap", "server_key")} | {"v": 1}

@@ -333,7 +333,7 @@ def test_wrong_or_missing_credentials_are_refused(backend: str, make_producer: M
     # a forged one, or a capability of another record
     anon = ControlClient(p.endpoint, server_key=server_key(p.token), timeout_s=5)
     try:
-        for cap in (None, "c1." + "A" * 43, p.ticket("other").cap):
+        for cap in (None, "c2." + "A" * 22 + "." + "A" * 43, p.ticket("other").cap):
             with pytest.raises(CapabilityError):
                 anon.call(P.ClaimReq(["secret"], cap=cap))
         with pytest.raises(CapabilityError):
@@ -673,7 +673,7 @@ def test_control_plane_binds_loopback_by_default_one_port_per_producer(backend: 
     assert entry["endpoint"] == a.endpoint and entry["record_id"] == "kp"
     # params reach the client: never the trainer token, only the capability of this one record
     assert a.token not in json.dumps(params) and "token" not in entry
-    assert entry["cap"].startswith("c1.") and entry["server_key"] == a.server_key
+    assert entry["cap"].startswith("c2.") and entry["server_key"] == a.server_key
     json.dumps(params)  # plain data, fit for an OpenAI response
     with ExportConsumer.from_params(params, token=a.token) as c:
         assert c.fetch(entry["record_id"]).meta.request_id == "kp"

@@ -30,6 +30,7 @@ from vllm_hs_compat.core.capture import (
     StepPlan,
 )
 from vllm_hs_compat.errors import CaptureConfigError
+from vllm_hs_compat.export.capabilities import new_publication
 
 from .config import ConnectorConfig
 from .sinks import sink_ticket
@@ -205,6 +206,7 @@ class CaptureScheduler:
                     f"position {hit[0]} lives in the last slot of the last block, which padded CUDA-graph tokens "
                     f"overwrite on vLLM {self.adapter.version} (fixed in 0.25.0); run with --enforce-eager or upgrade",
                 )
+        publication = new_publication()  # binds the ticket's capability to this record, not to its id alone
         save = SaveRequest(
             record_id=fr.req_id,
             req_id=fr.req_id,
@@ -213,6 +215,7 @@ class CaptureScheduler:
             stop=stop,
             token_ids=fr.token_ids[start:stop],
             num_prompt_tokens=fr.num_prompt_tokens,
+            publication=publication,
         )
         self._pending.append(save)
         self._held.add(fr.req_id)
@@ -220,7 +223,8 @@ class CaptureScheduler:
         params = self._params(
             fr, "pending", start=start, num_tokens=stop - start, num_prompt_tokens=fr.num_prompt_tokens
         )
-        params.update(sink_ticket(self.config.sink, self._locator, fr.req_id, (stop - start) * self.bytes_per_token))
+        nbytes = (stop - start) * self.bytes_per_token
+        params.update(sink_ticket(self.config.sink, self._locator, fr.req_id, nbytes, publication))
         return True, params
 
     def on_finished_sending(self, req_ids: set[str]) -> None:

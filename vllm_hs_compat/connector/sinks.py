@@ -37,8 +37,9 @@ class Sink(ABC):
         return {}
 
     @abstractmethod
-    def write(self, record: CaptureRecord) -> None:
-        """Take a finished record.  Raising fails this record only (counted and reported)."""
+    def write(self, record: CaptureRecord, publication: str | None = None) -> None:
+        """Take a finished record.  Raising fails this record only (counted and reported).  ``publication``: the
+        nonce the record's ticket is bound to (see :func:`sink_ticket`); only the export sink uses it."""
 
     @abstractmethod
     def fail(self, failure: RecordFailure) -> None:
@@ -74,11 +75,11 @@ class ExportSink(Sink):
             "capability_key": p.capability_key,
         }
 
-    def write(self, record: CaptureRecord) -> None:
-        self.producer.publish(record.meta, record.hidden_states)
+    def write(self, record: CaptureRecord, publication: str | None = None) -> None:
+        self.producer.publish(record.meta, record.hidden_states, publication)
 
     def fail(self, failure: RecordFailure) -> None:
-        self.producer.fail(failure.record_id, failure.reason, failure.message)
+        self.producer.fail(failure.record_id, failure.reason, failure.message, failure.publication)
 
     def close(self) -> None:
         self.producer.close()
@@ -98,7 +99,7 @@ class FileSink(Sink):
     def locator(self) -> dict[str, Any]:
         return {"path": str(self.path.resolve())}
 
-    def write(self, record: CaptureRecord) -> None:
+    def write(self, record: CaptureRecord, publication: str | None = None) -> None:
         files.write_record(self.path, record)
 
     def fail(self, failure: RecordFailure) -> None:
@@ -124,7 +125,7 @@ class CallbackSink(Sink):
     def locator(self) -> dict[str, Any]:
         return {"callback": self.target}
 
-    def write(self, record: CaptureRecord) -> None:
+    def write(self, record: CaptureRecord, publication: str | None = None) -> None:
         self.fn(record)
 
     def fail(self, failure: RecordFailure) -> None:
@@ -148,14 +149,18 @@ def make_sink(config: ConnectorConfig, dp_rank: int = 0) -> Sink:
     return CallbackSink(config.callback)
 
 
-def sink_ticket(kind: str, locator: Mapping[str, Any] | None, record_id: str, nbytes: int) -> dict[str, Any]:
+def sink_ticket(
+    kind: str, locator: Mapping[str, Any] | None, record_id: str, nbytes: int, publication: str
+) -> dict[str, Any]:
     """The sink's own ``kv_transfer_params`` entry for a pending record (beside ``hs_record``).  These params
-    reach whoever sent the request, so the only credential in them is the export's per-record capability, which
-    opens this record and nothing else (never the trainer token)."""
+    reach whoever sent the request, so the only credential in them is the export's per-publication capability,
+    which opens this record and nothing else (never the trainer token; not a later record of the same id).
+    ``publication`` (:func:`~vllm_hs_compat.export.capabilities.new_publication`) must travel with the record to
+    :meth:`Sink.write` / :meth:`Sink.fail`."""
     if not locator:
         return {}
     if kind == "export":
-        return ExportTicket.from_locator(locator, record_id, nbytes).kv_transfer_params()
+        return ExportTicket.from_locator(locator, record_id, nbytes, publication).kv_transfer_params()
     if kind == "file":
         tensors, manifest, error = files.record_paths(locator["path"], record_id)
         return {

@@ -288,7 +288,7 @@ class CaptureWorker:
         if self.sink is None:
             return
         try:
-            self.sink.fail(RecordFailure(save.record_id, save.req_id, reason, message))
+            self.sink.fail(RecordFailure(save.record_id, save.req_id, reason, message, save.publication))
         except Exception:
             log.exception("vllm-hs-compat: the sink could not record the failure of %r", save.record_id)
 
@@ -322,7 +322,7 @@ class CaptureWorker:
                 rows = pending.rows
                 if self.sink is None:
                     raise CaptureViewError("no sink")
-                self.sink.write(self._record(save, rows))
+                self.sink.write(self._record(save, rows), save.publication)
                 self._count("records")
                 self._count("bytes", nbytes)
             except Exception as e:

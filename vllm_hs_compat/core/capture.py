@@ -186,6 +186,9 @@ class SaveRequest:
     token_ids: tuple[int, ...]
     """Token ids of positions ``[start, stop)``."""
     num_prompt_tokens: int
+    publication: str | None = None
+    """The publication nonce the record's ticket capability is bound to (drawn by the scheduler half with the
+    ticket, kept by the export producer with the record); None for sinks without tickets."""
 
     @property
     def num_tokens(self) -> int:
@@ -222,6 +225,8 @@ class RecordFailure:
     req_id: str
     reason: str
     message: str
+    publication: str | None = None
+    """The publication nonce of the record's ticket (see :class:`SaveRequest`): only that ticket learns why."""
 
 
 class BlockTracker:

@@ -50,7 +50,7 @@ from vllm_hs_compat.errors import (
 
 if TYPE_CHECKING:
     from vllm_hs_compat.export.batch import BatchSchema, RecordBatch
-    from vllm_hs_compat.export.capabilities import CapabilityKey, mint
+    from vllm_hs_compat.export.capabilities import CapabilityKey, mint, new_publication
     from vllm_hs_compat.export.consumer import Claim, ExportConsumer
     from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
     from vllm_hs_compat.export.producer import ExportProducer
@@ -63,6 +63,7 @@ _LAZY = {
     "RecordBatch": "batch",
     "CapabilityKey": "capabilities",
     "mint": "capabilities",
+    "new_publication": "capabilities",
     "Claim": "consumer",
     "ExportConsumer": "consumer",
     "UcxSettings": "nixl_backend",
@@ -129,5 +130,6 @@ __all__ = [
     "WireVersionError",
     "compute_checksum",
     "mint",
+    "new_publication",
     "nixl_available",
 ]

@@ -70,6 +70,8 @@ class Lease:
     meta: RecordMeta | None = None
     #: the encoded record descriptor (set by the producer at publish; the pool only carries it)
     wire: bytes = b""
+    #: the publication nonce a ticket's capability is bound to (set by the producer before publish)
+    publication: str = ""
 
 
 _COUNTERS: Final = (
@@ -277,10 +279,15 @@ class LeasePool:
         self._counters["claimed"] += 1
         return _snapshot(lease) if snapshot else lease  # a snapshot the caller may read without the lock
 
-    def claim(self, record_id: str) -> Lease:
+    def claim(self, record_id: str, publication: str | None = None) -> Lease:
+        """Claim READY record ``record_id``; with ``publication``, only if that is its publication nonce (checked
+        under the lock, so a record of the same id published in between is never claimed instead).  A record of
+        another publication is answered exactly as one not in the pool."""
         with self._cond:
             self._expire_locked()
             lease = self._by_record.get(record_id)
+            if lease is not None and publication is not None and not _same(lease.publication, publication):
+                lease = None
             if lease is None or lease.state is not LeaseState.READY:
                 why = "is not in the pool" if lease is None else f"is {lease.state.value}"
                 raise E.UnknownRecordError(
@@ -498,6 +505,7 @@ def _snapshot(lease: Lease) -> Lease:
         lease.deadline,
         lease.meta,
         lease.wire,
+        lease.publication,
     )
 
 

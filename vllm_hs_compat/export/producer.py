@@ -14,7 +14,12 @@ Who may do what on the control plane (the principal is fixed by the CURVE handsh
 * the **trainer** (holds the token): everything -- ``hello`` with the pool's transport description, ``claim``
   of any ids, ``claim_next`` (streaming), ``release``, ``read``, ``stats``;
 * a **record** principal (holds a ticket): ``hello`` without any transport description, and ``claim``, ``read``
-  and ``release`` of the one record its capability names.
+  and ``release`` of the one record its capability names, and only of the publication the capability is bound to
+  (see :mod:`vllm_hs_compat.export.capabilities`): a ticket of a delivered record opens nothing published later
+  under the same id, and only a failed record's own ticket learns why it failed.
+
+A claim is answered again, unchanged, when retried under the same request id -- but only to the same credential
+(the trainer, or the same capability), so another holder who learns a request id gets nothing from it.
 """
 
 from __future__ import annotations
@@ -44,7 +49,15 @@ from vllm_hs_compat.core.records import (
     compute_checksum,
 )
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.capabilities import CapabilityKey, derive_key, verify
+from vllm_hs_compat.export.capabilities import (
+    CAP_PREFIX,
+    CapabilityKey,
+    derive_key,
+    new_publication,
+    publication_of,
+    same_publication,
+    verify,
+)
 from vllm_hs_compat.export.control import Call, ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
 from vllm_hs_compat.export.pool import Lease, LeasePool
@@ -152,11 +165,13 @@ class ExportProducer:
         self._queued = 0
         self._unwritten = 0
         self._written = threading.Condition(self._counter_lock)
-        self._writes: queue.SimpleQueue[tuple[RecordMeta, torch.Tensor] | None] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[tuple[RecordMeta, torch.Tensor, str | None] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
-        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
-        # request id -> (lease ids, errors) of each claim: a retried claim is answered the same, never claims anew
-        self._claims: collections.OrderedDict[tuple[str, bytes], tuple[list[int], list[P.ClaimError]]] = (
+        # record id -> (reason, message, publication nonce) of each failed record
+        self._failed: collections.OrderedDict[str, tuple[str, str, str | None]] = collections.OrderedDict()
+        # (principal, credential, request id) -> (lease ids, errors) of each claim: a retried claim is answered the
+        # same, never claims anew, and only to the credential that made it
+        self._claims: collections.OrderedDict[tuple[str, str, bytes], tuple[list[int], list[P.ClaimError]]] = (
             collections.OrderedDict()
         )
         self._last_activity = 0.0
@@ -208,8 +223,10 @@ class ExportProducer:
             }
         }
 
-    def ticket(self, record_id: str, nbytes: int = 0) -> P.ExportTicket:
-        """The ticket of ``record_id``: endpoint, producer, its public key and the record's capability."""
+    def ticket(self, record_id: str, nbytes: int = 0, publication: str | None = None) -> P.ExportTicket:
+        """The ticket of one publication of ``record_id``: endpoint, producer, its public key and the capability.
+        Without ``publication`` a fresh nonce is drawn: hand ``ticket.publication`` to :meth:`publish_nowait`
+        (or :meth:`fail`) with the record, which the ticket then opens -- and no other record of that id."""
         return P.ExportTicket.from_locator(
             {
                 "endpoint": self.endpoint,
@@ -220,19 +237,23 @@ class ExportProducer:
             },
             record_id,
             nbytes,
+            publication if publication is not None else new_publication(),
         )
 
     # --- serving side ---------------------------------------------------------------------------------------
-    def publish(self, meta: RecordMeta, rows: torch.Tensor) -> P.ExportTicket:
+    def publish(self, meta: RecordMeta, rows: torch.Tensor, publication: str | None = None) -> P.ExportTicket:
         """Copy ``rows`` and the token ids into a leased run of slots, checksum both, make the record fetchable.
         Raises (and counts) :class:`RecordFormatError`, :class:`RecordTooLargeError`, :class:`PoolFullError`,
         :class:`DuplicateRecordError` for this record only.  All of it happens in the calling thread: see
-        :meth:`publish_nowait` to keep the copy and the checksums off it."""
+        :meth:`publish_nowait` to keep the copy and the checksums off it.  Returns the ticket of this
+        publication (``publication``: the nonce of a ticket minted before, e.g. by the connector's scheduler;
+        without it a fresh one is drawn)."""
         self._admit(meta, rows)
-        nbytes = self._write(meta, rows)
-        return self.ticket(meta.request_id, nbytes)
+        pub = publication if publication is not None else new_publication()
+        nbytes = self._write(meta, rows, pub)
+        return self.ticket(meta.request_id, nbytes, pub)
 
-    def publish_nowait(self, meta: RecordMeta, rows: torch.Tensor) -> None:
+    def publish_nowait(self, meta: RecordMeta, rows: torch.Tensor, publication: str | None = None) -> None:
         """Hand a record to the producer's writer thread and return at once: the calling (serving) thread makes
         no pass over the rows.  The writer copies them into the pool, computes both checksums and publishes, in
         the order records were handed over; :meth:`flush` waits for that.  ``rows`` must not change until then.
@@ -240,7 +261,9 @@ class ExportProducer:
         Shape and dtype are checked here (:class:`RecordFormatError`, counted).  A record that fails in the
         writer (pool full, duplicate id, too large, ...) is counted as with :meth:`publish` and recorded with
         :meth:`fail`, so a consumer waiting for it (``wait_s``) gets :class:`RecordFailedError` naming the
-        reason.  The ticket is the one :meth:`ticket` gives (the capture connector's scheduler mints its own)."""
+        reason.  The ticket: take it from :meth:`ticket` first and pass its ``publication`` here (the capture
+        connector's scheduler mints its own); without one the record is published under a fresh nonce that no
+        ticket holds (the trainer token still opens it)."""
         self._admit(meta, rows)
         with self._counter_lock:
             self._queued += 1
@@ -248,7 +271,7 @@ class ExportProducer:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._writer_loop, name="hsx-export-writer", daemon=True)
                 self._writer.start()
-        self._writes.put((meta, rows))
+        self._writes.put((meta, rows, publication))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every record handed to :meth:`publish_nowait` is published (or failed); False if
@@ -273,7 +296,7 @@ class ExportProducer:
                 f"{meta.shape} {meta.dtype}; build the metadata with RecordMeta.for_tensor(rows, ...)"
             )
 
-    def _write(self, meta: RecordMeta, rows: torch.Tensor) -> int:
+    def _write(self, meta: RecordMeta, rows: torch.Tensor, publication: str) -> int:
         nbytes = meta.nbytes
         ids_offset, extent = P.ids_layout(nbytes, meta.shape[0])
         try:
@@ -282,6 +305,7 @@ class ExportProducer:
             self.pool.note_aborted()  # offered, never published: the producer closed first
             raise
         try:
+            lease.publication = publication  # WRITING: only this thread holds the lease until pool.publish
             checksum = _fill(self._buf[lease.offset : lease.offset + nbytes], rows, self.checksum)
             ids = _id_bytes(meta.token_ids)
             ids_view = byte_view(self._buf[lease.offset + ids_offset : lease.offset + extent])
@@ -311,20 +335,20 @@ class ExportProducer:
             item = self._writes.get()
             if item is None:
                 return
-            meta, rows = item
+            meta, rows, publication = item
             with self._counter_lock:
                 self._queued -= 1
             try:
                 if self._closed:
                     self.pool.note_aborted()  # handed over, never published: the producer closed first
                 else:
-                    self._write(meta, rows)
+                    self._write(meta, rows, publication if publication is not None else new_publication())
             except E.ExportClosedError:
                 pass  # counted aborted by _write / the pool
             except Exception as e:  # named errors are counted where they are raised; fail the record alone
                 if not isinstance(e, E.HsCompatError):
                     log.exception("export writer: record %r failed", meta.request_id)
-                self.fail(meta.request_id, type(e).__name__, str(e))
+                self.fail(meta.request_id, type(e).__name__, str(e), publication)
             finally:
                 del item, rows
                 with self._written:
@@ -332,12 +356,14 @@ class ExportProducer:
                     if self._unwritten == 0:
                         self._written.notify_all()
 
-    def fail(self, record_id: str, reason: str, message: str) -> None:
+    def fail(self, record_id: str, reason: str, message: str, publication: str | None = None) -> None:
         """Record that ``record_id`` will never be published, so a consumer asking for it is told why
-        (:class:`RecordFailedError`) instead of waiting.  Counted in ``stats()["failed_records"]``."""
+        (:class:`RecordFailedError`) instead of waiting.  Counted in ``stats()["failed_records"]``.
+        ``publication``: the nonce of the record's ticket; only that ticket's holder (and the trainer) is told
+        the reason -- without it, the trainer only."""
         with self._counter_lock:
             self._counters["failed_records"] += 1
-            self._failed[record_id] = (reason, message[:1000])
+            self._failed[record_id] = (reason, message[:1000], publication)
             self._failed.move_to_end(record_id)
             while len(self._failed) > MAX_FAILED:
                 self._failed.popitem(last=False)
@@ -409,11 +435,12 @@ class ExportProducer:
         if isinstance(req, P.PingReq):
             return P.PongReply(self.instance)
         if isinstance(req, P.ClaimReq):
+            publication = None
             if not trainer:
                 if len(req.ids) != 1:
                     raise E.CapabilityError(f"a ticket's capability claims its own record only, not {len(req.ids)}")
-                self._check_cap(req.cap, req.ids[0], "claim")
-            return self._claim(req, call)
+                publication = self._check_cap(req.cap, req.ids[0], "claim")
+            return self._claim(req, call, publication)
         if isinstance(req, P.ClaimNextReq):
             self._trainer_only(trainer, "claim_next (streaming every record)")
             return self._claim_next(req, call)
@@ -434,34 +461,59 @@ class ExportProducer:
                 "(fetch it with ExportConsumer.from_params(ticket).fetch(record_id))"
             )
 
-    def _check_cap(self, cap: str | None, record_id: str, what: str) -> None:
+    def _check_cap(self, cap: str | None, record_id: str, what: str, publication: str | None = None) -> str:
+        """The publication nonce ``cap`` is bound to, if it is a genuine capability of ``record_id`` (and, when
+        ``publication`` is given, of that publication); else :class:`CapabilityError`.  Whether a record of that
+        publication exists is the caller's question (a claim asks the pool, under its lock)."""
         if cap is None:
             raise E.CapabilityError(
                 f"{what} of record {record_id!r} without the trainer token needs the ticket's capability ('cap')"
             )
-        if not verify(self.capability_key, record_id, cap):
+        if not cap.startswith(CAP_PREFIX):  # the wire schema lets only "c<digit>." through
+            raise E.CapabilityError(
+                f"a {cap[:2]} capability (ticket version 2 or older) is not accepted: this producer accepts "
+                f"{CAP_PREFIX[:2]} capabilities (ticket version {P.TICKET_VERSION}), each bound to one publication "
+                "of its record; ask the server for a new ticket (send the request again)"
+            )
+        pub = publication_of(cap)
+        if (
+            pub is None
+            or not verify(self.capability_key, record_id, pub, cap)
+            or (publication is not None and not same_publication(pub, publication))
+        ):
             raise E.CapabilityError(
                 f"the capability presented does not open record {record_id!r}: a ticket opens its own record "
                 "only, on the producer that issued it"
             )
+        return pub
 
-    def _remember(self, call: Call, leases: list[Lease], errors: list[P.ClaimError] | None = None) -> None:
-        self._claims[(call.principal, call.rid)] = ([lease.lease_id for lease in leases], errors or [])
+    @staticmethod
+    def _claim_key(call: Call, credential: str) -> tuple[str, str, bytes]:
+        """What a claim is remembered under: a retry is answered only to the same principal and credential."""
+        return (call.principal, credential, call.rid)
+
+    def _remember(
+        self, call: Call, credential: str, leases: list[Lease], errors: list[P.ClaimError] | None = None
+    ) -> None:
+        self._claims[self._claim_key(call, credential)] = ([lease.lease_id for lease in leases], errors or [])
         while len(self._claims) > MAX_CLAIM_MEMORY:
             self._claims.popitem(last=False)
 
-    def _retried(self, call: Call) -> P.ClaimReply | None:
-        """The answer to a claim already made under this request id (its leases that are still claimed)."""
-        got = self._claims.get((call.principal, call.rid))
+    def _retried(self, call: Call, credential: str) -> P.ClaimReply | None:
+        """The answer to a claim already made under this request id with this credential (``""``: the trainer's
+        token; else the capability, checked again before this runs), with its leases that are still claimed."""
+        got = self._claims.get(self._claim_key(call, credential))
         if got is None:
             return None
         self._count("claim_retries")
         ids, errors = got
         return P.ClaimReply([lease.wire for lease in self.pool.claimed(ids)], errors)
 
-    def _claim(self, req: P.ClaimReq, call: Call) -> P.ClaimReply:
+    def _claim(self, req: P.ClaimReq, call: Call, publication: str | None) -> P.ClaimReply:
+        """Claim ``req.ids``; ``publication`` (a ticket holder's, checked) limits the claim to that publication."""
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
-        again = self._retried(call)
+        credential = req.cap if publication is not None and req.cap is not None else ""
+        again = self._retried(call, credential)
         if again is not None:
             return again
         out: list[Lease] = []
@@ -470,7 +522,9 @@ class ExportProducer:
         for rid in req.ids:
             with self._counter_lock:
                 failed = self._failed.get(rid)
-            if failed is not None:
+            if failed is not None and (
+                publication is None or (failed[2] is not None and same_publication(failed[2], publication))
+            ):  # the trainer, or the failed publication's own ticket: another ticket learns nothing from it
                 errors.append(P.ClaimError(rid, "failed_record", f"{failed[0]}: {failed[1]}"[:4000]))
                 continue
             size = self.pool.ready_wire_size(rid)
@@ -478,17 +532,17 @@ class ExportProducer:
                 errors.append(P.ClaimError(rid, "unknown_record", P.REPLY_FULL))
                 continue
             try:
-                lease = self.pool.claim(rid)
+                lease = self.pool.claim(rid, publication)
             except E.UnknownRecordError as e:
                 errors.append(P.ClaimError(rid, "unknown_record", str(e)[:4000]))
                 continue
             spent += len(lease.wire) + 8
             out.append(lease)
-        self._remember(call, out, errors)
+        self._remember(call, credential, out, errors)
         return P.ClaimReply([lease.wire for lease in out], errors)
 
     def _claim_next(self, req: P.ClaimNextReq, call: Call) -> P.ClaimReply | None:
-        again = self._retried(call)
+        again = self._retried(call, "")
         if again is not None:
             return again
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
@@ -497,7 +551,7 @@ class ExportProducer:
         )  # only each lease's id and wire are read: they never change
         if not leases and not call.final:
             return None  # park until a publish or the deadline
-        self._remember(call, leases)
+        self._remember(call, "", leases)
         more = bool(leases) and len(leases) < req.max_records and self.pool.has_ready()
         return P.ClaimReply([lease.wire for lease in leases], more=more)
 
@@ -509,7 +563,7 @@ class ExportProducer:
                 if lease is None and fate is None:
                     raise E.CapabilityError(f"lease {item.lease} is not one this ticket's capability can release")
                 if lease is not None:
-                    self._check_cap(req.cap, lease.record_id, "release")
+                    self._check_cap(req.cap, lease.record_id, "release", lease.publication)
                 elif req.cap is None:
                     raise E.CapabilityError("release without the trainer token needs the ticket's capability")
         results = self.pool.settle_many([(i.lease, i.nonce, i.outcome) for i in req.leases])
@@ -524,7 +578,7 @@ class ExportProducer:
                 raise E.LeaseExpiredError(f"lease {req.lease} expired before this read; its slots may hold other data")
             raise E.UnknownRecordError(f"lease {req.lease} is not claimed (released, expired or never issued)")
         if not trainer:
-            self._check_cap(req.cap, lease.record_id, "read")
+            self._check_cap(req.cap, lease.record_id, "read", lease.publication)
         if req.offset + req.length > lease.nbytes:
             raise E.DescriptorError(
                 f"read [{req.offset}, {req.offset + req.length}) lies outside record {lease.record_id!r}'s "

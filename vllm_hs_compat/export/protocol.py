@@ -65,7 +65,10 @@ RecordId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[0-9a-f]+$")]
 Nonce = Annotated[str, msgspec.Meta(min_length=16, max_length=16, pattern="^[0-9a-f]+$")]
 LeaseId = Annotated[int, msgspec.Meta(ge=1, le=1 << 62)]
-Capability = Annotated[str, msgspec.Meta(min_length=46, max_length=46, pattern="^c1\\.[A-Za-z0-9_-]+$")]
+#: A ticket's capability: ``c2.`` + publication + ``.`` + MAC, 69 characters (see
+#: :mod:`vllm_hs_compat.export.capabilities`).  The schema also lets an older ``c1.`` capability (46 characters)
+#: through, so the producer can refuse it by name rather than as a malformed request.
+Capability = Annotated[str, msgspec.Meta(min_length=46, max_length=69, pattern="^c[0-9]\\.[A-Za-z0-9_.-]+$")]
 #: A CURVE public key, Z85-encoded (40 characters).
 CurveKey = Annotated[
     str, msgspec.Meta(min_length=40, max_length=40, pattern="^[0-9a-zA-Z.:+=^!/*?&<>()\\[\\]{}@%$#-]+$")
@@ -439,11 +442,13 @@ def convert_transport(info: Mapping[str, Any] | ShmInfo | NixlInfo) -> ShmInfo |
 
 # --- the ticket (kv_transfer_params["hs_export"]) -------------------------------------------------------------
 PARAMS_KEY: Final = "hs_export"
-TICKET_VERSION: Final = 2
+#: 3: the capability is bound to one publication of the record (``c2.``); 2 carried ``c1.`` capabilities, which
+#: producers of this release refuse; 1 carried no capability (the trainer token opens it).
+TICKET_VERSION: Final = 3
 
 
 class _TicketEntry(msgspec.Struct):
-    v: Literal[1, 2]
+    v: Literal[1, 2, 3]
     record_id: RecordId
     endpoint: Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
     producer: InstanceId
@@ -456,13 +461,14 @@ class _TicketEntry(msgspec.Struct):
 @dataclasses.dataclass(frozen=True)
 class ExportTicket:
     """Where one record can be fetched, and the right to fetch that record only: the
-    ``kv_transfer_params["hs_export"]`` entry (version 2).
+    ``kv_transfer_params["hs_export"]`` entry (version 3).
 
-    ``cap`` is a per-record capability (see :mod:`vllm_hs_compat.export.capabilities`): it opens this record
-    (claim, read, release) and nothing else, so it may travel in ``kv_transfer_params``, which reach whoever sent
-    the request.  ``server_key`` is the producer's public CURVE key (not a secret), which lets the holder check it
-    talks to the real producer.  ``token`` (the trainer credential) is kept for in-process use only and is never
-    part of :meth:`kv_transfer_params`.
+    ``cap`` is a per-publication capability (see :mod:`vllm_hs_compat.export.capabilities`): it opens this
+    publication of this record (claim, read, release) and nothing else -- not a later record published under the
+    same id -- so it may travel in ``kv_transfer_params``, which reach whoever sent the request.  ``server_key``
+    is the producer's public CURVE key (not a secret), which lets the holder check it talks to the real producer.
+    ``token`` (the trainer credential) is kept for in-process use only and is never part of
+    :meth:`kv_transfer_params`.
     """
 
     record_id: str
@@ -490,10 +496,19 @@ class ExportTicket:
             entry["cap"] = self.cap
         return {PARAMS_KEY: entry}
 
+    @property
+    def publication(self) -> str | None:
+        """The publication nonce the capability is bound to (None without a ``c2.`` capability): hand it to
+        :meth:`ExportProducer.publish_nowait` / ``publish`` / ``fail`` with the record this ticket is for."""
+        from vllm_hs_compat.export.capabilities import publication_of
+
+        return publication_of(self.cap)
+
     @classmethod
-    def from_locator(cls, locator: Mapping[str, Any], record_id: str, nbytes: int) -> ExportTicket:
-        """The ticket of ``record_id`` built from an export sink's locator (in vLLM's scheduler process, which
-        has no producer): the capability is minted from the locator's capability key."""
+    def from_locator(cls, locator: Mapping[str, Any], record_id: str, nbytes: int, publication: str) -> ExportTicket:
+        """The ticket of publication ``publication`` (a fresh :func:`~.capabilities.new_publication`, which must
+        travel with the record to the producer) of ``record_id``, built from an export sink's locator (in vLLM's
+        scheduler process, which has no producer): the capability is minted from the locator's capability key."""
         from vllm_hs_compat.export.capabilities import mint
 
         key = locator.get("capability_key")
@@ -505,7 +520,7 @@ class ExportTicket:
             backend=str(locator["backend"]),
             nbytes=int(nbytes),
             server_key=locator.get("server_key"),
-            cap=mint(key, record_id) if key else None,
+            cap=mint(key, record_id, publication) if key else None,
         )
 
     @classmethod
@@ -515,9 +530,9 @@ class ExportTicket:
         if not isinstance(params, Mapping):
             raise ExportConfigError(f"kv_transfer_params must be a mapping, found {type(params).__name__}")
         entry = params.get(PARAMS_KEY, params)
-        if not isinstance(entry, Mapping) or entry.get("v") not in (1, 2):
+        if not isinstance(entry, Mapping) or entry.get("v") not in (1, 2, 3):
             raise ExportConfigError(
-                f"kv_transfer_params lacks a version-1 or -2 {PARAMS_KEY!r} entry "
+                f"kv_transfer_params lacks a version-1 to -3 {PARAMS_KEY!r} entry "
                 f"(found keys {sorted(map(str, params))}); "
                 "was the server started with the vllm-hs-compat connector and export enabled?"
             )
@@ -530,6 +545,13 @@ class ExportTicket:
             e = msgspec.convert(dict(entry), _TicketEntry)
         except (msgspec.ValidationError, TypeError) as exc:
             raise ExportConfigError(f"malformed {PARAMS_KEY!r} ticket: {exc}") from None
+        if e.cap is not None and (e.v < TICKET_VERSION or not e.cap.startswith("c2.")):
+            raise ExportConfigError(
+                f"this {PARAMS_KEY!r} ticket (version {e.v}) carries a {e.cap[:2]} capability; producers of this "
+                f"release accept only c2 capabilities (ticket version {TICKET_VERSION}), each bound to one "
+                "publication of its record, because a c1 capability also opened any later record published under "
+                "the same id. Ask the server for a new ticket (send the request again) or use the trainer token."
+            )
         return cls(
             record_id=e.record_id,
             endpoint=e.endpoint,
