@@ -229,7 +229,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
                 continue
             if isinstance(res, _Requeued):
                 self._count(row, "lease_expired")
-                log.info("a lease expired under this consumer (the producer hands the record out again): %s", res.error)
+                log.info("lease expired under this stream (requeued if redelivery is on): %s", res.error)
                 continue
             if isinstance(res, CaptureRecord):
                 if res.meta.request_id in self._consumed:
