@@ -97,7 +97,7 @@ def test_redeliveries_are_bounded_then_the_record_ends_expired_claimed() -> None
     st = pool.stats()
     assert (st["claimed"], st["redelivered"], st["expired_claimed"], st["used_slots"]) == (3, 2, 1, 0)
     assert pool.fate(c.lease_id, c.nonce) == "expired_claimed"
-    assert pool.claim_next(1, 1 << 20, 0.0) == [] and st["unaccounted"] == 0
+    assert pool.claim_next(1, 1 << 20, 0.0) == [] and st["unaccounted"] == 0 and st["max_redeliveries"] == 2
 
 
 def test_max_redeliveries_zero_is_at_most_once() -> None:

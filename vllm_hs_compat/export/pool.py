@@ -545,6 +545,7 @@ class LeasePool:
                 **c,
                 "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes,
+                "max_redeliveries": self.max_redeliveries,
                 "used_slots": self._used,
                 "leases_writing": len(self._by_id) - ready - claimed,
                 "leases_ready": ready,
