@@ -238,7 +238,7 @@ def test_a_lease_that_expired_before_the_release_fails_every_record_of_it(
 ) -> None:
     import time
 
-    p = make_producer(lease_ttl_s=0.3)
+    p = make_producer(lease_ttl_s=0.3, max_redeliveries=0)  # at-most-once: the expired leases end the records
     publish_all(p, 3, [(3, 2, 64, "bfloat16")])
     with ExportConsumer(p.endpoint, p.token) as c:
         assert c._transport is not None
@@ -344,7 +344,7 @@ def test_a_descriptor_whose_nonce_is_not_hex_fails_its_record_alone_on_both_path
 ) -> None:
     """The nonce's hex pattern is checked by the consumer (not by the descriptor decoder): a bad one fails its
     record alone, and no release names it (the producer would refuse that release whole)."""
-    p = make_producer(lease_ttl_s=0.5)
+    p = make_producer(lease_ttl_s=0.5, max_redeliveries=0)  # (a requeue would re-encode, and so mend, the nonce)
     sent = publish_all(p, 6, [(3, 2, 64, "bfloat16")])
     for rid in ("r-1", "r-4"):
         lease = p.pool._by_record[rid]

@@ -421,7 +421,7 @@ def test_a_bad_descriptor_fails_its_record_alone(backend: str, make_producer: Ma
 
 # --- also: expiry, close, stats ---------------------------------------------------------------------------------
 def test_a_read_after_the_lease_expired_is_lease_expired(backend: str, make_producer: Make, tmp_path: Any) -> None:
-    p = make_producer(lease_ttl_s=0.3)
+    p = make_producer(lease_ttl_s=0.3, max_redeliveries=0)  # the requeue is tests/export/test_export_redelivery.py's
     publish(p, "late", 8, seed=1)
     rows = make_rows(2, 8, 2, 64)
     ticket = p.publish(make_meta("late-ticket", rows, 2), rows)
@@ -465,7 +465,10 @@ def test_the_ledger_balances_under_random_faults(backend: str, make_producer: Ma
     the number of records the consumers handed out."""
     rng = random.Random(seed)
     ttl = 0.5
-    p = make_producer(num_slots=48, slot_bytes=16 * 1024, lease_ttl_s=ttl, ready_ttl_s=1.0, on_full="drop")
+    # at-most-once (every fate must occur; redelivery has its own random-kill ledger test in test_export_redelivery)
+    p = make_producer(
+        num_slots=48, slot_bytes=16 * 1024, lease_ttl_s=ttl, ready_ttl_s=1.0, on_full="drop", max_redeliveries=0
+    )
     peer.ok("consumer", endpoint=p.endpoint, token=p.token, landing_bytes=2 * MiB, timeout_s=10.0)
     trainer = ExportConsumer(p.endpoint, p.token, landing_bytes=2 * MiB, timeout_s=10.0)
 

@@ -4,6 +4,7 @@ DataLoader worker processes) and real file-sink records."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -295,3 +296,84 @@ def test_collate_padded_batches_items_of_different_lengths(tmp_path: Path) -> No
     assert batch["input_ids"][1, :T].tolist() == list(short.meta.token_ids)
     with pytest.raises(DatasetConfigError):
         collate_padded([to_item(short, "eagle3"), to_item(short, "dflash")])
+
+
+# --- at-least-once: redelivered records -------------------------------------------------------------------------
+def _slow_first_transfer(monkeypatch: pytest.MonkeyPatch, pause_s: float) -> None:
+    """The first read of the stream outlasts its lease (a trainer slower than lease_ttl_s)."""
+    from vllm_hs_compat.export.consumer import ExportConsumer
+
+    real = ExportConsumer._transfer
+    calls = [0]
+
+    def slow(self: Any, *a: Any, **kw: Any) -> Any:
+        out = real(self, *a, **kw)
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(pause_s)
+        return out
+
+    monkeypatch.setattr(ExportConsumer, "_transfer", slow)
+
+
+def test_a_lease_that_expired_under_the_stream_is_skipped_and_the_record_comes_again(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = make_producer(lease_ttl_s=0.3)
+    rec = publish(p, "late", 1)
+    _slow_first_transfer(monkeypatch, 0.6)  # the release is then past half the TTL: its verdict is waited for
+    ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=1.0, max_records=1, batch=1)  # on_error="raise"
+    got = list(ds)
+    assert [g["record_id"] for g in got] == ["late"] and same(got[0]["hidden_states"], rec.hidden_states[:, 3])
+    assert (ds.stats["records"], ds.stats["lease_expired"], ds.stats["errors"], ds.stats["duplicates"]) == (1, 1, 0, 0)
+    st = p.stats()
+    assert (st["delivered"], st["redelivered"], st["stale_releases"], st["expired_claimed"]) == (1, 1, 1, 0)
+    ledger_balanced(st)
+    # the negative control: a producer without redelivery loses the record (counted at both ends)
+    q = make_producer(lease_ttl_s=0.3, max_redeliveries=0)
+    publish(q, "lost", 2)
+    _slow_first_transfer(monkeypatch, 0.6)
+    lost = HiddenStatesDataset.from_export(q.endpoint, q.token, wait_s=1.0, max_records=1)
+    assert list(lost) == [] and lost.stats["lease_expired"] == 1
+    assert (q.stats()["expired_claimed"], q.stats()["delivered"]) == (1, 0)
+
+
+@pytest.mark.parametrize("backend", ["shm"])  # a forked worker: not with a NIXL producer in this process
+@pytest.mark.parametrize("window", [None, 0], ids=["dedupe", "no-dedupe"])
+def test_a_record_handed_out_twice_is_dropped_by_the_dataset(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    """The duplicate at-least-once allows: the consumer posted its release and handed the record out before the
+    producer's verdict (``defer_releases``), the lease had expired meanwhile, the producer requeued the record and
+    the same stream claimed it again.  The dataset (here in a DataLoader worker, whose items the resume state
+    does not see) yields it once and counts the duplicate; with ``dedupe_window=0`` (the negative control) the
+    duplicate reaches the training loop."""
+    from vllm_hs_compat.export import consumer as consumer_mod
+
+    p = make_producer(lease_ttl_s=0.3)
+    publish(p, "twice", 1)
+    publish(p, "other", 2)
+    monkeypatch.setattr(consumer_mod, "DEFER_FRACTION", 100.0)  # every release posted, its verdict taken as given
+    _slow_first_transfer(monkeypatch, 0.6)  # (both patches reach the forked worker)
+    kw = {} if window is None else {"dedupe_window": window}
+    ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=1.0, **kw)
+    got = [g["record_id"] for g in loader(ds, "shm", workers=1)]
+    if window is None:
+        assert got == ["twice", "other"]
+        assert (ds.stats["records"], ds.stats["duplicates"], ds.stats["lease_expired"]) == (2, 1, 0)
+    else:
+        assert got == ["twice", "other", "twice"] and ds.stats["duplicates"] == 0
+    st = p.stats()
+    assert (st["delivered"], st["redelivered"], st["stale_releases"]) == (2, 1, 1)  # delivered once at the producer
+    ledger_balanced(st)
+    with pytest.raises(DatasetConfigError, match="dedupe_window"):
+        HiddenStatesDataset.from_export(p.endpoint, p.token, dedupe_window=-1)
+
+
+def test_the_dedupe_window_is_bounded() -> None:
+    from vllm_hs_compat.trainer.dataset import _Recent
+
+    recent = _Recent(3)
+    for rid in ("a", "b", "c", "a", "d"):
+        recent.add(rid)
+    assert len(recent) == 3 and "a" not in recent and {"b", "c", "d"} <= {r for r in "abcd" if r in recent}

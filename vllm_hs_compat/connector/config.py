@@ -28,6 +28,7 @@ EXPORT_KEYS: Final = frozenset(
         "shm_dir",
         "token_file",
         "handshake_timeout_s",
+        "max_redeliveries",
     }
 )
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests"})

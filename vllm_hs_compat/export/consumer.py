@@ -704,7 +704,8 @@ class ExportConsumer:
             ttl = self._hello.lease_ttl_s if self._hello is not None else "?"
             return E.LeaseExpiredError(
                 f"record {c.record_id!r}: its lease (lease_ttl_s={ttl}) expired before the read was released; the "
-                "bytes read may be another record's, so it is not handed out (read faster, or raise lease_ttl_s)"
+                "bytes read may be another record's, so it is not handed out here (the producer hands it out again "
+                "while its max_redeliveries last; read faster, or raise lease_ttl_s)"
             )
         return E.StaleMetadataError(
             f"record {c.record_id!r}: the producer does not know lease {c.lease} any more (it restarted?)"

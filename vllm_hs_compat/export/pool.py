@@ -4,6 +4,13 @@ The pool is ``num_slots`` slots of ``slot_bytes`` bytes; a record takes the smal
 that holds it.  A lease moves WRITING -> READY (published, waiting for a consumer) -> CLAIMED (a consumer
 holds the descriptor) -> freed (released by the consumer, or expired).  A READY lease expires after
 ``ready_ttl_s`` and a CLAIMED one after ``lease_ttl_s``, so a dead or slow trainer can never wedge serving.
+
+At-least-once: a CLAIMED lease whose ``lease_ttl_s`` runs out before its release is *requeued*, up to
+``max_redeliveries`` times per record: its slots are kept (the bytes stay as published), the record goes to the
+back of the READY queue under a new lease (new ``lease_id`` and ``nonce``, a fresh ``ready_ttl_s`` clock), and the
+old lease is dead -- a read or release naming it is told it expired.  Counted ``redelivered`` (each time; not a
+fate).  The expiry after the last redelivery (or the first, with ``max_redeliveries=0``) is the terminal
+``expired_claimed``.
 When no run is free the ``on_full`` policy decides: ``"drop"`` fails the record at once, ``"wait"`` waits up
 to ``wait_timeout_s`` for a release or expiry.
 
@@ -11,7 +18,8 @@ The ledger: every published record ends in exactly one terminal state, counted o
 
 * ``delivered``, ``checksum_failed``, ``abandoned``: a consumer released the lease and said which (their sum is
   ``released``);
-* ``expired_ready`` (nobody claimed it in time), ``expired_claimed`` (its consumer did not release it in time);
+* ``expired_ready`` (nobody claimed it in time), ``expired_claimed`` (claimed ``1 + max_redeliveries`` times and
+  never released in time: each consumer died or was too slow);
 * ``discarded_at_close``: still READY or CLAIMED when the pool closed;
 
 so ``published == delivered + checksum_failed + abandoned + expired_ready + expired_claimed +
@@ -38,6 +46,10 @@ from vllm_hs_compat.core.records import RecordMeta
 
 FULL_POLICIES: Final = ("drop", "wait")
 OUTCOMES: Final = ("delivered", "checksum_failed", "abandoned")
+#: Default of ``max_redeliveries``: how often a record whose claimed lease expired goes back to the READY queue.
+DEFAULT_MAX_REDELIVERIES: Final = 3
+#: The fate remembered for a lease that expired CLAIMED and whose record was requeued under a new lease.
+REQUEUED: Final = "expired_requeued"
 #: Fates of freed leases remembered (so a late release is told "expired", not "unknown").
 _FATES_KEPT: Final = 1 << 16
 
@@ -72,6 +84,8 @@ class Lease:
     wire: bytes = b""
     #: the publication nonce a ticket's capability is bound to (set by the producer before publish)
     publication: str = ""
+    #: how many times this record went back to the READY queue after a claimed lease expired
+    redeliveries: int = 0
 
 
 _COUNTERS: Final = (
@@ -91,6 +105,7 @@ _COUNTERS: Final = (
     "duplicate",
     "aborted",
     "stale_releases",
+    "redelivered",
 )
 
 
@@ -106,6 +121,7 @@ class LeasePool:
         on_full: str = "drop",
         wait_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
     ) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise E.ExportConfigError(f"num_slots must be an int >= 1, found {num_slots!r}")
@@ -121,12 +137,17 @@ class LeasePool:
             raise E.ExportConfigError(f"on_full must be one of {FULL_POLICIES}, found {on_full!r}")
         if not wait_timeout_s >= 0:
             raise E.ExportConfigError(f"wait_timeout_s must be >= 0, found {wait_timeout_s!r}")
+        if isinstance(max_redeliveries, bool) or not isinstance(max_redeliveries, int) or max_redeliveries < 0:
+            raise E.ExportConfigError(
+                f"max_redeliveries must be an int >= 0, found {max_redeliveries!r} (0: an expired claim is lost)"
+            )
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.lease_ttl_s = float(lease_ttl_s)
         self.ready_ttl_s = None if ready_ttl_s is None else float(ready_ttl_s)
         self.on_full = on_full
         self.wait_timeout_s = float(wait_timeout_s)
+        self.max_redeliveries = max_redeliveries
         self._clock = clock
         self._free = bytearray(num_slots)  # 0 = free, 1 = used
         self._used = 0
@@ -141,10 +162,15 @@ class LeasePool:
         self._cond = threading.Condition()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        self._requeued = False  # a record went back to READY since expire() last woke the long polls
         # lease id -> (nonce, fate) of freed leases, oldest first, bounded
         self._fates: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
-        #: called (outside the lock) after each publish; the producer wakes its parked long polls with it
+        #: called (outside the lock) after each publish and after :meth:`expire` requeued records; the producer
+        #: wakes its parked long polls with it
         self.on_ready: Callable[[], None] | None = None
+        #: the descriptor of a requeued record's new lease (called under the pool's lock with that lease, whose
+        #: ``wire`` is still the old one); None: the wire is kept as it is
+        self.rewire: Callable[[Lease], bytes] | None = None
 
     @property
     def pool_bytes(self) -> int:
@@ -311,7 +337,8 @@ class LeasePool:
         first.  With ``budget`` and ``cost``, the claimed leases' costs (their encoded descriptors) also sum to at
         most ``budget``: what does not fit stays READY for the next claim.  ``snapshots=False`` returns the live
         leases instead of copies: only their fields that never change after publication (``lease_id``,
-        ``record_id``, ``offset``, ``nbytes``, ``nonce``, ``wire``) may be read without the lock."""
+        ``record_id``, ``offset``, ``nbytes``, ``nonce``, ``wire``) may be read without the lock (a requeue
+        makes a new lease object and leaves the old one's fields as they were)."""
         deadline = self._clock() + timeout_s
         with self._cond:
             while True:
@@ -372,7 +399,8 @@ class LeasePool:
 
     def fate(self, lease_id: int, nonce: str) -> str | None:
         """How a freed lease ended (``released:<outcome>``, ``expired_ready``, ``expired_claimed``,
-        ``discarded_at_close``), if it is still remembered and ``nonce`` is its nonce."""
+        ``expired_requeued`` (:data:`REQUEUED`: it expired and its record went back to the queue under a new
+        lease), ``discarded_at_close``), if it is still remembered and ``nonce`` is its nonce."""
         with self._cond:
             got = self._fates.get(lease_id)
             if got is None or not _same(got[0], nonce):
@@ -382,7 +410,8 @@ class LeasePool:
     def settle(self, lease_id: int, nonce: str, outcome: str = "delivered") -> Settled:
         """Release a CLAIMED lease with its outcome (``delivered``, ``checksum_failed`` or ``abandoned``):
         ``"released"``.  A lease already released with the same nonce answers ``"released"`` again (a retried
-        release).  One whose TTL ran out first answers ``"expired"``; anything else ``"unknown"``.  Only
+        release).  One whose TTL ran out first answers ``"expired"`` (also when its record was requeued: the
+        record is then another lease's, and this release changes nothing); anything else ``"unknown"``.  Only
         ``"released"`` of a claimed lease counts; the others are counted ``stale_releases``."""
         return self.settle_many([(lease_id, nonce, outcome)])[0]
 
@@ -433,20 +462,69 @@ class LeasePool:
     def _expire_locked(self) -> int:
         now = self._clock()
         n = 0
-        for queue, key in ((self._ready, "expired_ready"), (self._claimed, "expired_claimed")):
-            while queue:
-                lease = next(iter(queue.values()))
-                if lease.deadline > now:
-                    break
-                self._counters[key] += 1
-                self._free_locked(lease, key)
-                n += 1
+        ready = self._ready
+        while ready:
+            lease = next(iter(ready.values()))
+            if lease.deadline > now:
+                break
+            self._counters["expired_ready"] += 1
+            self._free_locked(lease, "expired_ready")
+            n += 1
+        claimed = self._claimed
+        while claimed:
+            lease = next(iter(claimed.values()))
+            if lease.deadline > now:
+                break
+            if lease.redeliveries >= self.max_redeliveries or self._closed or not self._requeue_locked(lease, now):
+                self._counters["expired_claimed"] += 1  # terminal: redeliveries used up (or off)
+                self._free_locked(lease, "expired_claimed")
+            n += 1
         return n
 
+    def _requeue_locked(self, lease: Lease, now: float) -> bool:
+        """CLAIMED ``lease`` expired: the record goes back to the READY queue (its back: the queue stays in
+        deadline order) under a new lease on the same slots, with a fresh ready clock.  The old lease object is
+        marked FREED (never reused: a caller holding it reads fields that no longer change) and its id is
+        remembered as :data:`REQUEUED`, so its holder's read or release is told it expired.  False (nothing
+        changed; the caller ends the record) if :attr:`rewire` failed."""
+        fresh = dataclasses.replace(
+            lease,
+            lease_id=self._next_id,
+            nonce=secrets.token_hex(8),
+            state=LeaseState.READY,
+            deadline=now + self.ready_ttl_s if self.ready_ttl_s is not None else float("inf"),
+            redeliveries=lease.redeliveries + 1,
+        )
+        hook = self.rewire
+        if hook is not None:
+            try:
+                fresh.wire = hook(fresh)
+            except Exception:  # a descriptor that cannot be re-encoded: the record ends expired_claimed
+                return False
+        self._next_id += 1
+        del self._claimed[lease.lease_id]
+        del self._by_id[lease.lease_id]
+        self._fates[lease.lease_id] = (lease.nonce, REQUEUED)
+        while len(self._fates) > _FATES_KEPT:
+            self._fates.popitem(last=False)
+        lease.state = LeaseState.FREED
+        self._by_id[fresh.lease_id] = fresh
+        self._by_record[fresh.record_id] = fresh
+        self._ready[fresh.lease_id] = fresh
+        self._counters["redelivered"] += 1
+        self._requeued = True
+        self._cond.notify_all()
+        return True
+
     def expire(self) -> int:
-        """Reclaim every lease past its deadline; returns how many."""
+        """Reclaim (or requeue) every lease past its deadline; returns how many."""
         with self._cond:
-            return self._expire_locked()
+            n = self._expire_locked()
+            requeued, self._requeued = self._requeued, False
+        hook = self.on_ready
+        if requeued and hook is not None:
+            hook()  # a requeued record is claimable: wake the long polls parked for one
+        return n
 
     def next_deadline(self) -> float:
         with self._cond:
@@ -474,6 +552,7 @@ class LeasePool:
                 **c,
                 "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes,
+                "max_redeliveries": self.max_redeliveries,
                 "used_slots": self._used,
                 "leases_writing": len(self._by_id) - ready - claimed,
                 "leases_ready": ready,
@@ -506,6 +585,7 @@ def _snapshot(lease: Lease) -> Lease:
         lease.meta,
         lease.wire,
         lease.publication,
+        lease.redeliveries,
     )
 
 

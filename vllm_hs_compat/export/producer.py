@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from vllm_hs_compat import errors as E
@@ -60,7 +61,7 @@ from vllm_hs_compat.export.capabilities import (
 )
 from vllm_hs_compat.export.control import Call, ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
-from vllm_hs_compat.export.pool import Lease, LeasePool
+from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES, Lease, LeasePool
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmProducerTransport
 from vllm_hs_compat.export.transport import ProducerTransport
 
@@ -102,6 +103,15 @@ def _fill(dst: torch.Tensor, rows: torch.Tensor, algorithm: str) -> int:
     return state.digest()
 
 
+def _rewire(lease: Lease) -> bytes:
+    """The descriptor of a requeued record's new lease: its old descriptor with the new lease id and nonce
+    (every other field, the capability's scope included, is the publication's and does not change)."""
+    if not lease.wire:
+        return lease.wire
+    desc = P.decode_descriptor(lease.wire)
+    return P.encode(msgspec.structs.replace(desc, lease=lease.lease_id, nonce=lease.nonce))
+
+
 def _id_bytes(token_ids: tuple[int, ...]) -> array.array[int]:
     arr = array.array(_ID_ARRAY, token_ids)
     if arr.itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte C unsigned int
@@ -134,13 +144,22 @@ class ExportProducer:
         poll_interval_s: float = 200e-6,
         idle_poll_interval_s: float = 5e-3,
         handshake_timeout_s: float = 5.0,
+        max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
     ) -> None:
+        """``lease_ttl_s``: how long a consumer may hold a claimed record before it is taken back; a record
+        taken back unreleased goes back to the queue under a new lease, up to ``max_redeliveries`` times
+        (at-least-once delivery: a consumer that dies loses nothing), then it is counted ``expired_claimed``;
+        ``0`` gives at-most-once.  ``ready_ttl_s``: how long a published (or requeued) record waits unclaimed.
+        See :mod:`.pool` for the ledger and docs/export.md for the rest."""
         if backend not in BACKENDS:
             raise E.ExportConfigError(f"backend must be one of {BACKENDS}, found {backend!r}")
         if checksum not in CHECKSUM_ALGORITHMS:
             raise E.ExportConfigError(f"checksum must be one of {CHECKSUM_ALGORITHMS}, found {checksum!r}")
         self._closed = False
-        self.pool = LeasePool(num_slots, slot_bytes, lease_ttl_s, ready_ttl_s, on_full, wait_timeout_s)
+        self.pool = LeasePool(
+            num_slots, slot_bytes, lease_ttl_s, ready_ttl_s, on_full, wait_timeout_s, max_redeliveries=max_redeliveries
+        )
+        self.pool.rewire = _rewire
         self.instance = secrets.token_hex(8)
         self.token = check_token(token) if token is not None else new_token()
         #: derived per instance: mints the capability a ticket carries (see :mod:`.capabilities`)

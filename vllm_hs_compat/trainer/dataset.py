@@ -21,6 +21,15 @@ main process does not see the workers' iterators, so the training loop reports w
   producer never hands it out again; ``max_records`` counts the consumed records as spent; a consumed id that
   shows up again (another producer instance re-publishing it) is skipped and counted ``resume_skipped``.
 
+Duplicates (export): the producer delivers at least once -- a record whose lease expired before its release
+(its consumer died, or was slower than ``lease_ttl_s``) goes back to the producer's queue and is handed out again
+(``max_redeliveries``).  A consumer whose lease expired under it is told so and does not hand the record out (it
+comes again: counted ``lease_expired`` here and skipped, never raised); one that handed it out before the
+verdict came back (a release posted early, see ``defer_releases``) may see it a second time.  Each stream drops a
+record id it yielded among its last ``dedupe_window`` ids (default 65,536; counted ``duplicates``), per process:
+with DataLoader workers, a duplicate that reaches another worker is not seen by this one's memory (drop it in the
+training loop by ``record_id`` if it matters; without workers the resume state drops it too).
+
 What a stop loses, by construction: with ``batch=1`` (default) a record is claimed, read and released one at a
 time just before it is yielded, so stopping between items loses nothing (``batch=B``: up to ``B - 1`` read but
 not yielded).  With workers, the records already in the
@@ -37,6 +46,7 @@ token) always raise.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -65,7 +75,11 @@ COUNTERS: Final = (
     "layout_refused",  # LayoutError: the record cannot take the layout (e.g. one plane for eagle3)
     "transport_failed",  # ExportError failing one record (lease expired, landing buffer full, ...)
     "resume_skipped",  # records skipped because the resume state says they were consumed
+    "duplicates",  # export: records dropped because this stream yielded the same id recently (dedupe_window)
+    "lease_expired",  # export stream: a lease expired under this consumer; the producer hands the record out again
 )
+#: Default of ``dedupe_window``: record ids remembered per stream to drop a redelivered record.
+DEDUPE_WINDOW: Final = 1 << 16
 _IDX: Final = {name: i for i, name in enumerate(COUNTERS)}
 #: Rows of the shared counter table: row 0 is the main process, row k+1 DataLoader worker k.
 _MAX_WORKERS: Final = 256
@@ -151,6 +165,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         batch: int = 1,
         poll_s: float = 1.0,
         consumer_kwargs: Mapping[str, Any] | None = None,
+        dedupe_window: int = DEDUPE_WINDOW,
     ) -> HiddenStatesDataset:
         """Stream records from an export producer.
 
@@ -164,8 +179,12 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         (> 1 is faster for small records; a stop then loses up to ``batch - 1`` records read but not yielded,
         counted nowhere but the producer's ``delivered``).  ``poll_s``: the long-poll of each claim.
         ``consumer_kwargs``: passed to :class:`~vllm_hs_compat.export.ExportConsumer` (``landing_bytes``,
-        ``backend``, ``timeout_s``, ``ucx``, ``verify_checksum``, ...)."""
-        source = _ExportSource(endpoint_or_params, token, wait_s, batch, poll_s, dict(consumer_kwargs or {}))
+        ``backend``, ``timeout_s``, ``ucx``, ``verify_checksum``, ...).  ``dedupe_window``: how many recently
+        yielded record ids each process remembers to drop a redelivered record (``duplicates`` in :attr:`stats`;
+        ~100 bytes per id; see the module docstring)."""
+        source = _ExportSource(
+            endpoint_or_params, token, wait_s, batch, poll_s, dict(consumer_kwargs or {}), dedupe_window
+        )
         return cls(source, layout=layout, loss_mask=loss_mask, dtype=dtype, on_error=on_error, max_records=max_records)
 
     @classmethod
@@ -204,6 +223,13 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         for res in self.source.records(worker, n_workers, budget, frozenset(self._consumed)):
             if isinstance(res, _Skipped):
                 self._count(row, "resume_skipped")
+                continue
+            if isinstance(res, _Duplicate):
+                self._count(row, "duplicates")
+                continue
+            if isinstance(res, _Requeued):
+                self._count(row, "lease_expired")
+                log.info("lease expired under this stream (requeued if redelivery is on): %s", res.error)
                 continue
             if isinstance(res, CaptureRecord):
                 if res.meta.request_id in self._consumed:
@@ -304,7 +330,41 @@ class _Skipped:
     """A record the source skipped because the resume state lists it (counted, never yielded)."""
 
 
-SourceItem = CaptureRecord | E.HsCompatError | _Skipped
+class _Duplicate:
+    """A record the stream yielded recently (its id is in the dedupe window): dropped, counted."""
+
+
+class _Requeued:
+    """A streamed record whose lease expired under this consumer: the producer requeues it (counted, skipped)."""
+
+    def __init__(self, error: E.HsCompatError) -> None:
+        self.error = error
+
+
+class _Recent:
+    """The last ``size`` ids added (a set for lookups, a deque for the order they leave in)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ids: set[str] = set()
+        self._order: collections.deque[str] = collections.deque()
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._ids
+
+    def add(self, rid: str) -> None:
+        if rid in self._ids or self.size == 0:
+            return
+        self._ids.add(rid)
+        self._order.append(rid)
+        if len(self._order) > self.size:
+            self._ids.discard(self._order.popleft())
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+SourceItem = CaptureRecord | E.HsCompatError | _Skipped | _Duplicate | _Requeued
 
 
 class _Source:
@@ -394,6 +454,7 @@ class _ExportSource(_Source):
         batch: int,
         poll_s: float,
         consumer_kwargs: dict[str, Any],
+        dedupe_window: int = DEDUPE_WINDOW,
     ) -> None:
         from vllm_hs_compat.export.control import read_token
         from vllm_hs_compat.export.protocol import ExportTicket
@@ -404,6 +465,10 @@ class _ExportSource(_Source):
             raise E.DatasetConfigError(f"wait_s must be None or >= 0, found {wait_s!r}")
         if not poll_s > 0:
             raise E.DatasetConfigError(f"poll_s must be > 0, found {poll_s!r}")
+        if isinstance(dedupe_window, bool) or not isinstance(dedupe_window, int) or dedupe_window < 0:
+            raise E.DatasetConfigError(f"dedupe_window must be an int >= 0 (0: off), found {dedupe_window!r}")
+        #: ids this process's streams yielded lately (kept across iterations of the same dataset object)
+        self.recent = _Recent(dedupe_window)
         self.params: dict[str, Any] | None = None
         self.ticket_record: str | None = None
         if isinstance(endpoint_or_params, str):
@@ -476,5 +541,13 @@ class _ExportSource(_Source):
             last = time.monotonic()
             for res in consumer.read(claims):
                 if isinstance(res, CaptureRecord):
+                    rid = res.meta.request_id
+                    if rid in self.recent:
+                        yield _Duplicate()  # redelivered: not counted against the budget
+                        continue
+                    self.recent.add(rid)
                     taken += 1
+                elif isinstance(res, E.LeaseExpiredError):
+                    yield _Requeued(res)  # not lost: the producer requeues it (max_redeliveries)
+                    continue
                 yield res
