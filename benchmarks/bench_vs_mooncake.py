@@ -60,6 +60,7 @@ STREAM_SLOT = STREAM_REC + 64
 HIDDEN, PLANES = 1024, 4  # bf16 rows: 8 KiB per token
 LARGE_SLOT = 1 * MiB
 PROFILE_SINGLES = 20  # single fetches per profiled size
+PROFILE_LONE = 4  # lone fetches, each after a second without requests
 
 TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 NIXL_DEFAULT = {"UCX_NET_DEVICES": "lo"}  # UCX picks its transports: same-host shared memory on one host
@@ -179,14 +180,31 @@ def role_ours_consumer() -> None:
             raise RuntimeError(f"streamed {got} of {len(ids)} records")
         return {"s": dt}
 
+    def raw(rid: str) -> dict[str, Any]:
+        """The transport alone: claim (not timed), one READ of the record's bytes (timed), abandon."""
+        c = cons["L"]
+        cl = c.claim(rid)
+        off = c._landing.alloc(cl.extent)
+        tr = c._transport
+        if off is None or tr is None:
+            raise RuntimeError("no landing space or no transport for the raw read")
+        try:
+            t0 = time.perf_counter()
+            tr.read([(cl.offset, off, cl.extent)], b"", time.monotonic() + 60)
+            dt = time.perf_counter() - t0
+        finally:
+            c._landing.free(off, cl.extent)
+            c.abandon([cl])
+        return {"s": dt}
+
     def profile_large(rid_a: str, rid_b: str, rid_c: str, n: int) -> dict[str, Any]:
         return _profile_large(cons["L"], rid_a, rid_b, rid_c, n)
 
     def profile_stream(ids: list[str], mode: str, verify: bool) -> dict[str, Any]:
         return _profile_stream(cons["S"], ids, mode, verify)
 
-    def profile_single(ids: list[str]) -> dict[str, Any]:
-        return _profile_single(cons["L"], ids)
+    def profile_single(ids: list[str], idle_s: float = 0.0) -> dict[str, Any]:
+        return _profile_single(cons["L"], ids, idle_s)
 
     def cprofile(ids: list[str], what: str) -> dict[str, Any]:
         import cProfile
@@ -206,6 +224,7 @@ def role_ours_consumer() -> None:
     _serve(
         {
             "connect": connect,
+            "raw": raw,
             "single": single,
             "stream": stream,
             "profile_large": profile_large,
@@ -512,12 +531,18 @@ def _profile_stream(c: Any, ids: list[str], mode: str, verify: bool) -> dict[str
     return acc
 
 
-def _profile_single(c: Any, ids: list[str]) -> dict[str, Any]:
-    """``fetch`` of each id (the previous record kept alive) with the inner steps timed."""
+def _profile_single(c: Any, ids: list[str], idle_s: float = 0.0) -> dict[str, Any]:
+    """``fetch`` of each id (the previous record kept alive) with the inner steps timed; ``idle_s``: a pause
+    before each fetch (not counted: the time is taken around the fetches only)."""
     keep = None
     with _instrumented(c) as acc:
         for rid in ids:
+            if idle_s:
+                t0 = time.perf_counter()
+                time.sleep(idle_s)
+                acc["idle"] = acc.get("idle", 0.0) + time.perf_counter() - t0
             keep = c.fetch(rid)
+    acc["total"] -= acc.get("idle", 0.0)
     del keep
     acc["records"] = len(ids)
     return acc
@@ -617,7 +642,8 @@ class Bench:
             self.store = (sp, sc)
 
     def _our_configs(self) -> list[tuple[str, str, dict[str, str]]]:
-        out = [("ours tcp", "nixl", TCP)]
+        tcp = {**TCP, **dict(kv.split("=", 1) for kv in self.a.tcp_env)}
+        out = [("ours tcp", "nixl", tcp)]
         if not self.a.no_context:
             out += [("ours nixl-shm", "nixl", NIXL_DEFAULT), ("ours shm", "shm", NIXL_DEFAULT)]
         return out
@@ -651,6 +677,7 @@ class Bench:
             if ctx:
                 out.append((case, "ours tcp  fetch(), verify off [ctx]", self._ours_single("ours tcp", size, False)))
                 out.append((case, "mc-te tcp read + xxh3 [ctx]", self._mc_single(size, True)))
+                out.append((case, "ours tcp  raw NIXL READ, no API [ctx]", self._ours_raw("ours tcp", size)))
                 out.append((case, "ours nixl-shm fetch() [ctx]", self._ours_single("ours nixl-shm", size, True)))
                 out.append((case, "ours shm  fetch() [ctx]", self._ours_single("ours shm", size, True)))
         case = f"stream {STREAM_N} x 64 KiB"
@@ -682,6 +709,16 @@ class Bench:
             rid = self._id("r")
             prod("publish", name="L", size=size, ids=[rid])
             return float(cons("single", rid=rid, verify=verify)["s"])
+
+        return run
+
+    def _ours_raw(self, cfg: str, size: int) -> Callable[[], float]:
+        prod, cons = self.ours[cfg]
+
+        def run() -> float:
+            rid = self._id("w")
+            prod("publish", name="L", size=size, ids=[rid])
+            return float(cons("raw", rid=rid)["s"])
 
         return run
 
@@ -735,6 +772,9 @@ class Bench:
             ids = [self._id("p") for _ in range(PROFILE_SINGLES)]
             prod("publish", name="L", size=size, ids=ids)
             out[f"single {_size_name(size)}"] = cons("profile_single", ids=ids)
+        ids = [self._id("p") for _ in range(PROFILE_LONE)]
+        prod("publish", name="L", size=64 * KiB, ids=ids)
+        out["single 64 KiB, 1 s idle before"] = cons("profile_single", ids=ids, idle_s=1.0)
         for mode, verify in (("iter_batches", True), ("iter_batches", False), ("fetch_batch", True)):
             tag = self._id("q")
             sids = [f"{tag}-{i}" for i in range(STREAM_N)]
@@ -878,6 +918,13 @@ def main() -> None:
         default=None,
         help="diagnostic: how long our consumer busy-polls a READ before pausing 50 us between polls "
         "(the package's SPIN_S, default 2 ms; patched in the benchmark's consumer process only)",
+    )
+    ap.add_argument(
+        "--tcp-env",
+        action="append",
+        default=[],
+        metavar="UCX_X=V",
+        help="diagnostic: more UCX settings for our TCP pair (repeatable), e.g. UCX_TCP_SEG_SIZE=256k",
     )
     ap.add_argument("--keep-logs", action="store_true")
     ap.add_argument("--json", help="also write the raw figures to this file")
