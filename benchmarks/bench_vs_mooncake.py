@@ -440,7 +440,8 @@ def _profile_large(c: Any, rid_a: str, rid_b: str, rid_c: str, n: int) -> dict[s
 @contextlib.contextmanager
 def _instrumented(c: Any) -> Iterator[dict[str, float]]:
     """Time the consumer's inner steps while the block runs (wrapped in this process only): control-plane calls
-    (claims, synchronous releases), transport reads, checksum calls; the rest is Python around them."""
+    (claims and their round trips, releases posted or waited for), transport reads, checksum calls; the rest is
+    Python around them."""
     from vllm_hs_compat.core import records as records_mod
     from vllm_hs_compat.export import consumer as consumer_mod
 
@@ -462,6 +463,7 @@ def _instrumented(c: Any) -> Iterator[dict[str, float]]:
     # (owner, attribute) -> what it was; checksum_function and checksum_bytes as the consumer module imported them
     targets: list[tuple[Any, str, str]] = [
         (client_cls, "call", "control"),
+        (client_cls, "post", "control"),
         (state_cls, "update_bytes", "checksum"),
         (consumer_mod, "checksum_bytes", "checksum"),
         (tr, "read", "transfer"),
@@ -477,7 +479,7 @@ def _instrumented(c: Any) -> Iterator[dict[str, float]]:
         yield acc
     finally:
         acc["total"] = time.perf_counter() - t0
-        for obj, name, was in saved[:3]:
+        for obj, name, was in saved[:4]:
             setattr(obj, name, was)
         delattr(tr, "read")  # the instance attribute set above: the class's method shows again
         consumer_mod.__dict__["checksum_function"] = make
@@ -879,7 +881,7 @@ def _report_profile(prof: list[dict[str, Any]]) -> None:
     share = med("large", "read_verify") - med("large", "read_noverify")
     piecing = med("large", "raw_pieces") - med("large", "raw_one")
     print(f"  => verifying costs {share * 1e3:.2f} ms; the pieces cost on the wire {piecing * 1e3:.2f} ms")
-    print("per record (us): control = claim/release round trips, transfer = transport reads (NIXL requests),")
+    print("per record (us): control = claim round trips + releases posted, transfer = transport reads (NIXL requests),")
     print("checksum = xxh3 calls, rest = Python around them (descriptors, landing space, tensors, leases)")
     for key in [k for k in prof[0] if k != "large"]:
         recs = prof[0][key]["records"]
