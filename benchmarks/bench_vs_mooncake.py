@@ -97,9 +97,11 @@ def role_ours_producer() -> None:
     prods: dict[str, ExportProducer] = {}
     rows = {n: _rows(n) for n in SIZES}
 
-    def start(backend: str, poll_s: float | None) -> dict[str, Any]:
+    def start(backend: str, poll_s: float | None = None, idle_poll_s: float | None = None) -> dict[str, Any]:
         out = {}
         kw: dict[str, Any] = {} if poll_s is None else {"poll_interval_s": poll_s}
+        if idle_poll_s is not None:
+            kw["idle_poll_interval_s"] = idle_poll_s
         for name, slots, slot in (("L", 4 * 65 + 16, LARGE_SLOT), ("S", STREAM_N + 64, STREAM_SLOT)):
             p = ExportProducer(
                 backend=backend,
@@ -658,7 +660,10 @@ class Bench:
                 env = {**env, "HSX_BENCH_DIAG_SPIN_S": str(a.consumer_spin_s)}
             prod = self._start("ours_producer", env)
             cons = self._start("ours_consumer", env)
-            cons("connect", eps=prod("start", backend=backend, poll_s=a.producer_poll_s))
+            cons(
+                "connect",
+                eps=prod("start", backend=backend, poll_s=a.producer_poll_s, idle_poll_s=a.producer_idle_poll_s),
+            )
             self.ours[label] = (prod, cons)
         mc_py = a.mooncake_python
         tgt = self._start("mc_target", {}, mc_py)
@@ -973,6 +978,12 @@ def main() -> None:
         type=float,
         default=None,
         help="diagnostic: ExportProducer(poll_interval_s=...) for our producers (default: the package's)",
+    )
+    ap.add_argument(
+        "--producer-idle-poll-s",
+        type=float,
+        default=None,
+        help="diagnostic: ExportProducer(idle_poll_interval_s=...) for our producers (default: the package's)",
     )
     ap.add_argument(
         "--consumer-spin-s",
