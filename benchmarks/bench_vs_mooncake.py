@@ -1,10 +1,12 @@
 """The export against Mooncake's transfer engine and store, side by side in one run (not a test).
 
-    bash benchmarks/install_mooncake.sh            # once: Mooncake into .venv-mooncake (benchmark only)
-    .venv-mooncake/bin/python benchmarks/bench_vs_mooncake.py [--reps 10] [--quick] [--profile] [--json F]
+    bash benchmarks/install_mooncake.sh       # once: Mooncake into .venv-mooncake (for this benchmark only)
+    python benchmarks/bench_vs_mooncake.py [--reps 10] [--quick] [--profile] [--markdown] [--json F]
 
-Every system runs as two processes, a producer (the side holding the bytes) and a consumer (the side that
-reads them), started by this script (``--role``), each pair with its own transport settings:
+``python`` is the project's environment (torch, nixl, pyzmq, msgspec, xxhash); the Mooncake processes run under
+``--mooncake-python`` (default ``.venv-mooncake/bin/python``).  Every system runs as two processes, a producer
+(the side holding the bytes) and a consumer (the side that reads them), started by this script (``--role``),
+each pair with its own transport settings:
 
 * ``ours tcp``: :class:`ExportProducer` / :class:`ExportConsumer` with the defaults (``backend="nixl"``,
   checksum verification on), NIXL/UCX forced onto TCP over loopback (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=lo``):
@@ -15,22 +17,28 @@ reads them), started by this script (``--role``), each pair with its own transpo
 * ``mc-store tcp``: Mooncake's store (``mooncake_master`` started here; the producer is a store client that
   mounts the segment and ``put_from``s the records, the consumer mounts nothing and ``get_into``s /
   ``batch_get_into``s them into a registered buffer);
-* context rows, not equal transports: ``ours nixl-shm`` (UCX left to pick its transports: same-host shared
-  memory), ``ours shm`` (``backend="shm"``), ours with ``verify_checksum=False``, and Mooncake's read followed
-  by an xxh3_64 pass over the bytes (what a Mooncake reader pays to check what our consumer checks).
+* context rows (``[ctx]``), not equal transports or not equal work: ``ours nixl-shm`` (UCX left to pick its
+  transports: same-host shared memory), ``ours shm`` (``backend="shm"``), ours with ``verify_checksum=False``,
+  the raw NIXL READ of the claimed bytes with no API around it (our wire), and Mooncake's read followed by an
+  xxh3_64 pass over the bytes (what a Mooncake reader pays to check what our consumer checks).
 
 Cases: single records of 64 KiB, 1 MiB, 16 MiB and 64 MiB (``fetch(id)`` as a user calls it, the previous
 record still alive; Mooncake: one read of the same size), and a stream of 1,000 records of 64 KiB
 (ours: ``iter_batches(max_records=256)`` and ``fetch_batch`` of 256 ids at a time; Mooncake: 256 ranges per
 batched read, and one read per record).  Every repetition runs every row once, rows rotated between
-repetitions; the first repetition (connection wire-up) is dropped.  Printed per row: min / median / max, per
-record microseconds for the stream, and ``vs mc`` = Mooncake transfer engine's median / the row's median (the
-speed ratio: above 1.0 the row is faster than Mooncake's fastest path for that case).  The load average is
-printed before, during and after: on a shared machine label the run "under load".
+repetitions; the first repetition (connection wire-up) is dropped.  Printed per row: min / median / max (per
+record microseconds for the stream) and the ours/Mooncake throughput ratio against Mooncake's engine (``vs te``:
+its fastest row of the case) and its store (``vs store``): Mooncake's median time / the row's median time,
+above 1.0 the row is faster.  The load average is printed before, during and after: on a shared machine label
+the run "under load".
 
 ``--profile`` adds where our consumer's time goes on TCP: a 64 MiB ``fetch`` split into its claim round trip,
-transfer and checksum (and a raw NIXL READ of the same bytes in one request and in the 2 MiB pieces a checked
-read uses), and the 64 KiB stream split per record into control round trips, transfer, checksum and the rest.
+transfer and checksum (with raw transport READs of the same bytes in one request, in the 2 MiB pieces a checked
+read uses, and in those pieces checksummed one after another vs posted at once), the steps of one 64 KiB NIXL
+READ, and per record for fetches by id (back to back, and after 1 s idle) and for the 64 KiB stream: control
+round trips, transfer, checksum and the rest.  The ``--producer-*`` / ``--consumer-spin-s`` / ``--tcp-env``
+options change our TCP pair only, to measure the changes docs/benchmarks.md proposes; they patch nothing in the
+package (the producer's are its constructor's arguments; the consumer's is set in this benchmark's process).
 """
 
 from __future__ import annotations
