@@ -37,8 +37,9 @@ transfer and checksum (with raw transport READs of the same bytes in one request
 read uses, and in those pieces checksummed one after another vs posted at once), the steps of one 64 KiB NIXL
 READ, and per record for fetches by id (back to back, and after 1 s idle) and for the 64 KiB stream: control
 round trips, transfer, checksum and the rest.  The ``--producer-*`` / ``--consumer-spin-s`` / ``--tcp-env``
-options change our TCP pair only, to measure the changes docs/benchmarks.md proposes; they patch nothing in the
-package (the producer's are its constructor's arguments; the consumer's is set in this benchmark's process).
+options change our TCP pair only, to measure the changes docs/benchmarks.md proposes; they change no file of
+the package (the producer's are its constructor's arguments; the consumer's overrides a module constant in this
+benchmark's consumer process).
 """
 
 from __future__ import annotations
