@@ -836,6 +836,18 @@ class Bench:
             out[key] = cons("profile_stream", ids=sids, mode=mode, verify=verify)
         return out
 
+    def cprofile(self) -> list[str]:
+        """cProfile of our TCP consumer (its main thread): 200 fetches of 64 KiB by id, then the 64 KiB stream."""
+        prod, cons = self.ours["ours tcp"]
+        ids = [self._id("c") for _ in range(200)]
+        prod("publish", name="L", size=64 * KiB, ids=ids)
+        out = [cons("cprofile", ids=ids, what="single")["text"]]
+        tag = self._id("c")
+        sids = [f"{tag}-{i}" for i in range(STREAM_N)]
+        prod("publish", name="S", size=STREAM_REC, ids=sids)
+        out.append(cons("cprofile", ids=sids, what="iter_batches")["text"])
+        return out
+
 
 def _size_name(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
@@ -870,6 +882,12 @@ def _run(a: argparse.Namespace) -> dict[str, Any]:
             prof = [b.profile() for _ in range(a.profile_reps)]
             _report_profile(prof)
             results["profile"] = prof
+        if a.cprofile:
+            for title, text in zip(
+                ("200 x fetch(64 KiB)", f"iter_batches over {STREAM_N} x 64 KiB"), b.cprofile(), strict=True
+            ):
+                print(f"\n== cProfile, ours tcp consumer: {title} (top by own time) ==")
+                print("\n".join(line[:150] for line in text.splitlines() if line.strip())[:6000])
     finally:
         b.close()
     results["loads"].append(os.getloadavg())
@@ -977,6 +995,7 @@ def main() -> None:
     ap.add_argument("--no-context", action="store_true", help="only the equal-transport rows")
     ap.add_argument("--profile", action="store_true", help="also break our TCP side down")
     ap.add_argument("--profile-reps", type=int, default=3)
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile our TCP consumer (fetches, the stream)")
     ap.add_argument(
         "--mooncake-python",
         default=str(ROOT / ".venv-mooncake" / "bin" / "python"),
