@@ -305,6 +305,41 @@ def _copied(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _records_of(items: Sequence[RecordBatch | HsCompatError]) -> list[CaptureRecord | HsCompatError]:
+    """Batches split into their records (each record's tensor a view of its batch's owned tensor; its metadata
+    built and validated as :meth:`RecordBatch.meta` does, the token ids converted once per batch); errors kept."""
+    out: list[CaptureRecord | HsCompatError] = []
+    for b in items:
+        if not isinstance(b, RecordBatch):
+            out.append(b)
+            continue
+        s = b.schema
+        ids = b.token_ids.tolist()
+        cu = b.cu_tokens.tolist()
+        start = b.start.tolist()
+        prompt = b.num_prompt_tokens.tolist()
+        hs = b.hidden_states
+        for k, rid in enumerate(b.record_ids):
+            lo, hi = cu[k], cu[k + 1]
+            meta = RecordMeta(
+                request_id=rid,
+                token_ids=tuple(ids[lo:hi]),
+                layer_ids=s.layer_ids,
+                pre_norm=s.pre_norm,
+                dtype=s.dtype,
+                shape=(hi - lo, s.planes, s.hidden),
+                checksum=b.checksums[k],
+                checksum_algorithm=s.checksum_algorithm,
+                vllm_version=s.vllm_version,
+                adapter=s.adapter,
+                start=start[k],
+                num_prompt_tokens=prompt[k],
+                schema_version=s.schema_version,
+            )
+            out.append(CaptureRecord(meta, hs[lo:hi]))
+    return out
+
+
 def _token_ids(raw: memoryview) -> tuple[int, ...]:
     ids = array.array("I")
     ids.frombytes(raw)
@@ -1130,10 +1165,28 @@ class ExportConsumer:
     ) -> Iterator[CaptureRecord]:
         """Stream published records oldest first (trainer only).  Stops after ``idle_timeout_s`` without a record
         (``None``: never).  ``on_error="raise"`` raises each failed record's error (the stream survives; call
-        ``next`` again), ``"skip"`` logs and counts it."""
+        ``next`` again), ``"skip"`` logs and counts it.
+
+        With ``copy=True`` a claim of small records (under ``LEND_MIN_BYTES``) of one schema is read as one batch
+        (:meth:`next_batches`, less work per record) and split: each record's tensor is then a view of its
+        batch's owned tensor (kept alive while any record of the batch is), and a failed record's error comes
+        after the records of its claim instead of in place."""
 
         def fetch(wait: float) -> list[CaptureRecord | HsCompatError]:
-            items = self._claim_next_items(batch, wait)
+            raws, sent = self._claim_next_reply(batch, wait, self._landing_bytes)
+            if copy and raws and self._transport is not None:
+                try:
+                    descs = P.decode_descriptors(raws)
+                except E.ProtocolError:
+                    descs = []  # one of them is bad: the path below names it
+                m0 = descs[0].meta if descs else None
+                if (  # small records of one schema (their order kept): read as one batch, then split
+                    m0 is not None
+                    and max(d.nbytes for d in descs) < LEND_MIN_BYTES
+                    and all(_same_schema(d.meta, m0) for d in descs)
+                ):
+                    return _records_of(self._batches(raws, sent, True, None, [], decoded=descs))
+            items = self._parse(raws, sent)
             claims = [it for it in items if isinstance(it, Claim)]
             results = iter(self.read(claims, copy) if claims else [])
             return [next(results) if isinstance(it, Claim) else it for it in items]  # bad descriptors in place
@@ -1246,10 +1299,12 @@ class ExportConsumer:
         timeout_s: float | None,
         errors: list[HsCompatError],
         order: Mapping[str, int] | None = None,
+        decoded: list[P.RecordDesc] | None = None,
     ) -> list[RecordBatch | HsCompatError]:
-        """Decode, group by schema, read, verify and release claimed descriptors: batches, then errors."""
+        """Decode (unless ``decoded``: ``raws`` decoded already), group by schema, read, verify and release claimed
+        descriptors: batches, then errors."""
         try:
-            descs = P.decode_descriptors(raws)
+            descs = decoded if decoded is not None else P.decode_descriptors(raws)
         except E.ProtocolError:  # one of them is bad: learn which, one by one
             descs = []
             bad: list[tuple[int, str, str]] = []
