@@ -23,8 +23,9 @@ Cases (large records, ``--size-mib``, default 64 MiB):
   ``memmove``, ``memmove`` in 256 KiB chunks).
 
 Steady state: each case first runs ``k + 2`` untimed steps.  Each step publishes one record (not timed) and
-times the fetch alone.  Printed: min / median / max per case and the ratio of medians to the limit (throughput,
-higher is better; 1.0 is the limit).
+times the fetch alone.  Printed: min / median / max per case, the ratio of medians to the limit (throughput,
+higher is better; 1.0 is the limit) and the ratio of the minimums (on a loaded host the closest to each path's
+own cost: the medians there mostly measure who else got the cores).
 
 DataLoader (``--loader-records`` records of ``--size-mib``): ``DataLoader(HiddenStatesDataset.from_export(...,
 layout="planes"), batch_size=None, num_workers=2)`` (prefetch_factor 2, default), and the same dataset iterated in
@@ -171,14 +172,34 @@ def bench_large(srv: BE.Server, backend: str, size: int, reps: int) -> dict[str,
     return out
 
 
-def _loader(ep: dict[str, Any], backend: str, n: int, workers: int) -> tuple[float, int]:
+class FreshTensors(torch.utils.data.IterableDataset[dict[str, Any]]):
+    """The DataLoader's own floor: ``n`` fresh tensors of ``nbytes`` split over the workers, nothing read."""
+
+    def __init__(self, n: int, nbytes: int) -> None:
+        self.n, self.nbytes = n, nbytes
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        k, w = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(k, self.n, w):
+            yield {"record_id": str(i), "hidden_states": torch.ones(self.nbytes, dtype=torch.uint8)}
+
+
+def _loader(ep: dict[str, Any] | None, backend: str, n: int, workers: int, size: int) -> tuple[float, int]:
     from torch.utils.data import DataLoader
 
     from vllm_hs_compat.trainer import HiddenStatesDataset
 
-    ds = HiddenStatesDataset.from_export(
-        ep["endpoint"], ep["token"], max_records=n, wait_s=10.0, layout="planes", consumer_kwargs={"backend": backend}
-    )
+    ds: Any = FreshTensors(n, size)
+    if ep is not None:
+        ds = HiddenStatesDataset.from_export(
+            ep["endpoint"],
+            ep["token"],
+            max_records=n,
+            wait_s=10.0,
+            layout="planes",
+            consumer_kwargs={"backend": backend},
+        )
     it: Any = iter(DataLoader(ds, batch_size=None, num_workers=workers)) if workers else iter(ds)
     first = next(it)
     del first
@@ -192,22 +213,25 @@ def _loader(ep: dict[str, Any], backend: str, n: int, workers: int) -> tuple[flo
 
 
 def bench_loader(srv: BE.Server, backend: str, size: int, n: int, reps: int, limit_s: float) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for workers in (2, 0):
-        times: list[float] = []
-        for r in range(reps):
-            name = f"D{workers}{r}"
-            ep = srv(op="start", name=name, backend=backend, num_slots=(n + 1) * (size // MiB) + 8, slot_bytes=MiB)
-            for i in range(n):
-                srv(op="publish_large", name=name, size=size, id=f"{name}-{i}")
-            srv(op="drain", name=name)
-            dt, got = _loader(ep, backend, n, workers)
+    out: dict[str, Any] = {k: [] for k in ("workers=2", "workers=0", "fresh tensors, workers=2")}
+    for r in range(reps):  # interleaved: each repetition runs every case once
+        for key in out:
+            workers = 0 if key == "workers=0" else 2
+            ep = None
+            if not key.startswith("fresh"):
+                name = f"D{workers}{r}"
+                slots = (n + 1) * (size // MiB) + 8
+                ep = srv(op="start", name=name, backend=backend, num_slots=slots, slot_bytes=MiB)
+                for i in range(n):
+                    srv(op="publish_large", name=name, size=size, id=f"{name}-{i}")
+                srv(op="drain", name=name)
+            dt, got = _loader(ep, backend, n, workers, size)
             if got != n:
                 raise RuntimeError(f"DataLoader gave {got} of {n} records")
-            times.append(dt / (n - 1))
-            srv(op="stop")
+            out[key].append(dt / (n - 1))
+            if ep is not None:
+                srv(op="stop")
             gc.collect()
-        out[f"workers={workers}"] = times
     out["limit_s"] = limit_s
     return out
 
@@ -233,7 +257,7 @@ def report_large(backend: str, size: int, r: dict[str, Any]) -> None:
         lo, md, hi = summary(v["times"])
         errs = f"  ({len(v['errors'])} failed: {v['errors'][0]})" if v["errors"] else ""
         print(f"  {label:<40} {lo * 1e3:8.2f} / {md * 1e3:8.2f} / {hi * 1e3:8.2f}  {size / md / 1e9:6.2f} GB/s"
-              f"  RATIO {lim / md:5.3f}x{errs}")  # fmt: skip
+              f"  RATIO {lim / md:5.3f}x  (of mins {min(r['limit']) / lo:5.3f}x){errs}")  # fmt: skip
 
 
 def report_small(backend: str, runs: list[dict[str, float]], n: int) -> None:
@@ -283,10 +307,12 @@ def main() -> None:
                 print(f"  ({load()})")
             if "loader" not in skip and limit_s:
                 res["loader"] = bench_loader(srv, backend, size, a.loader_records, a.loader_reps, limit_s)
-                print(f"DataLoader over {a.loader_records} records of {size // MiB} MiB (per item, first to last):")
-                for k in ("workers=2", "workers=0"):
+                print(f"DataLoader over {a.loader_records} records of {size // MiB} MiB (ms per item, first to last;"
+                      " RATIO: to the limit above)")  # fmt: skip
+                for k in ("workers=2", "workers=0", "fresh tensors, workers=2"):
                     lo, md, hi = summary(res["loader"][k])
-                    print(f"  {'HiddenStatesDataset ' + k:<40} {lo * 1e3:8.2f} / {md * 1e3:8.2f} / {hi * 1e3:8.2f}"
+                    label = ("FLOOR DataLoader IPC: " if k.startswith("fresh") else "HiddenStatesDataset ") + k
+                    print(f"  {label:<48} {lo * 1e3:8.2f} / {md * 1e3:8.2f} / {hi * 1e3:8.2f}"
                           f"  RATIO {limit_s / md:5.3f}x")  # fmt: skip
                 print(f"  ({load()})")
             if "small" not in skip:
