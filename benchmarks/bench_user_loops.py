@@ -260,6 +260,45 @@ def report_large(backend: str, size: int, r: dict[str, Any]) -> None:
               f"  RATIO {lim / md:5.3f}x  (of mins {min(r['limit']) / lo:5.3f}x){errs}")  # fmt: skip
 
 
+def bench_small_ab(srv: BE.Server, backend: str, n: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """``iter_records`` over ``n`` small records with the record path of before (each record read, verified and
+    copied on its own: forced by making every claim look like mixed schemas) and of now (one batch, split),
+    and ``iter_batches``, interleaved in one consumer: (wall, this process's CPU) us per record."""
+    from vllm_hs_compat.export import consumer as cm
+
+    ep = srv(op="start", name="A", backend=backend, num_slots=n + 64, slot_bytes=BE.SMALL_SLOT)
+    c = ExportConsumer(ep["endpoint"], ep["token"], landing_bytes=BE.BATCH * BE.SMALL_SLOT * 4, timeout_s=60)
+    real = cm._same_schema
+    out: dict[str, list[tuple[float, float]]] = {"records, path before": [], "records, now": [], "batches": []}
+    for r in range(rounds + 1):  # the first round warms up
+        for mode in out:
+            srv(op="publish_small", name="A", prefix=f"{r}{mode[:9]}", n=n)
+            srv(op="drain", name="A")
+            if mode == "records, path before":
+                cm._same_schema = lambda a, b: False  # type: ignore[assignment]
+            t0, p0, got = time.perf_counter(), time.process_time(), 0
+            try:
+                if mode == "batches":
+                    for b in c.iter_batches(max_records=BE.BATCH, wait_s=1.0, idle_timeout_s=1.0):
+                        got += len(b)
+                        if got >= n:
+                            break
+                else:
+                    for _rec in c.iter_records(batch=BE.BATCH, wait_s=1.0, idle_timeout_s=1.0):
+                        got += 1
+                        if got >= n:
+                            break
+            finally:
+                cm._same_schema = real
+            if got != n:
+                raise RuntimeError(f"{mode}: {got} of {n} records")
+            if r:
+                out[mode].append(((time.perf_counter() - t0) / n * 1e6, (time.process_time() - p0) / n * 1e6))
+    c.close()
+    srv(op="stop")
+    return out
+
+
 def report_small(backend: str, runs: list[dict[str, float]], n: int) -> None:
     lim_key = "raw_small_batched_s" if backend == "nixl" else "memmove_small_loop_s"
     lim_label = "raw NIXL, 256 per request" if backend == "nixl" else "memmove, one per record"
@@ -322,6 +361,19 @@ def main() -> None:
                     srv(op="stop")
                 res["small"] = runs
                 report_small(backend, runs, a.small)
+                from vllm_hs_compat.export import consumer as cm
+
+                if hasattr(cm, "_records_of"):  # this tree has both record paths: compare them in one consumer
+                    ab = bench_small_ab(srv, backend, a.small // 2, 3)
+                    res["small_ab"] = ab
+                    print(f"{a.small // 2} records of 4 KiB, both iter_records paths and iter_batches interleaved in"
+                          " one consumer, 3 rounds:")  # fmt: skip
+                    print("  us per record, min / median / max (wall; this process's CPU)")
+                    for mode, xs in ab.items():
+                        w = summary([x[0] for x in xs])
+                        u = summary([x[1] for x in xs])
+                        print(f"  {mode:<40} {w[0]:6.1f} / {w[1]:6.1f} / {w[2]:6.1f}   CPU {u[0]:6.1f} / {u[1]:6.1f} / "
+                              f"{u[2]:6.1f}")  # fmt: skip
                 print(f"  ({load()})")
         finally:
             srv.close()
