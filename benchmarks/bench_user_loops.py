@@ -116,7 +116,7 @@ class Case:
         self.c.close()
 
 
-def bench_large(srv: BE.Server, backend: str, size: int, reps: int) -> dict[str, Any]:
+def bench_large(srv: BE.Server, backend: str, size: int, reps: int, only: set[str] | None = None) -> dict[str, Any]:
     ep = srv(op="start", name="U", backend=backend, num_slots=2 * (size // MiB) + 8, slot_bytes=MiB)
 
     def consumer(**kw: Any) -> ExportConsumer:
@@ -125,6 +125,10 @@ def bench_large(srv: BE.Server, backend: str, size: int, reps: int) -> dict[str,
     cases = [Case(f"default K={k}", consumer(), k, True) for k in (0, 1, 2, 8)]
     cases += [Case(f"copy=False K={k}", consumer(), k, False) for k in (0, 2)]
     cases.append(Case("no-verify K=1", consumer(verify_checksum=False), 1, True))
+    if only:
+        for case in [c for c in cases if c.label not in only]:
+            case.close()
+        cases = [c for c in cases if c.label in only]
     claimer = consumer()
     raw = BE.RawNixl(claimer.hello["transport"], size) if backend == "nixl" else None
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
@@ -324,6 +328,7 @@ def main() -> None:
     ap.add_argument("--loader-records", type=int, default=6)
     ap.add_argument("--loader-reps", type=int, default=1)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: large, loader, small")
+    ap.add_argument("--cases", default="", help="comma list of large-record loops to run (default: all)")
     ap.add_argument("--json", help="also write the raw figures to this file")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -340,7 +345,8 @@ def main() -> None:
         try:
             limit_s = 0.0
             if "large" not in skip:
-                res["large"] = bench_large(srv, backend, size, a.reps)
+                only = {x.strip() for x in a.cases.split(",") if x.strip()} or None
+                res["large"] = bench_large(srv, backend, size, a.reps, only)
                 report_large(backend, size, res["large"])
                 limit_s = statistics.median(res["large"]["limit"])
                 print(f"  ({load()})")
