@@ -579,3 +579,60 @@ def test_fetch_batch_reads_what_it_claimed_when_the_control_plane_fails_midway(
     st = p.stats()
     assert st["delivered"] == 40
     ledger_balanced(st)
+
+
+# --- iter_records of small records: read as batches, handed out as records ---------------------------------------
+def _stream_keeping_firsts(c: ExportConsumer, sent: dict[str, Any], batch: int) -> tuple[list[str], list[str]]:
+    """Stream every record with ``iter_records`` (defaults: copy=True), keeping the first record of each claim and
+    dropping the others; after each record, check every kept one against what was published.  Returns the ids in
+    stream order and the faults seen."""
+    kept: list[Any] = []
+    order: list[str] = []
+    faults: list[str] = []
+    for rec in c.iter_records(batch=batch, wait_s=0.2, idle_timeout_s=0.5):
+        rid = rec.meta.request_id
+        if len(order) % batch == 0:
+            kept.append(rec)
+        order.append(rid)
+        del rec  # (no cycles: a batch's space comes back as soon as no record of it is referenced)
+        for k in kept:
+            rows, meta = sent[k.meta.request_id]
+            if not torch.equal(k.hidden_states.view(torch.uint8), rows.view(torch.uint8)):
+                faults.append(f"{k.meta.request_id} overwritten after {rid}")
+            elif k.meta != dataclasses.replace(meta, checksum=k.meta.checksum):
+                faults.append(f"{k.meta.request_id}: metadata differs")
+    return order, faults
+
+
+def test_small_records_of_iter_records_come_from_batches_and_stay_intact_while_kept(
+    backend: str, make_producer: Make, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``iter_records`` reads a claim of small records of one schema as one batch and splits it: the records come
+    oldest first with their full metadata, each viewing its batch's tensor, and a kept record is never overwritten
+    by later claims while the others of its batch are dropped.  Negative control: a landing allocator that hands
+    the same space out again is caught by the same checks (where the records view landing space)."""
+    if backend == "shm" and layout == "packed":
+        pytest.skip("shm batches are always read in place: the direct case covers it")
+    p = make_producer(num_slots=64, slot_bytes=64 << 10)
+    sent = publish_all(p, 24, [(3, 2, 64, "bfloat16")])
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=256 << 10) as c:
+        order, faults = _stream_keeping_firsts(c, sent, 8)
+        assert order == [f"r-{i}" for i in range(24)] and faults == []
+        assert c.stats()["batches"] == 3 and c.stats()["records"] == 24  # one batch per claim
+    wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
+    ledger_balanced(p.stats())
+    if backend == "nixl" and layout == "packed":
+        return  # packed batches are copies: no landing space to hand out twice
+    sent = publish_all(p, 24, [(3, 2, 64, "bfloat16")])
+    real = consumer_mod._Landing.alloc
+
+    def same_place(self: Any, nbytes: int) -> int | None:
+        got = real(self, nbytes)
+        if got is not None:
+            self.free(got, nbytes)
+        return 0 if got is not None else None
+
+    monkeypatch.setattr(consumer_mod._Landing, "alloc", same_place)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=256 << 10, lend_fraction=1.0) as c:
+        _, faults = _stream_keeping_firsts(c, sent, 8)
+        assert faults, "the checks must catch a kept record whose space was handed out again"

@@ -7,6 +7,7 @@ otherwise; every wait has a deadline.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import threading
@@ -658,7 +659,8 @@ def test_owned_records_borrow_landing_space_until_dropped_and_copy_past_their_sh
 ) -> None:
     p = make_producer()
     hs = [publish(p, f"o-{i}", 512, 4, 512, seed=i) for i in range(4)]  # 2 MiB (+ 2 KiB of token ids) each
-    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:  # lent: at most 4 MiB
+    # lent: at most 6 MiB, leaving room for another record; spill_bytes=0: past that, a copy (spill arenas: below)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB, spill_bytes=0) as c:
         r0 = c.fetch("o-0")
         r1 = c.fetch("o-1")  # r0 is still alive: r1 must land elsewhere
         lent = c.stats()["lent_bytes"]
@@ -680,6 +682,68 @@ def test_owned_records_borrow_landing_space_until_dropped_and_copy_past_their_sh
         r4 = c.fetch("o-4")
         assert digest(r4.hidden_states) == h and c.stats()["lent_bytes"] == 0
         assert c.stats()["landing_pages_in_use"] == 0
+
+
+def _keep_loop(
+    p: ExportProducer, c: ExportConsumer, n: int, keep: int, tag: str
+) -> tuple[list[str], list[dict[str, int]]]:
+    """A trainer's loop: fetch ``n`` records of 1 MiB (default copy=True), keeping the last ``keep`` alive, and
+    after every fetch check every kept record's bytes and that no two kept records share memory.  Returns the
+    faults seen and the consumer's stats after each fetch."""
+    kept: list[tuple[Any, str]] = []
+    faults: list[str] = []
+    stats: list[dict[str, int]] = []
+    for i in range(n):
+        h = publish(p, f"{tag}-{i}", 256, 4, 512, seed=1000 + i)  # 1 MiB + 1 KiB of token ids
+        kept.append((c.fetch(f"{tag}-{i}"), h))
+        kept = kept[-(keep + 1) :]
+        spans = sorted((r.hidden_states.data_ptr(), r.meta.nbytes) for r, _ in kept)
+        faults += [f"overlap at fetch {i}" for (a, m), (b, _) in zip(spans, spans[1:], strict=False) if a + m > b]
+        faults += [f"{r.meta.request_id} changed at fetch {i}" for r, h0 in kept if digest(r.hidden_states) != h0]
+        stats.append(c.stats())
+    return faults, stats
+
+
+def test_owned_records_kept_past_the_share_land_in_recycled_spill_arenas(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop that keeps K records: past the landing buffer's lending share they are read into spill arenas
+    (registered with the transport), recycled as the records are dropped -- no copy, no new memory per fetch in
+    the steady state -- and a kept record is never overwritten.  Negative control: an arena whose pages are handed
+    out again while its record lives is caught by the same checks."""
+    p = make_producer()
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB) as c:  # arena 0 lends two records
+        faults, stats = _keep_loop(p, c, 12, 4, "k")
+        assert faults == []
+        st = stats[-1]
+        assert st["spill_lent_bytes"] > 0 and st["lent_bytes"] > st["spill_lent_bytes"]  # both regions lend
+        arena_bytes = [s["spill_arena_bytes"] for s in stats]
+        assert len(set(arena_bytes[6:])) == 1  # steady state: no arena made or given back per fetch
+        assert 0 < arena_bytes[-1] <= c.spill_bytes
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB) as c:  # records dropped: arenas given back
+        faults, stats = _keep_loop(p, c, 8, 4, "d")
+        assert faults == []
+        gc.collect()
+        st = c.stats()  # (stats drains the records' give-backs, then trims the empty arenas)
+        assert st["lent_bytes"] == 0 and st["landing_pages_in_use"] == 0
+        assert st["spill_arena_bytes"] < max(s["spill_arena_bytes"] for s in stats)  # one empty arena kept
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB, spill_bytes=2 * MiB) as c:  # one arena only
+        faults, stats = _keep_loop(p, c, 6, 4, "c")
+        assert faults == [] and max(s["spill_arena_bytes"] for s in stats) <= 2 * MiB  # past it: copies
+    # negative control: spill pages handed out again while their record lives -> caught
+    real = consumer_mod._Landing.alloc_spill
+
+    def reuses(self: Any, nbytes: int) -> int | None:
+        for a in self.spill.values():
+            a.used_map[:] = bytes(len(a.used_map))
+            a.used = 0
+        return real(self, nbytes)
+
+    monkeypatch.setattr(consumer_mod._Landing, "alloc_spill", reuses)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB) as c:
+        faults, _ = _keep_loop(p, c, 6, 4, "n")
+        assert faults, "the checks must catch a record handed out twice"
+    wait_until(drained(p), 5.0, "every lease to be released")
 
 
 def test_control_plane_binds_loopback_by_default_one_port_per_producer(backend: str, make_producer: Make) -> None:

@@ -67,7 +67,7 @@ from vllm_hs_compat.export.batch import BatchSchema, RecordBatch
 from vllm_hs_compat.export.control import ControlClient, read_token, server_key
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmConsumerTransport
-from vllm_hs_compat.export.transport import ConsumerTransport
+from vllm_hs_compat.export.transport import REGION_MASK, REGION_SHIFT, ConsumerTransport, host_buffer
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -96,6 +96,8 @@ LEND_MIN_BYTES = 64 << 10
 #: a descriptor costs a NIXL request about 2 us) and packed by two buffer copies each (cheaper than a descriptor).
 #: Over shm every batch is copied straight into its packed layout.
 BATCH_DIRECT_MIN_BYTES = 64 << 10
+#: Spill arenas (see :class:`_Landing`) are at least a quarter of the landing buffer and a multiple of this.
+SPILL_ROUND_BYTES = 2 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,28 +176,69 @@ class Claim:
         return cls.from_desc(desc)
 
 
+class _Arena:
+    """A spill arena: a landing region past the landing buffer (registered with the transport), its own pages."""
+
+    __slots__ = ("buf", "pages", "used", "used_map", "view")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.pages = buf.numel() // PAGE
+        self.used_map = bytearray(self.pages)
+        self.used = 0
+        self.view = byte_view(buf)
+
+
 class _Landing:
-    """First-fit page allocator over the landing buffer.
+    """First-fit page allocator over the landing buffer (region 0) and the spill arenas (regions 1...).
 
     Space lent to an owned record (``copy=True``, see :meth:`ExportConsumer.fetch`) comes back when that record's
     tensor is garbage collected, from whichever thread drops it: its finalizer only appends to ``deferred`` (a
-    thread-safe deque), and the consumer's own thread frees the pages at its next allocation."""
+    thread-safe deque), and the consumer's own thread frees the pages at its next allocation.
+
+    Spill arenas hold the owned records that do not fit the landing buffer's lending share (a trainer that keeps
+    several large records): each is allocated (and its pages touched) once, registered with the transport, and
+    recycled as the records in it are dropped, so a loop that keeps K records reaches a steady state with no
+    allocation, no page fault and no copy per fetch.  An arena with nothing in it is kept for the next record
+    while it is the only empty one; further empty arenas are given back (``on_drop``)."""
 
     def __init__(self, nbytes: int) -> None:
         self.pages = nbytes // PAGE
         self._used = bytearray(self.pages)
         self.used = 0
         self.deferred: collections.deque[tuple[int, int]] = collections.deque()
-        #: bytes lent to owned records that are still alive
+        #: bytes of the landing buffer lent to owned records that are still alive
         self.lent = 0
+        #: spill arenas by region number; their total size; bytes of them lent to owned records still alive
+        self.spill: dict[int, _Arena] = {}
+        self.spill_bytes = 0
+        self.spill_lent = 0
+        #: called with a region number when an empty spill arena is given back (the transport deregisters it)
+        self.on_drop: Callable[[int], None] | None = None
 
     def _drain(self) -> None:
+        if not self.deferred:
+            return
         while self.deferred:
             off, n = self.deferred.popleft()
             self.free(off, n)
-            self.lent -= n
+            if off >> REGION_SHIFT:
+                self.spill_lent -= n
+            else:
+                self.lent -= n
+        self._trim()
+
+    def _trim(self) -> None:
+        """Give back every empty spill arena but the largest one."""
+        empty = sorted((k for k, a in self.spill.items() if a.used == 0), key=lambda k: -self.spill[k].pages)
+        for k in empty[1:]:
+            arena = self.spill.pop(k)
+            self.spill_bytes -= arena.pages * PAGE
+            if self.on_drop is not None:
+                self.on_drop(k)
 
     def alloc(self, nbytes: int) -> int | None:
+        """Space in the landing buffer (region 0)."""
         self._drain()
         n = max(1, -(-nbytes // PAGE))
         i = self._used.find(bytes(n))
@@ -205,24 +248,96 @@ class _Landing:
         self.used += n
         return i * PAGE
 
+    def alloc_spill(self, nbytes: int) -> int | None:
+        """Space in a spill arena (first fit, lowest region first): its local offset (``region << REGION_SHIFT |
+        offset``), or ``None``."""
+        self._drain()
+        n = max(1, -(-nbytes // PAGE))
+        for k in sorted(self.spill):
+            a = self.spill[k]
+            if a.pages - a.used < n:
+                continue
+            i = a.used_map.find(bytes(n))
+            if i >= 0:
+                a.used_map[i : i + n] = b"\x01" * n
+                a.used += n
+                return (k << REGION_SHIFT) | (i * PAGE)
+        return None
+
+    def add_arena(self, k: int, buf: torch.Tensor) -> None:
+        self.spill[k] = _Arena(buf)
+        self.spill_bytes += self.spill[k].pages * PAGE
+
     def free(self, offset: int, nbytes: int) -> None:
         n = max(1, -(-nbytes // PAGE))
+        k = offset >> REGION_SHIFT
+        if k:
+            a = self.spill[k]
+            i = (offset & REGION_MASK) // PAGE
+            a.used_map[i : i + n] = bytes(n)
+            a.used -= n
+            return
         i = offset // PAGE
         self._used[i : i + n] = bytes(n)
         self.used -= n
 
     def free_bytes(self) -> int:
+        """Free bytes of the landing buffer (region 0)."""
         return (self.pages - self.used) * PAGE
 
     def in_use(self) -> int:
+        """Pages in use, landing buffer and spill arenas together."""
         self._drain()
-        return self.used
+        return self.used + sum(a.used for a in self.spill.values())
 
 
 def _give_back(deferred: collections.deque[tuple[int, int]], off: int, n: int, keep: torch.Tensor) -> None:
     """An owned record's finalizer (any thread): its landing space is free again.  ``keep`` (the landing
     buffer) is held until then, so the record stays valid after the consumer closes."""
     deferred.append((off, n))
+
+
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    """A copy of contiguous CPU tensor ``t`` in fresh memory by one C memmove without the GIL (not ``clone()``:
+    torch's intra-op threads wait for each other at every copy, which on a busy host costs 10-20x)."""
+    out = torch.empty_like(t)
+    ctypes.memmove(out.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+    return out
+
+
+def _records_of(items: Sequence[RecordBatch | HsCompatError]) -> list[CaptureRecord | HsCompatError]:
+    """Batches split into their records (each record's tensor a view of its batch's owned tensor; its metadata
+    built and validated as :meth:`RecordBatch.meta` does, the token ids converted once per batch); errors kept."""
+    out: list[CaptureRecord | HsCompatError] = []
+    for b in items:
+        if not isinstance(b, RecordBatch):
+            out.append(b)
+            continue
+        s = b.schema
+        ids = b.token_ids.tolist()
+        cu = b.cu_tokens.tolist()
+        start = b.start.tolist()
+        prompt = b.num_prompt_tokens.tolist()
+        hs = b.hidden_states
+        for k, rid in enumerate(b.record_ids):
+            lo, hi = cu[k], cu[k + 1]
+            meta = RecordMeta(
+                request_id=rid,
+                token_ids=tuple(ids[lo:hi]),
+                layer_ids=s.layer_ids,
+                pre_norm=s.pre_norm,
+                dtype=s.dtype,
+                shape=(hi - lo, s.planes, s.hidden),
+                checksum=b.checksums[k],
+                checksum_algorithm=s.checksum_algorithm,
+                vllm_version=s.vllm_version,
+                adapter=s.adapter,
+                start=start[k],
+                num_prompt_tokens=prompt[k],
+                schema_version=s.schema_version,
+            )
+            out.append(CaptureRecord(meta, hs[lo:hi]))
+    return out
 
 
 def _token_ids(raw: memoryview) -> tuple[int, ...]:
@@ -306,6 +421,7 @@ class ExportConsumer:
         lend_fraction: float = 0.75,
         overlap_verification: bool = False,
         defer_releases: bool = True,
+        spill_bytes: int | None = None,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -342,8 +458,16 @@ class ExportConsumer:
         #: only while the lent total stays within this share and the space left free still holds another
         #: record of its size; otherwise (and always with 0) it is copied into freshly allocated memory.
         self.lend_bytes = int(landing_bytes * lend_fraction)
+        if spill_bytes is None:
+            spill_bytes = 4 * landing_bytes
+        if spill_bytes < 0:
+            raise E.ExportConfigError(f"spill_bytes must be >= 0 (0: no spill arenas), found {spill_bytes!r}")
+        #: How much memory spill arenas may take: owned records past the lending share are read into arenas
+        #: registered with the transport and recycled when the records are dropped (see :class:`_Landing`),
+        #: instead of being copied into fresh memory.  ``0``: copy them (the behaviour before spill arenas).
+        self.spill_bytes = spill_bytes
         self._transport: ConsumerTransport | None = None
-        self._landing = _Landing(landing_bytes)
+        self._landing = self._new_landing()
         self._held: dict[int, tuple[CaptureRecord | RecordBatch, int, int]] = {}
         self.producer: str | None = None
         self.hello: dict[str, Any] = {}
@@ -423,7 +547,7 @@ class ExportConsumer:
                 if self._transport is not None:
                     self._transport.close()
                     self._transport = None
-                    self._landing = _Landing(self._landing_bytes)  # records lent from the old buffer keep it
+                    self._landing = self._new_landing()  # records lent from the old buffers keep them
                 if kind == "nixl":
                     self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
                 else:
@@ -440,6 +564,61 @@ class ExportConsumer:
         self._hello = rep
         self.hello = msgspec.to_builtins(rep, builtin_types=(bytes,))
         self.counters["handshakes"] += 1
+
+    def _new_landing(self) -> _Landing:
+        landing = _Landing(self._landing_bytes)
+        landing.on_drop = self._drop_region
+        return landing
+
+    def _drop_region(self, k: int) -> None:
+        if self._transport is not None:
+            self._transport.drop_region(k)
+
+    def _spill_alloc(self, nbytes: int) -> int | None:
+        """Space for an owned record in a spill arena: an existing one, else a new one while the arenas stay
+        within ``spill_bytes``; ``None`` otherwise."""
+        landing = self._landing
+        off = landing.alloc_spill(nbytes)
+        if off is not None or self._transport is None:
+            return off
+        need = -(-nbytes // PAGE) * PAGE
+        size = max(-(-nbytes // SPILL_ROUND_BYTES) * SPILL_ROUND_BYTES, self._landing_bytes // 4 // PAGE * PAGE)
+        room = self.spill_bytes - landing.spill_bytes
+        size = min(size, room // PAGE * PAGE)
+        if size < need:
+            return None
+        buf = host_buffer(size)  # zeroed: its pages are touched once, here, not on every record
+        k = self._transport.add_region(buf)
+        landing.add_arena(k, buf)
+        return landing.alloc_spill(nbytes)
+
+    def _place(self, c: Claim, copy: bool, pending: int) -> tuple[int | None, bool]:
+        """Where claim ``c`` lands and whether its record will be lent that space (``copy=True``, large records):
+        the landing buffer while lending stays within its share (``pending``: bytes of it already promised to
+        records of this read) and leaves room for another record of this size, else a spill arena, else the
+        landing buffer with a copy afterwards."""
+        landing = self._landing
+        if copy and c.nbytes >= LEND_MIN_BYTES:
+            landing._drain()
+            pages = -(-c.extent // PAGE) * PAGE
+            if landing.lent + pending + c.extent <= self.lend_bytes and landing.free_bytes() - pages >= c.extent + PAGE:
+                off = landing.alloc(c.extent)
+                if off is not None:
+                    return off, True
+            if self.spill_bytes and self.lend_bytes:  # (lend_fraction=0: owned records are always copies)
+                off = self._spill_alloc(c.extent)
+                if off is not None:
+                    return off, True
+        return landing.alloc(c.extent), False
+
+    def _locate(self, off: int) -> tuple[torch.Tensor, int]:
+        """The buffer a local offset lies in (the landing buffer or a spill arena) and the offset in it."""
+        k = off >> REGION_SHIFT
+        if k == 0:
+            if self._transport is None:
+                raise E.ExportClosedError("consumer is closed")
+            return self._transport.landing, off
+        return self._landing.spill[k].buf, off & REGION_MASK
 
     def _call(self, req: P.Request, timeout_s: float | None = None) -> P.Reply:
         """One request.  An answer from another producer instance than the attached one (the producer restarted)
@@ -737,14 +916,20 @@ class ExportConsumer:
         transport = self._transport
         while todo:
             group: list[tuple[int, Claim, int]] = []
+            lend: set[int] = set()
+            pending = 0  # landing-buffer bytes promised to records of this group that will be lent
             while todo and len(group) < P.MAX_RELEASES:
                 i, c = todo[0]
-                off = self._landing.alloc(c.extent)
-                if off is None and not group and self._landing.lent:
+                off, lent = self._place(c, copy, pending)
+                if off is None and not group and (self._landing.lent or self._landing.spill_lent):
                     gc.collect()  # owned records in reference cycles: give their lent space back first
-                    off = self._landing.alloc(c.extent)
+                    off, lent = self._place(c, copy, pending)
                 if off is None:
                     break
+                if lent:
+                    lend.add(i)
+                    if not off >> REGION_SHIFT:
+                        pending += c.extent
                 todo.popleft()
                 group.append((i, c, off))
             if not group:
@@ -775,7 +960,7 @@ class ExportConsumer:
                     self.abandon([c for _, c, _ in group])
                 continue
             checked = [
-                (i, c, off, *self._verify(c, transport.landing, off, d))
+                (i, c, off, *self._verify(c, *self._locate(off), d))
                 for (i, c, off), d in zip(group, digests, strict=True)
             ]
             settled = self._release(
@@ -791,7 +976,7 @@ class ExportConsumer:
                     expired = bad if isinstance(bad, E.LeaseExpiredError) else None
                     results[i] = expired or (meta if isinstance(meta, HsCompatError) else bad)
                     continue
-                results[i] = self._finish(c, meta, transport.landing, off, copy)
+                results[i] = self._finish(c, meta, off, copy, i in lend)
         return [r if r is not None else E.ExportError("internal: no result") for r in results]
 
     def _transfer(
@@ -842,12 +1027,16 @@ class ExportConsumer:
         pieces = _pieces([(r, lo, n) for r, lo, n, _ in items], size)
         states = [ChecksumState(a, it[3]) for a, it in zip(algorithms, items, strict=True)]
         land = self._bytes_of(transport.landing)
+        spill = self._landing.spill
 
         def check(piece: list[tuple[int, int, int, int, int]]) -> None:
             for _, lo, n, k, at in piece:
                 checked = items[k][3]
                 if at < checked:
-                    states[k].update_bytes(land[lo : lo + min(n, checked - at)])
+                    view = land
+                    if lo >> REGION_SHIFT:  # a spill arena
+                        view, lo = spill[lo >> REGION_SHIFT].view, lo & REGION_MASK
+                    states[k].update_bytes(view[lo : lo + min(n, checked - at)])
 
         if not overlap:
             for piece in pieces:
@@ -916,30 +1105,35 @@ class ExportConsumer:
         self.counters["bytes"] += c.nbytes
         return CaptureRecord(meta, buf[: c.nbytes].view(meta.torch_dtype).view(meta.shape))
 
-    def _finish(self, c: Claim, meta: RecordMeta, landing: torch.Tensor, off: int, copy: bool) -> CaptureRecord:
-        t = landing[off : off + c.nbytes].view(meta.torch_dtype).view(meta.shape)
+    def _finish(self, c: Claim, meta: RecordMeta, off: int, copy: bool, lend: bool) -> CaptureRecord:
+        """The record read at local offset ``off``: held (``copy=False``), lent its space (``lend``, decided by
+        :meth:`_place`) or copied out."""
+        buf, at = self._locate(off)
         self.counters["records"] += 1
         self.counters["bytes"] += c.nbytes
+        if copy and lend:
+            return CaptureRecord(meta, self._lend(buf, at, off, c.extent, c.nbytes, meta))
+        t = buf[at : at + c.nbytes].view(meta.torch_dtype).view(meta.shape)
         if not copy:
             rec = CaptureRecord(meta, t)
             self._held[id(rec)] = (rec, off, c.extent)
-        elif (
-            c.nbytes >= LEND_MIN_BYTES
-            and self._landing.lent + c.extent <= self.lend_bytes
-            and self._landing.free_bytes() >= c.extent + PAGE
-        ):
-            rec = CaptureRecord(meta, self._lend(landing, off, c.extent, c.nbytes, meta))
         else:
-            rec = CaptureRecord(meta, t.clone())
+            rec = CaptureRecord(meta, _copied(t))
             self._landing.free(off, c.extent)
         return rec
 
-    def _lend(self, landing: torch.Tensor, off: int, extent: int, nbytes: int, meta: RecordMeta) -> torch.Tensor:
-        """An owned tensor over the landing space at ``off``: no copy, no page faults.  Its storage is exactly
-        the record's bytes (not the whole buffer); the space is given back when the storage is freed."""
-        buf = (ctypes.c_char * nbytes).from_address(landing.data_ptr() + off)
-        weakref.finalize(buf, _give_back, self._landing.deferred, off, extent, landing)
-        self._landing.lent += extent
+    def _lend(
+        self, region: torch.Tensor, at: int, off: int, extent: int, nbytes: int, meta: RecordMeta
+    ) -> torch.Tensor:
+        """An owned tensor over the landing space at ``off`` (``at`` in ``region``: the landing buffer or a spill
+        arena): no copy, no page faults.  Its storage is exactly the record's bytes (not the whole buffer); the
+        space is given back when the storage is freed (until then the finalizer keeps ``region`` alive)."""
+        buf = (ctypes.c_char * nbytes).from_address(region.data_ptr() + at)
+        weakref.finalize(buf, _give_back, self._landing.deferred, off, extent, region)
+        if off >> REGION_SHIFT:
+            self._landing.spill_lent += extent
+        else:
+            self._landing.lent += extent
         return torch.frombuffer(buf, dtype=torch.uint8).view(meta.torch_dtype).view(meta.shape)
 
     def release(self, record: CaptureRecord | RecordBatch) -> None:
@@ -972,10 +1166,28 @@ class ExportConsumer:
     ) -> Iterator[CaptureRecord]:
         """Stream published records oldest first (trainer only).  Stops after ``idle_timeout_s`` without a record
         (``None``: never).  ``on_error="raise"`` raises each failed record's error (the stream survives; call
-        ``next`` again), ``"skip"`` logs and counts it."""
+        ``next`` again), ``"skip"`` logs and counts it.
+
+        With ``copy=True`` a claim of small records (under ``LEND_MIN_BYTES``) of one schema is read as one batch
+        (:meth:`next_batches`, less work per record) and split: each record's tensor is then a view of its
+        batch's owned tensor (kept alive while any record of the batch is), and a failed record's error comes
+        after the records of its claim instead of in place."""
 
         def fetch(wait: float) -> list[CaptureRecord | HsCompatError]:
-            items = self._claim_next_items(batch, wait)
+            raws, sent = self._claim_next_reply(batch, wait, self._landing_bytes)
+            if copy and raws and self._transport is not None:
+                try:
+                    descs = P.decode_descriptors(raws)
+                except E.ProtocolError:
+                    descs = []  # one of them is bad: the path below names it
+                m0 = descs[0].meta if descs else None
+                if (  # small records of one schema (their order kept): read as one batch, then split
+                    m0 is not None
+                    and max(d.nbytes for d in descs) < LEND_MIN_BYTES
+                    and all(_same_schema(d.meta, m0) for d in descs)
+                ):
+                    return _records_of(self._batches(raws, sent, True, None, [], decoded=descs))
+            items = self._parse(raws, sent)
             claims = [it for it in items if isinstance(it, Claim)]
             results = iter(self.read(claims, copy) if claims else [])
             return [next(results) if isinstance(it, Claim) else it for it in items]  # bad descriptors in place
@@ -1088,10 +1300,12 @@ class ExportConsumer:
         timeout_s: float | None,
         errors: list[HsCompatError],
         order: Mapping[str, int] | None = None,
+        decoded: list[P.RecordDesc] | None = None,
     ) -> list[RecordBatch | HsCompatError]:
-        """Decode, group by schema, read, verify and release claimed descriptors: batches, then errors."""
+        """Decode (unless ``decoded``: ``raws`` decoded already), group by schema, read, verify and release claimed
+        descriptors: batches, then errors."""
         try:
-            descs = P.decode_descriptors(raws)
+            descs = decoded if decoded is not None else P.decode_descriptors(raws)
         except E.ProtocolError:  # one of them is bad: learn which, one by one
             descs = []
             bad: list[tuple[int, str, str]] = []
@@ -1386,7 +1600,7 @@ class ExportConsumer:
                 flat = torch.frombuffer(buf, dtype=torch.uint8)
                 batch.hidden_states = flat.view(schema.torch_dtype).view(-1, schema.planes, schema.hidden)
             else:
-                batch.hidden_states = hs.clone()
+                batch.hidden_states = _copied(hs)
                 self._landing.free(off, size)
         return batch
 
@@ -1413,7 +1627,9 @@ class ExportConsumer:
             **self.counters,
             "landing_pages_in_use": self._landing.in_use(),
             "held_records": len(self._held),
-            "lent_bytes": self._landing.lent,
+            "lent_bytes": self._landing.lent + self._landing.spill_lent,
+            "spill_lent_bytes": self._landing.spill_lent,
+            "spill_arena_bytes": self._landing.spill_bytes,
         }
 
     def remote_stats(self) -> dict[str, Any]:

@@ -32,11 +32,14 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.transport import host_buffer
+from vllm_hs_compat.export.transport import REGION_MASK, REGION_SHIFT, LandingRegions, host_buffer
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +209,8 @@ class NixlConsumerTransport:
             self._reg = self._agent.register_memory([(self.landing.data_ptr(), landing_bytes, 0, "")], "DRAM")
         except Exception as e:
             raise _translate(e, "landing-buffer registration") from None
+        self.regions = LandingRegions(self.landing)
+        self._region_regs: dict[int, Any] = {}
         self._remote: str | None = None
         self._base = 0
         self._size = 0
@@ -251,14 +256,37 @@ class NixlConsumerTransport:
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         for roff, loff, n in items:
-            if roff < 0 or n <= 0 or roff + n > self._size or loff < 0 or loff + n > cap:
+            if roff < 0 or n <= 0 or roff + n > self._size or loff < 0:
                 raise E.DescriptorError(
                     f"range remote[{roff}:{roff + n}] -> landing[{loff}:{loff + n}] is outside the pool "
                     f"({self._size} bytes) or the landing buffer ({cap} bytes)"
                 )
-            local.append((lbase + loff, n, 0))
+            if loff + n <= cap:
+                local.append((lbase + loff, n, 0))
+            else:  # another landing region (or outside every one: DescriptorError)
+                buf, lo = self.regions.locate(loff, n)
+                local.append((int(buf.data_ptr()) + lo, n, 0))
             remote.append((self._base + roff, n, 0))
         self._read_raw(local, remote, notif, deadline)
+
+    def add_region(self, buf: torch.Tensor) -> int:
+        """Register ``buf`` as a landing region (see ``transport.REGION_SHIFT``); its region number."""
+        try:
+            reg = self._agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
+        except Exception as e:
+            raise _translate(e, "landing-region registration") from None
+        k = self.regions.add(buf)
+        self._region_regs[k] = reg
+        return k
+
+    def drop_region(self, k: int) -> None:
+        reg = self._region_regs.pop(k, None)
+        self.regions.drop(k)
+        if reg is not None:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as e:
+                log.debug("NIXL deregistration of a landing region failed: %s", e)
 
     def _read_many(
         self, items: Sequence[tuple[int, int, int]], cap: int, lbase: int, notif: bytes, deadline: float
@@ -269,16 +297,29 @@ class NixlConsumerTransport:
 
         arr = np.asarray(items, dtype=np.int64).reshape(-1, 3)
         roff, loff, n = arr[:, 0], arr[:, 1], arr[:, 2]
-        bad = (roff < 0) | (n <= 0) | (roff + n > self._size) | (loff < 0) | (loff + n > cap)
+        region = loff >> REGION_SHIFT
+        if region.any():  # ranges in several landing regions: each region's base and size
+            bufs = self.regions.bufs
+            bases = np.array([int(b.data_ptr()) if b is not None else 0 for b in bufs], dtype=np.int64)
+            caps = np.array([b.numel() if b is not None else -1 for b in bufs], dtype=np.int64)
+            known = (region >= 0) & (region < len(bufs))
+            k = np.where(known, region, 0)
+            lo = loff & REGION_MASK
+            outside = ~known | (lo + n > np.where(known, caps[k], -1))
+            laddr = bases[k] + lo
+        else:
+            outside = loff + n > cap
+            laddr = loff + lbase
+        bad = (roff < 0) | (n <= 0) | (roff + n > self._size) | (loff < 0) | outside
         if bad.any():
-            k = int(np.flatnonzero(bad)[0])
-            r, lo, m = (int(x) for x in arr[k])
+            k0 = int(np.flatnonzero(bad)[0])
+            r, lo0, m = (int(x) for x in arr[k0])
             raise E.DescriptorError(
-                f"range remote[{r}:{r + m}] -> landing[{lo}:{lo + m}] is outside the pool ({self._size} bytes) or "
+                f"range remote[{r}:{r + m}] -> landing[{lo0}:{lo0 + m}] is outside the pool ({self._size} bytes) or "
                 f"the landing buffer ({cap} bytes)"
             )
         local = np.zeros_like(arr)
-        local[:, 0] = loff + lbase
+        local[:, 0] = laddr
         local[:, 1] = n
         remote = np.zeros_like(arr)
         remote[:, 0] = roff + self._base
@@ -331,6 +372,8 @@ class NixlConsumerTransport:
 
     def close(self) -> None:
         self.detach()
+        for k in list(self._region_regs):
+            self.drop_region(k)
         try:
             self._agent.deregister_memory(self._reg)
         except Exception as e:

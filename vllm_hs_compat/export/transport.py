@@ -8,9 +8,11 @@ lease was still held when it finished reading.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
+
+from vllm_hs_compat import errors as E
 
 if TYPE_CHECKING:
     from vllm_hs_compat.export.protocol import NixlInfo, ShmInfo
@@ -22,6 +24,47 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     buf.zero_()
     return buf
+
+
+#: A consumer's local offsets name a landing region and a place in it: ``region << REGION_SHIFT | offset``.
+#: Region 0 is the landing buffer (so its offsets are plain offsets); more regions are added by
+#: ``add_region`` (the consumer's spill arenas, see ``consumer.py``).
+REGION_SHIFT: Final = 40
+REGION_MASK: Final = (1 << REGION_SHIFT) - 1
+
+
+class LandingRegions:
+    """The byte buffers a consumer transport reads into: region 0 is ``landing``; the consumer adds and drops the
+    others.  :meth:`locate` checks a ``(local offset, nbytes)`` range and says which buffer holds it."""
+
+    def __init__(self, landing: torch.Tensor) -> None:
+        self.bufs: list[torch.Tensor | None] = [landing]
+
+    def add(self, buf: torch.Tensor) -> int:
+        """Add a 1-D contiguous CPU uint8 buffer; its region number (a free one is reused)."""
+        for k in range(1, len(self.bufs)):
+            if self.bufs[k] is None:
+                self.bufs[k] = buf
+                return k
+        self.bufs.append(buf)
+        return len(self.bufs) - 1
+
+    def drop(self, k: int) -> None:
+        if 0 < k < len(self.bufs):
+            self.bufs[k] = None
+
+    def locate(self, loff: int, n: int) -> tuple[torch.Tensor, int]:
+        """The buffer holding local range ``[loff, loff + n)`` and the range's offset in it; a
+        :class:`DescriptorError` when no region holds all of it."""
+        k, lo = loff >> REGION_SHIFT, loff & REGION_MASK
+        buf = self.bufs[k] if 0 <= k < len(self.bufs) else None
+        if buf is None or loff < 0 or n < 0 or lo + n > buf.numel():
+            cap = buf.numel() if buf is not None else 0
+            raise E.DescriptorError(
+                f"local range [{lo}:{lo + n}] of landing region {k} is outside it ({cap} bytes"
+                f"{'' if buf is not None else ', no such region'})"
+            )
+        return buf, lo
 
 
 class ProducerTransport(Protocol):
@@ -58,8 +101,18 @@ class ConsumerTransport(Protocol):
         ...
 
     def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
-        """Copy ``(remote_offset, local_offset, nbytes)`` ranges from the pool into ``landing``; ``notif`` (if
-        not empty) goes to the producer when the reads are complete, where the transport supports it."""
+        """Copy ``(remote_offset, local_offset, nbytes)`` ranges from the pool into ``landing`` (or another
+        landing region, see ``REGION_SHIFT``); ``notif`` (if not empty) goes to the producer when the reads are
+        complete, where the transport supports it."""
+        ...
+
+    def add_region(self, buf: torch.Tensor) -> int:
+        """Make ``buf`` (a 1-D contiguous CPU uint8 tensor, kept alive by the caller) a landing region (registered
+        for the transfers where the transport needs it); its region number."""
+        ...
+
+    def drop_region(self, k: int) -> None:
+        """Forget (deregister) landing region ``k`` > 0; no transfer into it may be in flight."""
         ...
 
     def close(self) -> None: ...
