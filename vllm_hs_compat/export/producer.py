@@ -45,7 +45,7 @@ from vllm_hs_compat.core.records import (
 )
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.capabilities import CapabilityKey, derive_key, verify
-from vllm_hs_compat.export.control import Call, ControlServer, check_token, new_token
+from vllm_hs_compat.export.control import Call, ControlLimits, ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
 from vllm_hs_compat.export.pool import Lease, LeasePool
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmProducerTransport
@@ -121,6 +121,7 @@ class ExportProducer:
         poll_interval_s: float = 200e-6,
         idle_poll_interval_s: float = 5e-3,
         handshake_timeout_s: float = 5.0,
+        control_limits: ControlLimits | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise E.ExportConfigError(f"backend must be one of {BACKENDS}, found {backend!r}")
@@ -175,7 +176,13 @@ class ExportProducer:
         self._pump.start()
         try:
             self._server = ControlServer(
-                self._handle, self.token, host, port, producer=self.instance, handshake_timeout_s=handshake_timeout_s
+                self._handle,
+                self.token,
+                host,
+                port,
+                producer=self.instance,
+                handshake_timeout_s=handshake_timeout_s,
+                limits=control_limits,
             )
         except BaseException:
             self._stop.set()
@@ -351,6 +358,8 @@ class ExportProducer:
             **self.pool.stats(),
             **mine,
             **{f"control_{k}": v for k, v in self._server.counters.items()},
+            "control_gate_pid": self._server.gate_pid,
+            "control_gate_last_exit": self._server.gate_last_exit,
             "backend": self.backend,
         }
 
@@ -403,7 +412,7 @@ class ExportProducer:
                 pool_bytes=self.pool.pool_bytes,
                 slot_bytes=self.pool.slot_bytes,
                 lease_ttl_s=self.pool.lease_ttl_s,
-                max_read_bytes=P.MAX_READ_BYTES,
+                max_read_bytes=self._server.limits.max_read_bytes,
                 transport=self._transport_info if trainer else None,
             )
         if isinstance(req, P.PingReq):
@@ -525,6 +534,12 @@ class ExportProducer:
             raise E.UnknownRecordError(f"lease {req.lease} is not claimed (released, expired or never issued)")
         if not trainer:
             self._check_cap(req.cap, lease.record_id, "read")
+        served = self._server.limits.max_read_bytes
+        if req.length > served:
+            raise E.ProtocolError(
+                f"read of {req.length} bytes: this producer serves at most {served} per read (hello's "
+                "max_read_bytes); read in pieces of that size"
+            )
         if req.offset + req.length > lease.nbytes:
             raise E.DescriptorError(
                 f"read [{req.offset}, {req.offset + req.length}) lies outside record {lease.record_id!r}'s "

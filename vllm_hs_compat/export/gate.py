@@ -1,0 +1,359 @@
+"""The export control plane's gate: the process that holds the public CURVE socket.
+
+Why a process: libzmq buffers the frames of a multipart message that has not finished without any bound (the
+high-water marks count whole messages, ``MAXMSGSIZE`` one frame), so a peer that completed the handshake can grow
+the process holding the socket by any amount, and libzmq aborts the whole process on some I/O errors.  The gate
+runs that socket where neither can take the model worker with it: it runs under an address-space limit
+(``RLIMIT_AS``), and the producer (:class:`vllm_hs_compat.export.control.ControlServer`) restarts it on the same
+port with the same keys whenever it dies; clients reconnect and resend by themselves.
+
+What the gate does, and nothing more: the CURVE handshake and the ZAP decision (``trainer`` or ``record``),
+per-connection bounds (replies queued, requests in flight; a connection over either is dropped: its TCP stream
+is shut down and whatever it still sends is discarded, counted), and forwarding.  A complete request of the right
+shape (header, 16-byte request id, body; each frame already bounded by ``MAXMSGSIZE``) goes to the producer with
+its connection id and principal over a private ``ipc://`` socket in a ``0700`` directory; replies come back the
+same way.  It never decodes a body.  Counters go to the producer as JSON lines on stdout; EOF on stdin (the
+producer died or closed it) ends the gate.
+
+Run as a file (``python -I .../gate.py``), not with ``-m``: importing the package would import torch.  Its
+configuration, secret key included, arrives as one JSON line on stdin (never on the command line).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+import time
+from collections import OrderedDict
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+
+#: Connections remembered as dropped (their later messages are discarded without a lookup miss).
+MAX_DROPPED = 4096
+#: How often changed counters are reported to the producer.
+REPORT_S = 0.05
+
+_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_EVENT_COUNTERS = {
+    zmq.EVENT_ACCEPTED: "connections",
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: "handshakes",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failures_protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_failures_auth",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failures_other",
+    zmq.EVENT_DISCONNECTED: "disconnects",
+}
+COUNTERS = (
+    "connections",
+    "handshakes",
+    "handshake_failures_protocol",
+    "handshake_failures_auth",
+    "handshake_failures_other",
+    "disconnects",
+    "zap_trainer",
+    "zap_record",
+    "bad_frames",
+    "forwarded",
+    "replies_dropped",
+    "peers_dropped",
+    "peers_dropped_reply_queue",
+    "peers_dropped_inflight",
+    "dropped_messages",
+    "producer_busy",
+)
+
+
+def _msgpack_str(s: str) -> bytes:
+    b = s.encode("utf-8", "replace")[:8000]
+    if len(b) < 32:
+        return bytes((0xA0 | len(b),)) + b
+    if len(b) < 256:
+        return b"\xd9" + bytes((len(b),)) + b
+    return b"\xda" + len(b).to_bytes(2, "big") + b
+
+
+def error_body(code: str, message: str) -> bytes:
+    """msgpack of the protocol's ``ErrorReply`` (``{"t": "error", "code", "message"}``), built without msgspec."""
+    return b"\x83" + b"".join(_msgpack_str(x) for x in ("t", "error", "code", code, "message", message))
+
+
+class _Peer:
+    __slots__ = ("addr", "fd", "inflight")
+
+    def __init__(self, fd: int, addr: str) -> None:
+        self.fd = fd
+        self.addr = addr
+        self.inflight = 0
+
+
+class Gate:
+    """The public socket, its ZAP handler and monitor, and the private socket to the producer."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.header: bytes = bytes.fromhex(cfg["header"])
+        self.rid_bytes = int(cfg["rid_bytes"])
+        self.producer: bytes = cfg["producer"].encode("ascii")
+        self.max_inflight = int(cfg["max_inflight"])
+        self.trainer_key = z85.decode(cfg["trainer_key"].encode("ascii"))
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.peers: dict[bytes, _Peer] = {}
+        self.by_fd: dict[int, bytes] = {}
+        self.dropped: OrderedDict[bytes, None] = OrderedDict()
+        self.ctx = zmq.Context(io_threads=1)
+        self.zap = self.ctx.socket(zmq.REP)
+        self.zap.linger = 0
+        self.zap.bind("inproc://zeromq.zap.01")
+        pub = self.ctx.socket(zmq.ROUTER)
+        self.pub = pub
+        pub.linger = 0
+        host = cfg["host"]
+        if ":" in host:
+            pub.ipv6 = True
+        pub.curve_server = True
+        pub.curve_secretkey = cfg["secret"].encode("ascii")
+        pub.zap_domain = b"hsx"
+        pub.setsockopt(zmq.MAXMSGSIZE, int(cfg["maxmsgsize"]))
+        pub.setsockopt(zmq.HANDSHAKE_IVL, int(cfg["handshake_ms"]))
+        pub.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        pub.setsockopt(zmq.SNDHWM, int(cfg["reply_queue"]))
+        pub.setsockopt(zmq.RCVHWM, int(cfg["request_queue"]))
+        pub.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        pub.setsockopt(zmq.HEARTBEAT_IVL, int(cfg["heartbeat_ms"]))
+        pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * int(cfg["heartbeat_ms"]))
+        self.mon = pub.get_monitor_socket(_EVENTS)
+        port = int(cfg["port"])
+        addr = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+        pub.bind(f"{addr}:{port if port else '*'}")
+        self.port = int(pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        back = self.ctx.socket(zmq.DEALER)
+        self.back = back
+        back.linger = 0
+        back.setsockopt(zmq.SNDHWM, 10_000)
+        back.setsockopt(zmq.RCVHWM, 10_000)
+        back.connect(cfg["backend"])
+
+    # --- the public side ------------------------------------------------------------------------------------
+    def serve_zap(self) -> None:
+        for _ in range(256):
+            try:
+                frames = self.zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            req_id = frames[1] if len(frames) > 1 else b""
+            if len(frames) < 6:
+                self.zap.send_multipart([b"1.0", req_id, b"500", b"malformed ZAP request", b"", b""])
+                continue
+            key = frames[6] if len(frames) > 6 and frames[5] == b"CURVE" else b""
+            trainer = len(key) == 32 and hmac.compare_digest(key, self.trainer_key)
+            self.counters["zap_trainer" if trainer else "zap_record"] += 1
+            self.zap.send_multipart([b"1.0", req_id, b"200", b"OK", b"trainer" if trainer else b"record", b""])
+
+    def drain_monitor(self) -> None:
+        for _ in range(1024):
+            try:
+                msg = self.mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(msg[0]) < 6:
+                continue
+            event, value = struct.unpack("=HI", msg[0][:6])
+            key = _EVENT_COUNTERS.get(event)
+            if key is not None:
+                self.counters[key] += 1
+            if event == zmq.EVENT_DISCONNECTED:
+                conn = self.by_fd.pop(value, None)
+                if conn is not None:
+                    self.peers.pop(conn, None)
+
+    def inbound(self) -> None:
+        for _ in range(256):
+            try:
+                frames = self.pub.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._one(frames)
+
+    def _one(self, frames: list[zmq.Frame]) -> None:
+        conn = frames[0].bytes
+        if conn in self.dropped:
+            self.counters["dropped_messages"] += 1
+            return
+        peer = self.peers.get(conn)
+        if peer is None:
+            last = frames[-1]
+            fd = int(last.get(zmq.SRCFD))
+            old = self.by_fd.get(fd)
+            if old is not None:  # the descriptor was another connection's: that one has gone
+                self.peers.pop(old, None)
+            peer = self.peers[conn] = _Peer(fd, str(last.get("Peer-Address") or ""))
+            self.by_fd[fd] = conn
+        if len(frames) != 4 or len(frames[2]) != self.rid_bytes:
+            self.counters["bad_frames"] += 1
+            if len(frames) >= 3:
+                msg = f"expected 3 frames (header, rid, body), got {len(frames) - 1}"
+                self.reply(conn, [conn, self.header, frames[2].bytes, self.producer, error_body("protocol", msg)])
+            return
+        if peer.inflight >= self.max_inflight:
+            self.drop(conn, "inflight")
+            self.counters["dropped_messages"] += 1
+            return
+        principal = b"trainer" if frames[3].get("User-Id") == "trainer" else b"record"
+        try:
+            self.back.send_multipart([conn, principal, frames[1], frames[2], frames[3]], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.counters["producer_busy"] += 1
+            rid = frames[2].bytes
+            busy = error_body("timeout", "the producer's control queue is full; retry")
+            self.reply(conn, [conn, self.header, rid, self.producer, busy])
+            return
+        peer.inflight += 1
+        self.counters["forwarded"] += 1
+
+    def reply(self, conn: bytes, frames: list[Any]) -> None:
+        try:
+            self.pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # this connection's reply queue is full: it does not read its replies
+            self.counters["replies_dropped"] += 1
+            self.drop(conn, "reply_queue")
+        except zmq.ZMQError:  # the connection is gone (EHOSTUNREACH): the client resends after reconnecting
+            self.counters["replies_dropped"] += 1
+            peer = self.peers.pop(conn, None)
+            if peer is not None:
+                self.by_fd.pop(peer.fd, None)
+
+    def drop(self, conn: bytes, why: str) -> None:
+        """Stop serving ``conn``: discard what it sends from now on, and shut its TCP stream down so libzmq frees
+        its queues (ZeroMQ has no call that disconnects one peer of a ROUTER)."""
+        self.dropped[conn] = None
+        while len(self.dropped) > MAX_DROPPED:
+            self.dropped.popitem(last=False)
+        self.counters["peers_dropped"] += 1
+        self.counters[f"peers_dropped_{why}"] += 1
+        peer = self.peers.pop(conn, None)
+        if peer is None:
+            return
+        self.by_fd.pop(peer.fd, None)
+        try:
+            s = socket.socket(fileno=os.dup(peer.fd))
+        except OSError:
+            return
+        try:
+            if peer.addr and s.getpeername()[0] != peer.addr:
+                return  # the descriptor now belongs to another connection: leave it
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()  # the duplicate only: libzmq closes its own descriptor when it sees the stream end
+
+    # --- the producer's side --------------------------------------------------------------------------------
+    def outbound(self) -> None:
+        for _ in range(256):
+            try:
+                frames = self.back.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            conn = frames[0].bytes
+            peer = self.peers.get(conn)
+            if peer is not None and peer.inflight > 0:
+                peer.inflight -= 1
+            if conn in self.dropped:
+                self.counters["replies_dropped"] += 1
+                continue
+            self.reply(conn, frames)
+
+    def report(self) -> None:
+        try:  # stdout is non-blocking: a producer that does not read loses a report, never stalls the gate
+            os.write(1, json.dumps({"c": self.counters}).encode() + b"\n")
+        except BlockingIOError:
+            pass
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        for s in (self.pub, self.zap, self.mon, self.back):
+            poller.register(s, zmq.POLLIN)
+        poller.register(0, zmq.POLLIN)
+        reported = dict(self.counters)
+        next_report = 0.0
+        while True:
+            ready = dict(poller.poll(100))
+            if self.zap in ready:
+                self.serve_zap()
+            if self.mon in ready:
+                self.drain_monitor()
+            # Events are reported before the requests that follow them are forwarded, so the producer has counted
+            # a connection's handshake by the time it answers that connection; ``forwarded`` alone is batched.
+            reported, next_report = self._report_changes(reported, next_report)
+            if self.back in ready:
+                self.outbound()
+            if self.pub in ready:
+                self.inbound()
+            if 0 in ready and not os.read(0, 4096):  # the producer closed the pipe or died
+                deadline = time.monotonic() + 0.2
+                while time.monotonic() < deadline and self.back.poll(20):
+                    self.outbound()  # the last answers (parked long polls answered at close)
+                self.report()
+                return 0
+            reported, next_report = self._report_changes(reported, next_report)
+
+    def _report_changes(self, reported: dict[str, int], next_report: float) -> tuple[dict[str, int], float]:
+        if self.counters == reported:
+            return reported, next_report
+        now = time.monotonic()
+        events = any(v != reported[k] for k, v in self.counters.items() if k != "forwarded")
+        if events or now >= next_report:
+            self.report()
+            return dict(self.counters), now + REPORT_S
+        return reported, next_report
+
+
+def _read_config() -> dict[str, Any]:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = os.read(0, 65536)
+        if not chunk:
+            raise SystemExit(0)  # the producer went away before configuring the gate
+        buf += chunk
+    cfg: dict[str, Any] = json.loads(buf)
+    return cfg
+
+
+def main() -> int:
+    """Configure from stdin, bind, report ``{"port": N}`` (or ``{"error": ...}``), serve until stdin ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the producer's to handle
+    cfg = _read_config()
+    limit = int(cfg.get("memory_bytes") or 0)
+    if limit > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        gate = Gate(cfg)
+    except (zmq.ZMQError, OSError, ValueError, KeyError) as e:
+        os.write(1, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
+        return 2
+    os.write(1, json.dumps({"port": gate.port, "pid": os.getpid()}).encode() + b"\n")
+    os.set_blocking(1, False)
+    try:
+        return gate.run()
+    except MemoryError:
+        os.write(2, b"hsx gate: out of memory (its RLIMIT_AS); exiting for the producer to restart it\n")
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
