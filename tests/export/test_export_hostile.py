@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from hsx_harness import process_memory, wait_until
+from hsx_harness import Peer, process_memory, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 
 from vllm_hs_compat import errors as E
@@ -66,7 +66,7 @@ def served(p: ExportProducer, rid: str, seed: int, timeout_s: float = 10.0) -> b
 def holder(p: ExportProducer, rcvhwm: int = 1000) -> zmq.Socket[bytes]:
     """A pyzmq DEALER holding what a ticket gives: the producer's public key, and a key pair of its own."""
     public, secret = zmq.curve_keypair()
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     s.linger = 0
     s.curve_serverkey = p.server_key.encode()
     s.curve_publickey, s.curve_secretkey = public, secret
@@ -458,7 +458,7 @@ def test_a_killed_gate_is_restarted_and_a_connected_consumer_recovers(
 
 def test_long_polls_are_bounded_per_connection(make_producer: Callable[..., ExportProducer]) -> None:
     p = make_producer()
-    s = zmq.Context.instance().socket(zmq.DEALER)  # the trainer: claim_next is the trainer's
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)  # the trainer: claim_next is the trainer's
     s.linger = 0
     from vllm_hs_compat.export.control import curve_keys
 
@@ -481,3 +481,25 @@ def test_long_polls_are_bounded_per_connection(make_producer: Callable[..., Expo
         assert p.stats()["control_parked_over_peer_limit"] == n - per_peer
     finally:
         s.close(0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited (a zombie until reaped)
+    except FileNotFoundError:
+        return True
+
+
+def test_the_gate_ends_with_its_producer_process() -> None:
+    """A producer process that is SIGKILLed leaves no gate behind (EOF on the gate's stdin), so its port and
+    keys are free for the next one."""
+    peer = Peer()
+    try:
+        peer.ok("producer", backend="shm", num_slots=2, slot_bytes=MiB, token=TOKEN)
+        gate = peer.ok("pstats")["stats"]["control_gate_pid"]
+        assert not _gone(gate)
+        peer.kill()
+        wait_until(lambda: _gone(gate), 10.0, "the orphaned gate to exit")
+    finally:
+        peer.close()

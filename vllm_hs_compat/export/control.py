@@ -384,7 +384,13 @@ class ControlServer:
             s.setsockopt(zmq.MAXMSGSIZE, _SERVER_MAXMSGSIZE)
             s.setsockopt(zmq.SNDHWM, 10_000)
             s.setsockopt(zmq.RCVHWM, 10_000)
-            s.bind(self._backend)
+            try:
+                s.bind(self._backend)
+            except zmq.ZMQError as e:
+                raise E.ExportConfigError(
+                    f"control plane cannot bind its private socket {self._backend}: {e}; point TMPDIR at a short "
+                    "path (an ipc:// path has at most 107 bytes)"
+                ) from None
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._wake_lock = threading.Lock()
             self._start_gate(port)
@@ -446,7 +452,9 @@ class ControlServer:
         """Start a gate bound to ``port`` (0: any) and wait for it to report the port it bound."""
         self._generation += 1
         cfg = {**self._gate_cfg, "port": port, "generation": self._generation}
-        env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # one malloc arena: a predictable address space
+        # one malloc arena: a predictable address space; the gate needs no credential but its key (sent below)
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env["MALLOC_ARENA_MAX"] = "1"
         proc = subprocess.Popen(
             [sys.executable, "-I", GATE_SCRIPT],
             stdin=subprocess.PIPE,
@@ -469,13 +477,14 @@ class ControlServer:
             pass  # it died at once: reported below
         deadline = time.monotonic() + GATE_START_S
         line = b""
+        waiter = select.poll()  # not select.select: a serving process may hold descriptors past FD_SETSIZE
+        waiter.register(out_fd, select.POLLIN)
         while b"\n" not in line:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._stop_gate(kill=True)
                 raise E.GateError(f"the control gate did not start within {GATE_START_S:.0f}s (host overloaded?)")
-            ready, _, _ = select.select([out_fd], [], [], min(left, 1.0))
-            if not ready:
+            if not waiter.poll(int(min(left, 1.0) * 1000) + 1):
                 continue
             try:
                 chunk = os.read(out_fd, 65536)
