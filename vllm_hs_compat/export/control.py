@@ -415,7 +415,7 @@ class ControlServer:
     def counters(self) -> dict[str, int]:
         """This server's counters and the gates' (summed over every gate this server has run)."""
         out = dict(self._own)
-        for k in GATE_COUNTERS:
+        for k in (*GATE_COUNTERS, "forwarded"):
             out.setdefault(k, 0)
         for part in (self._gate_done, self._gate_now):
             for k, v in part.items():

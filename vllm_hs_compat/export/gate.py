@@ -40,6 +40,32 @@ from zmq.utils import z85
 MAX_DROPPED = 4096
 #: How often changed counters are reported to the producer.
 REPORT_S = 0.05
+# Plain ints: pyzmq's flag enums cost an enum operation per use, and the loop uses several per frame.
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+_POLLIN = int(zmq.POLLIN)
+
+
+def _recv(sock: zmq.Socket[bytes]) -> list[zmq.Frame] | None:
+    """The next whole message of ``sock`` (its frames, not copied), or None when none is queued."""
+    if not int(sock.getsockopt(zmq.EVENTS)) & _POLLIN:
+        return None
+    frame = sock.recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
+
+
+def _send(sock: zmq.Socket[bytes], frames: list[Any]) -> None:
+    """Send one message without blocking (``zmq.Again``/``ZMQError`` as ``send_multipart`` raises them; a ROUTER
+    refuses a message at its first frame, so nothing is left half sent)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _MORE if i < last else _NOBLOCK, copy=False)
+
 
 _EVENTS = (
     zmq.EVENT_ACCEPTED
@@ -67,7 +93,6 @@ COUNTERS = (
     "zap_trainer",
     "zap_record",
     "bad_frames",
-    "forwarded",
     "replies_dropped",
     "peers_dropped",
     "peers_dropped_reply_queue",
@@ -110,6 +135,9 @@ class Gate:
         self.max_inflight = int(cfg["max_inflight"])
         self.trainer_key = z85.decode(cfg["trainer_key"].encode("ascii"))
         self.counters = dict.fromkeys(COUNTERS, 0)
+        #: requests forwarded (reported with the counters, kept out of them: it changes with every request, and the
+        #: loop compares the counters to decide whether an event must be reported now)
+        self.forwarded = 0
         self.peers: dict[bytes, _Peer] = {}
         self.by_fd: dict[int, bytes] = {}
         self.dropped: OrderedDict[bytes, None] = OrderedDict()
@@ -180,10 +208,9 @@ class Gate:
                     self.peers.pop(conn, None)
 
     def inbound(self) -> None:
-        for _ in range(256):
-            try:
-                frames = self.pub.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+        for _ in range(256):  # ZMQ_EVENTS, not a recv that fails: a raised zmq.Again costs more than the recv
+            frames = _recv(self.pub)
+            if frames is None:
                 return
             self._one(frames)
 
@@ -213,7 +240,7 @@ class Gate:
             return
         principal = b"trainer" if frames[3].get("User-Id") == "trainer" else b"record"
         try:
-            self.back.send_multipart([conn, principal, frames[1], frames[2], frames[3]], zmq.NOBLOCK, copy=False)
+            _send(self.back, [conn, principal, frames[1], frames[2], frames[3]])
         except zmq.Again:
             self.counters["producer_busy"] += 1
             rid = frames[2].bytes
@@ -221,11 +248,11 @@ class Gate:
             self.reply(conn, [conn, self.header, rid, self.producer, busy])
             return
         peer.inflight += 1
-        self.counters["forwarded"] += 1
+        self.forwarded += 1
 
     def reply(self, conn: bytes, frames: list[Any]) -> None:
         try:
-            self.pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            _send(self.pub, frames)
         except zmq.Again:  # this connection's reply queue is full: it does not read its replies
             self.counters["replies_dropped"] += 1
             self.drop(conn, "reply_queue")
@@ -263,9 +290,8 @@ class Gate:
     # --- the producer's side --------------------------------------------------------------------------------
     def outbound(self) -> None:
         for _ in range(256):
-            try:
-                frames = self.back.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = _recv(self.back)
+            if frames is None:
                 return
             if len(frames) < 2:
                 continue
@@ -280,8 +306,8 @@ class Gate:
 
     def report(self) -> None:
         try:  # stdout is non-blocking: a producer that does not read loses a report, never stalls the gate
-            os.write(1, json.dumps({"c": self.counters}).encode() + b"\n")
-        except BlockingIOError:
+            os.write(1, json.dumps({"c": {**self.counters, "forwarded": self.forwarded}}).encode() + b"\n")
+        except OSError:  # BlockingIOError, or BrokenPipeError: the producer is gone (stdin's EOF ends the gate)
             pass
 
     def run(self) -> int:
@@ -289,38 +315,39 @@ class Gate:
         for s in (self.pub, self.zap, self.mon, self.back):
             poller.register(s, zmq.POLLIN)
         poller.register(0, zmq.POLLIN)
+        pub, zap, mon, back = self.pub, self.zap, self.mon, self.back
         reported = dict(self.counters)
+        sent = self.forwarded
         next_report = 0.0
         while True:
             ready = dict(poller.poll(100))
-            if self.zap in ready:
+            if zap in ready:
                 self.serve_zap()
-            if self.mon in ready:
+            if mon in ready:
                 self.drain_monitor()
             # Events are reported before the requests that follow them are forwarded, so the producer has counted
-            # a connection's handshake by the time it answers that connection; ``forwarded`` alone is batched.
-            reported, next_report = self._report_changes(reported, next_report)
-            if self.back in ready:
+            # a connection's handshake by the time it answers that connection.
+            if self.counters != reported:
+                self.report()
+                reported, sent = dict(self.counters), self.forwarded
+            if back in ready:
                 self.outbound()
-            if self.pub in ready:
+            if pub in ready:
                 self.inbound()
             if 0 in ready and not os.read(0, 4096):  # the producer closed the pipe or died
                 deadline = time.monotonic() + 0.2
-                while time.monotonic() < deadline and self.back.poll(20):
+                while time.monotonic() < deadline and back.poll(20):
                     self.outbound()  # the last answers (parked long polls answered at close)
                 self.report()
                 return 0
-            reported, next_report = self._report_changes(reported, next_report)
-
-    def _report_changes(self, reported: dict[str, int], next_report: float) -> tuple[dict[str, int], float]:
-        if self.counters == reported:
-            return reported, next_report
-        now = time.monotonic()
-        events = any(v != reported[k] for k, v in self.counters.items() if k != "forwarded")
-        if events or now >= next_report:
-            self.report()
-            return dict(self.counters), now + REPORT_S
-        return reported, next_report
+            if self.counters != reported:
+                self.report()
+                reported, sent = dict(self.counters), self.forwarded
+            elif self.forwarded != sent:  # requests only: at most one report per REPORT_S
+                now = time.monotonic()
+                if now >= next_report:
+                    self.report()
+                    sent, next_report = self.forwarded, now + REPORT_S
 
 
 def _read_config() -> dict[str, Any]:
