@@ -537,9 +537,10 @@ class ControlServer:
             except OSError:
                 pass
             proc.stdout.close()
+        done = dict(self._gate_done)  # a new dict, assigned whole: stats() may be iterating the old one
         for k, v in self._gate_now.items():
-            self._gate_done[k] = self._gate_done.get(k, 0) + v
-        self._gate_now = {}
+            done[k] = done.get(k, 0) + v
+        self._gate_done, self._gate_now = done, {}
         return rc
 
     def _read_gate_lines(self, data: bytes) -> None:
