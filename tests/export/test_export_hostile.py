@@ -229,9 +229,10 @@ def _unreceived_reads(p: ExportProducer, n: int, paced: bool) -> tuple[float, fl
         s.close(0)
 
 
-#: docs/export.md "Per-peer bounds": 64 requests x 32 KiB + 8 replies x (1 MiB + 4 KiB) queued + the one in the
-#: CURVE encoder (3 copies) = 13.1 MiB (the socket's kernel buffer is not in RSS).
-REPLY_BOUND_MIB = 13.0
+#: docs/export.md "Per-peer bounds": 64 requests x 32 KiB queued + 4 replies x (1 MiB + 4 KiB) queued + a 2 MiB
+#: backlog + the reply in the CURVE encoder (3 copies) + the one just received = 12.1 MiB (the socket's kernel
+#: buffer is not in RSS).
+REPLY_BOUND_MIB = 12.0
 
 
 @pytest.mark.parametrize("paced", [True, False], ids=["paced", "burst"])
@@ -245,7 +246,7 @@ def test_48_unreceived_reads_stay_under_the_per_connection_bound(
     assert rss1 - rss0 <= REPLY_BOUND_MIB, f"the gate grew by {rss1 - rss0:.1f} MiB"
     # paced: the replies it does not receive fill its queue; at once: its requests in flight pass their bound
     why = "reply_queue" if paced else "inflight"
-    assert st["control_peers_dropped"] == st[f"control_peers_dropped_{why}"] == 1, st
+    assert st[f"control_peers_dropped_{why}"] >= 1, st  # (again after its reconnect, if it sends on)
     assert st["control_gate_restarts"] == 0
     assert served(p, f"after-reads-{why}", 4)  # the others are served
 
@@ -514,3 +515,29 @@ def test_the_gate_ends_with_its_producer_process() -> None:
         wait_until(lambda: _gone(gate), 10.0, "the orphaned gate to exit")
     finally:
         peer.close()
+
+
+def test_a_trainers_burst_is_not_a_ticket_holders(make_producer: Callable[..., ExportProducer]) -> None:
+    """200 pings sent at once: a trainer's (posted releases come in bursts) are all answered, its replies waiting
+    in its backlog when its queue is full; a ticket holder's pass its 16 requests in flight and drop its
+    connection."""
+    p = make_producer()
+    body = P.encode(P.PingReq())
+    for s, trainer in ((trainer_socket(p), True), (holder(p), False)):
+        try:
+            assert isinstance(ask(s, body), P.PongReply)  # connected
+            for _ in range(200):
+                s.send_multipart([P.HEADER, P.new_rid(), body])
+            got = 0
+            deadline = time.monotonic() + (10.0 if trainer else 1.5)
+            while got < 200 and time.monotonic() < deadline:
+                if s.poll(50):
+                    s.recv_multipart()
+                    got += 1
+            dropped = p.stats()["control_peers_dropped_inflight"]
+            if trainer:
+                assert got == 200 and dropped == 0
+            else:
+                assert got < 200 and dropped >= 1, (got, dropped)  # again after each reconnect
+        finally:
+            s.close(0)

@@ -247,12 +247,19 @@ class ControlLimits:
     """Per-connection bounds of the control plane (see docs/export.md, "Per-peer bounds").  A connection over the
     reply queue or the requests-in-flight bound is dropped (counted ``control_peers_dropped``)."""
 
-    #: replies queued towards one connection (``ZMQ_SNDHWM`` of the public socket): one more is a drop
-    reply_queue: int = 8
+    #: replies queued towards one connection (``ZMQ_SNDHWM`` of the public socket); more wait in its backlog
+    reply_queue: int = 4
+    #: bytes of replies waiting in one ticket holder's backlog; a reply past it drops the connection (a backlog
+    #: always takes one reply, whatever its size)
+    reply_backlog_bytes: int = 2 << 20
+    #: the same for a trainer's connection (claim replies are up to its ``max_reply_bytes``)
+    reply_backlog_bytes_trainer: int = 256 << 20
     #: complete requests queued from one connection before the gate reads them (``ZMQ_RCVHWM``)
     request_queue: int = 64
-    #: requests of one connection at the producer, unanswered (parked long polls included)
-    max_inflight: int = 32
+    #: requests of one ticket holder's connection at the producer, unanswered (parked long polls included)
+    max_inflight: int = 16
+    #: the same for a trainer's connection (it holds the token; posted releases can come in bursts)
+    max_inflight_trainer: int = 4096
     #: long polls one connection may have parked (more are answered at once, empty)
     max_parked_per_peer: int = 4
     #: bytes one ``read`` serves (advertised in ``hello``; consumers read in pieces of it)
@@ -265,6 +272,9 @@ class ControlLimits:
             ("reply_queue", 1, 1 << 16),
             ("request_queue", 1, 1 << 16),
             ("max_inflight", 1, 1 << 16),
+            ("max_inflight_trainer", 1, 1 << 16),
+            ("reply_backlog_bytes", 0, 1 << 40),
+            ("reply_backlog_bytes_trainer", 0, 1 << 40),
             ("max_parked_per_peer", 0, 1 << 16),
             ("max_read_bytes", 4096, P.MAX_READ_BYTES),
             ("gate_memory_bytes", 0, 1 << 48),
@@ -372,6 +382,9 @@ class ControlServer:
             "reply_queue": self.limits.reply_queue,
             "request_queue": self.limits.request_queue,
             "max_inflight": self.limits.max_inflight,
+            "max_inflight_trainer": self.limits.max_inflight_trainer,
+            "reply_backlog_bytes": self.limits.reply_backlog_bytes,
+            "reply_backlog_bytes_trainer": self.limits.reply_backlog_bytes_trainer,
             "memory_bytes": self.limits.gate_memory_bytes,
             "backend": self._backend,
         }

@@ -30,7 +30,7 @@ import socket
 import struct
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import zmq
@@ -94,6 +94,7 @@ COUNTERS = (
     "zap_record",
     "bad_frames",
     "replies_dropped",
+    "replies_backlogged",
     "peers_dropped",
     "peers_dropped_reply_queue",
     "peers_dropped_inflight",
@@ -117,12 +118,18 @@ def error_body(code: str, message: str) -> bytes:
 
 
 class _Peer:
-    __slots__ = ("addr", "fd", "inflight")
+    __slots__ = ("addr", "backlog", "backlog_bytes", "backlog_limit", "fd", "inflight", "limit", "principal")
 
-    def __init__(self, fd: int, addr: str) -> None:
+    def __init__(self, fd: int, addr: str, principal: bytes, limit: int, backlog_limit: int) -> None:
         self.fd = fd
         self.addr = addr
         self.inflight = 0
+        self.principal = principal  # fixed by the handshake: the same for every message of a connection
+        self.limit = limit
+        #: replies that found the connection's queue (``ZMQ_SNDHWM``) full, oldest first, and their bytes
+        self.backlog: deque[list[Any]] = deque()
+        self.backlog_bytes = 0
+        self.backlog_limit = backlog_limit
 
 
 class Gate:
@@ -133,6 +140,10 @@ class Gate:
         self.rid_bytes = int(cfg["rid_bytes"])
         self.producer: bytes = cfg["producer"].encode("ascii")
         self.max_inflight = int(cfg["max_inflight"])
+        self.max_inflight_trainer = int(cfg["max_inflight_trainer"])
+        self.backlog_bytes = int(cfg["reply_backlog_bytes"])
+        self.backlog_bytes_trainer = int(cfg["reply_backlog_bytes_trainer"])
+        self.backlogged: set[bytes] = set()
         self.trainer_key = z85.decode(cfg["trainer_key"].encode("ascii"))
         self.counters = dict.fromkeys(COUNTERS, 0)
         #: requests forwarded (reported with the counters, kept out of them: it changes with every request, and the
@@ -226,7 +237,12 @@ class Gate:
             old = self.by_fd.get(fd)
             if old is not None:  # the descriptor was another connection's: that one has gone
                 self.peers.pop(old, None)
-            peer = self.peers[conn] = _Peer(fd, str(last.get("Peer-Address") or ""))
+            trainer = last.get("User-Id") == "trainer"
+            limit = self.max_inflight_trainer if trainer else self.max_inflight
+            backlog = self.backlog_bytes_trainer if trainer else self.backlog_bytes
+            addr = str(last.get("Peer-Address") or "")
+            peer = _Peer(fd, addr, b"trainer" if trainer else b"record", limit, backlog)
+            self.peers[conn] = peer
             self.by_fd[fd] = conn
         if len(frames) != 4 or len(frames[2]) != self.rid_bytes:
             self.counters["bad_frames"] += 1
@@ -234,13 +250,12 @@ class Gate:
                 msg = f"expected 3 frames (header, rid, body), got {len(frames) - 1}"
                 self.reply(conn, [conn, self.header, frames[2].bytes, self.producer, error_body("protocol", msg)])
             return
-        if peer.inflight >= self.max_inflight:
+        if peer.inflight >= peer.limit:
             self.drop(conn, "inflight")
             self.counters["dropped_messages"] += 1
             return
-        principal = b"trainer" if frames[3].get("User-Id") == "trainer" else b"record"
         try:
-            _send(self.back, [conn, principal, frames[1], frames[2], frames[3]])
+            _send(self.back, [conn, peer.principal, frames[1], frames[2], frames[3]])
         except zmq.Again:
             self.counters["producer_busy"] += 1
             rid = frames[2].bytes
@@ -251,16 +266,56 @@ class Gate:
         self.forwarded += 1
 
     def reply(self, conn: bytes, frames: list[Any]) -> None:
+        peer = self.peers.get(conn)
+        if peer is not None and peer.backlog:  # keep the order: behind the replies already waiting
+            self._backlog(conn, peer, frames)
+            return
         try:
             _send(self.pub, frames)
-        except zmq.Again:  # this connection's reply queue is full: it does not read its replies
-            self.counters["replies_dropped"] += 1
-            self.drop(conn, "reply_queue")
+        except zmq.Again:  # this connection's queue is full: wait in its backlog, bounded in bytes
+            if peer is None:
+                self.counters["replies_dropped"] += 1
+            else:
+                self._backlog(conn, peer, frames)
         except zmq.ZMQError:  # the connection is gone (EHOSTUNREACH): the client resends after reconnecting
             self.counters["replies_dropped"] += 1
-            peer = self.peers.pop(conn, None)
-            if peer is not None:
-                self.by_fd.pop(peer.fd, None)
+            self._forget(conn)
+
+    def _backlog(self, conn: bytes, peer: _Peer, frames: list[Any]) -> None:
+        size = sum(len(f) for f in frames)
+        if peer.backlog and peer.backlog_bytes + size > peer.backlog_limit:  # it does not read its replies
+            self.counters["replies_dropped"] += 1 + len(peer.backlog)
+            self.drop(conn, "reply_queue")
+            return
+        peer.backlog.append(frames)
+        peer.backlog_bytes += size
+        self.backlogged.add(conn)
+        self.counters["replies_backlogged"] += 1
+
+    def flush_backlogs(self) -> None:
+        """Send what waits in backlogs, as far as each connection's queue takes it."""
+        for conn in list(self.backlogged):
+            peer = self.peers.get(conn)
+            while peer is not None and peer.backlog:
+                frames = peer.backlog[0]
+                try:
+                    _send(self.pub, frames)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    self.counters["replies_dropped"] += len(peer.backlog)
+                    self._forget(conn)
+                    break
+                peer.backlog.popleft()
+                peer.backlog_bytes -= sum(len(f) for f in frames)
+            if peer is None or not peer.backlog:
+                self.backlogged.discard(conn)
+
+    def _forget(self, conn: bytes) -> None:
+        peer = self.peers.pop(conn, None)
+        self.backlogged.discard(conn)
+        if peer is not None:
+            self.by_fd.pop(peer.fd, None)
 
     def drop(self, conn: bytes, why: str) -> None:
         """Stop serving ``conn``: discard what it sends from now on, and shut its TCP stream down so libzmq frees
@@ -271,6 +326,7 @@ class Gate:
         self.counters["peers_dropped"] += 1
         self.counters[f"peers_dropped_{why}"] += 1
         peer = self.peers.pop(conn, None)
+        self.backlogged.discard(conn)
         if peer is None:
             return
         self.by_fd.pop(peer.fd, None)
@@ -320,7 +376,7 @@ class Gate:
         sent = self.forwarded
         next_report = 0.0
         while True:
-            ready = dict(poller.poll(100))
+            ready = dict(poller.poll(5 if self.backlogged else 100))
             if zap in ready:
                 self.serve_zap()
             if mon in ready:
@@ -334,6 +390,8 @@ class Gate:
                 self.outbound()
             if pub in ready:
                 self.inbound()
+            if self.backlogged:
+                self.flush_backlogs()
             if 0 in ready and not os.read(0, 4096):  # the producer closed the pipe or died
                 deadline = time.monotonic() + 0.2
                 while time.monotonic() < deadline and back.poll(20):
