@@ -295,8 +295,9 @@ GATE_SCRIPT: Final = str(Path(__file__).with_name("gate.py"))
 GATE_MIN_MEMORY: Final = 96 << 20
 #: How long a gate may take to start and bind (a busy host starts Python slowly).
 GATE_START_S: Final = 30.0
-#: A gate that dies sooner than this after starting is restarted after a growing delay (0.05 s doubling to 2 s).
-GATE_STABLE_S: Final = 1.0
+#: A gate that dies sooner than this after starting is restarted after a growing delay (0.05 s doubling to 1 s),
+#: so a gate that cannot run does not spin; one that served a while is restarted at once.
+GATE_STABLE_S: Final = 0.25
 
 _OWN_COUNTERS: Final = (
     "requests",
@@ -586,7 +587,7 @@ class ControlServer:
         self.gate_last_exit = reason
         self._own["gate_exits_signal" if rc is not None and rc < 0 else "gate_exits_code"] += 1
         self._gate_fast_deaths = self._gate_fast_deaths + 1 if lived < GATE_STABLE_S else 0
-        delay = 0.0 if self._gate_fast_deaths == 0 else min(2.0, 0.05 * 2 ** (self._gate_fast_deaths - 1))
+        delay = 0.0 if self._gate_fast_deaths == 0 else min(1.0, 0.05 * 2 ** (self._gate_fast_deaths - 1))
         self._gate_retry_at = time.monotonic() + delay
         log.warning(
             "export control gate (pid %d) ended after %.1fs: %s; restarting it on port %d in %.2fs",
