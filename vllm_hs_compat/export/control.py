@@ -470,7 +470,9 @@ class ControlServer:
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         env["MALLOC_ARENA_MAX"] = "1"
         proc = subprocess.Popen(
-            [sys.executable, "-I", GATE_SCRIPT],
+            # -P: the script's directory (this package's modules) is not put on sys.path; PYTHONPATH is kept, so
+            # the gate imports the same pyzmq as this process
+            [sys.executable, "-P", GATE_SCRIPT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

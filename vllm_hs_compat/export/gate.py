@@ -15,7 +15,7 @@ its connection id and principal over a private ``ipc://`` socket in a ``0700`` d
 same way.  It never decodes a body.  Counters go to the producer as JSON lines on stdout; EOF on stdin (the
 producer died or closed it) ends the gate.
 
-Run as a file (``python -I .../gate.py``), not with ``-m``: importing the package would import torch.  Its
+Run as a file (``python -P .../gate.py``), not with ``-m``: importing the package would import torch.  Its
 configuration, secret key included, arrives as one JSON line on stdin (never on the command line).
 """
 
