@@ -152,6 +152,11 @@ class WireVersionError(ProtocolError):
     """The peer speaks another version of the control-plane wire format."""
 
 
+class GateError(ControlPlaneError):
+    """The control plane's gate process (which holds the public socket) could not be started or did not report
+    its port in time."""
+
+
 class RemoteError(ControlPlaneError):
     """The peer answered a request with an error it could not map to a more specific class."""
 

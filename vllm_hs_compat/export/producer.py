@@ -59,7 +59,7 @@ from vllm_hs_compat.export.capabilities import (
     same_publication,
     verify,
 )
-from vllm_hs_compat.export.control import Call, ControlServer, check_token, new_token
+from vllm_hs_compat.export.control import Call, ControlLimits, ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
 from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES, Lease, LeasePool
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmProducerTransport
@@ -145,6 +145,7 @@ class ExportProducer:
         idle_poll_interval_s: float = 5e-3,
         handshake_timeout_s: float = 5.0,
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
+        control_limits: ControlLimits | None = None,
     ) -> None:
         """``lease_ttl_s``: how long a consumer may hold a claimed record before it is taken back; a record
         taken back unreleased goes back to the queue under a new lease, up to ``max_redeliveries`` times
@@ -209,7 +210,13 @@ class ExportProducer:
         self._pump.start()
         try:
             self._server = ControlServer(
-                self._handle, self.token, host, port, producer=self.instance, handshake_timeout_s=handshake_timeout_s
+                self._handle,
+                self.token,
+                host,
+                port,
+                producer=self.instance,
+                handshake_timeout_s=handshake_timeout_s,
+                limits=control_limits,
             )
         except BaseException:
             self._stop.set()
@@ -396,6 +403,8 @@ class ExportProducer:
             **self.pool.stats(),
             **mine,
             **{f"control_{k}": v for k, v in self._server.counters.items()},
+            "control_gate_pid": self._server.gate_pid,
+            "control_gate_last_exit": self._server.gate_last_exit,
             "backend": self.backend,
         }
 
@@ -448,7 +457,7 @@ class ExportProducer:
                 pool_bytes=self.pool.pool_bytes,
                 slot_bytes=self.pool.slot_bytes,
                 lease_ttl_s=self.pool.lease_ttl_s,
-                max_read_bytes=P.MAX_READ_BYTES,
+                max_read_bytes=self._server.limits.max_read_bytes,
                 transport=self._transport_info if trainer else None,
             )
         if isinstance(req, P.PingReq):
@@ -598,6 +607,12 @@ class ExportProducer:
             raise E.UnknownRecordError(f"lease {req.lease} is not claimed (released, expired or never issued)")
         if not trainer:
             self._check_cap(req.cap, lease.record_id, "read", lease.publication)
+        served = self._server.limits.max_read_bytes
+        if req.length > served:
+            raise E.ProtocolError(
+                f"read of {req.length} bytes: this producer serves at most {served} per read (hello's "
+                "max_read_bytes); read in pieces of that size"
+            )
         if req.offset + req.length > lease.nbytes:
             raise E.DescriptorError(
                 f"read [{req.offset}, {req.offset + req.length}) lies outside record {lease.record_id!r}'s "

@@ -54,6 +54,9 @@ MAX_BATCH: Final = 1024
 MAX_CLAIM_IDS: Final = 32
 MAX_RELEASES: Final = 512
 MAX_READ_BYTES: Final = 8 << 20
+#: What a producer serves per ``read`` (and advertises in ``hello.max_read_bytes``; consumers read in pieces of
+#: it): it bounds the replies a ticket holder can have queued, see docs/export.md "Per-peer bounds".
+SERVED_READ_BYTES: Final = 1 << 20
 MAX_WAIT_S: Final = 30.0
 MAX_ID_CHARS: Final = 512
 #: The message of a claim error for an id left unclaimed because the reply reached the client's size budget
@@ -307,11 +310,84 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes | memoryview, wha
         raise ProtocolError(f"{what} does not fit the wire-{WIRE_VERSION} schema: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"{what} is not msgpack: {e}") from None
+    except Exception as e:  # RecursionError, MemoryError, anything else: the message's fault, never the caller's
+        raise ProtocolError(f"{what} could not be decoded ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def decode_request(body: bytes | memoryview) -> Request:
-    """Decode and validate a request body in one step; anything else is a :class:`ProtocolError`."""
-    req: Request = _decode(_REQUEST_DECODER, body, "request")
+#: Deepest container nesting a request may have.  The schema needs 3 (request map > ``leases`` array >
+#: ``ReleaseItem`` array); msgspec decodes nesting recursively, so a body nested a thousand deep is refused before
+#: it reaches the decoder.
+MAX_REQUEST_DEPTH: Final = 8
+#: msgpack type bytes that open a container (fixmap, fixarray, array16/32, map16/32).
+_CONTAINER_BYTES: Final = bytes(range(0x80, 0xA0)) + b"\xdc\xdd\xde\xdf"
+#: ``bytes.translate`` table: a container type byte -> 1, any other byte -> 0.
+_MARK_CONTAINERS: Final = bytes(1 if b in _CONTAINER_BYTES else 0 for b in range(256))
+#: Bytes that follow a msgpack type byte before the next item, for the fixed-size types (0xc1 is never used).
+_FIXED_TAIL: Final = {
+    0xC0: 0, 0xC1: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
+    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17,
+}  # fmt: skip
+#: Length-prefixed types: (bytes of the length, extra bytes after it) -- bin, ext (one type byte), str.
+_SIZED: Final = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+                 0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}  # fmt: skip
+
+
+def check_depth(body: bytes, limit: int = MAX_REQUEST_DEPTH) -> None:
+    """Raise :class:`ProtocolError` if the msgpack ``body`` nests containers deeper than ``limit``.
+
+    Costs one C pass (``bytes.translate``) for any body with at most ``limit`` container type bytes in it, which
+    is every request but a long release; only those are walked item by item (a truncated body stops the walk: the
+    decoder names that)."""
+    if body.translate(_MARK_CONTAINERS).count(1) <= limit:
+        return  # fewer container bytes than the limit: no nesting can pass it
+    n = len(body)
+    i = 0
+    stack = [1]  # items left at each open level; the body is one item
+    while stack:
+        if stack[-1] == 0:
+            stack.pop()
+            continue
+        stack[-1] -= 1
+        if i >= n:
+            return
+        t = body[i]
+        i += 1
+        if t <= 0x7F or t >= 0xE0:
+            continue
+        if t <= 0x9F:
+            count = (t & 0x0F) * (2 if t <= 0x8F else 1)
+        elif t <= 0xBF:
+            i += t & 0x1F
+            continue
+        elif t in (0xDC, 0xDD, 0xDE, 0xDF):
+            width = 2 if t in (0xDC, 0xDE) else 4
+            count = int.from_bytes(body[i : i + width], "big") * (2 if t >= 0xDE else 1)
+            i += width
+        elif t in _SIZED:
+            width, extra = _SIZED[t]
+            i += width + extra + int.from_bytes(body[i : i + width], "big")
+            continue
+        else:
+            i += _FIXED_TAIL.get(t, 0)
+            continue
+        stack.append(count)
+        if len(stack) > limit + 1:
+            raise ProtocolError(
+                f"request nests containers deeper than {limit} levels (the wire-{WIRE_VERSION} schema needs 3); "
+                "send a request built from the protocol's structs"
+            )
+
+
+def decode_request(body: bytes | memoryview, *, check_nesting: bool = True) -> Request:
+    """Decode and validate a request body in one step; anything that does not fit, whatever the decoder raises
+    (``RecursionError`` included), is a :class:`ProtocolError`.  With ``check_nesting`` (the default; the server
+    leaves it on for every peer but the trainer, who holds the token) the nesting is bounded first by
+    :func:`check_depth`, so an untrusted body never reaches the recursive decoder more than
+    :data:`MAX_REQUEST_DEPTH` deep."""
+    raw = body if isinstance(body, bytes) else bytes(body)
+    if check_nesting:
+        check_depth(raw)
+    req: Request = _decode(_REQUEST_DECODER, raw, "request")
     return req
 
 
