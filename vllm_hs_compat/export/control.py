@@ -293,7 +293,16 @@ class ControlServer:
             s.setsockopt(zmq.HANDSHAKE_IVL, int(handshake_timeout_s * 1000))
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.SNDHWM, 1000)
-            s.setsockopt(zmq.RCVHWM, 1000)
+            # RCVHWM 0 (no limit), never a finite one, and never ROUTER_HANDOVER: libzmq 4.3.5 (and master) aborts
+            # the process when a connection's engine stops reading (its session pipe is full at RCVHWM, or has
+            # none after a handover) and the peer resets: stream_engine_base.cpp in_event_internal sets
+            # _io_error (l. 249) and keeps the engine, and the next heartbeat tick (timer_event, l. 737) or a
+            # buffered PING (zmtp_engine.cpp l. 527) calls out_event, which asserts !_io_error (l. 310).  A peer
+            # fills a pipe by pipelining or, at once, by announcing a routing id already connected (the ROUTER
+            # never reads that pipe).  Cost: a connection's unread requests are no longer capped at 1000 messages
+            # (a duplicate-id connection's pipe grows until it disconnects): a byte bound per peer must come
+            # from the serving pattern, never from RCVHWM.
+            s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.TCP_KEEPALIVE, 1)
             s.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat_s * 1000))
