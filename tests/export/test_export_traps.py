@@ -115,7 +115,9 @@ def test_a_planted_name_neither_blocks_nor_is_touched_by_the_producer_start(shm_
     with ExportProducer(backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=shm_dir) as p:
         took = time.monotonic() - t0
         sweep = p.transport.sweep
+        counted = (p.stats()["shm_sweep_removed"], p.stats()["shm_sweep_skipped"])
         own = os.path.basename(p.transport.describe()["path"])
+    assert counted == (0, 1)  # what the operator sees in the producer's stats
     assert took < 1.0, f"producer start took {took:.2f} s with a {kind} in the shm directory"
     assert (sweep.removed, sweep.skipped) == (0, 1)
     assert _snapshot(path) == before  # left untouched: not unlinked, not replaced

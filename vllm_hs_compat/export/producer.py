@@ -405,8 +405,17 @@ class ExportProducer:
             **{f"control_{k}": v for k, v in self._server.counters.items()},
             "control_gate_pid": self._server.gate_pid,
             "control_gate_last_exit": self._server.gate_last_exit,
+            **self._sweep_stats(),
             "backend": self.backend,
         }
+
+    def _sweep_stats(self) -> dict[str, int]:
+        """The shm transport's start-up sweep: stale pools removed, planted names left alone (FIFOs, links, other
+        users' files)."""
+        sweep = getattr(self.transport, "sweep", None)
+        if sweep is None:
+            return {}
+        return {"shm_sweep_removed": sweep.removed, "shm_sweep_skipped": sweep.skipped}
 
     def occupancy(self) -> int:
         """Slots in use (any lease state)."""
