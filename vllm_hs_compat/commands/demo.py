@@ -125,15 +125,15 @@ def _install_fault(index: int) -> None:
     original = ExportProducer.publish
     count = {"n": 0}
 
-    def publish(self: ExportProducer, meta: Any, rows: Any) -> Any:
+    def publish(self: ExportProducer, meta: Any, rows: Any, publication: str | None = None) -> Any:
         n = count["n"]
         count["n"] += 1
         if n == index:
             rows = rows.clone()
             rows[rows.shape[0] // 2, 0].neg_()
-        return original(self, meta, rows)
+        return original(self, meta, rows, publication)
 
-    ExportProducer.publish = publish  # type: ignore[method-assign]
+    ExportProducer.publish = publish  # type: ignore[method-assign,assignment]
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
