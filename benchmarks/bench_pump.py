@@ -94,7 +94,7 @@ def role_producer() -> None:
         def _agent(api: Any, name: str) -> Any:
             return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=True))
 
-        nixl_backend._agent = _agent  # type: ignore[attr-defined]
+        nixl_backend._agent = _agent
     from vllm_hs_compat.core.records import RecordMeta
     from vllm_hs_compat.export import ExportProducer
 
@@ -329,12 +329,12 @@ def main() -> None:
                         r.setdefault(key, []).append(v)
             print(f"#   repetition {rep}/{a.reps} done  {_load()}", flush=True)
         time.sleep(1.0)
-        c0 = {n: _proc_cpu_s(p[2]) for n, p in pairs.items()}
+        idle0 = {n: _proc_cpu_s(pair[2]) for n, pair in pairs.items()}
         t0 = time.monotonic()
         time.sleep(a.idle_s)
         dt = time.monotonic() - t0
-        for n, p in pairs.items():
-            res[n]["idle_cpu_pct"] = [(_proc_cpu_s(p[2]) - c0[n]) / dt * 100]
+        for n, pair in pairs.items():
+            res[n]["idle_cpu_pct"] = [(_proc_cpu_s(pair[2]) - idle0[n]) / dt * 100]
         print(f"# end  {_load()}")
     finally:
         for w in reversed(workers):

@@ -77,6 +77,6 @@ def test_an_idle_producer_does_not_spin_and_a_claimed_one_polls(probes: dict[str
         {"poll_interval_s": float("nan")},
     ],
 )
-def test_pump_intervals_are_checked(kw: dict[str, float]) -> None:
+def test_pump_intervals_are_checked(kw: dict[str, Any]) -> None:
     with pytest.raises(E.ExportConfigError, match="must be a number of seconds >= 0"):
         ExportProducer(backend="shm", num_slots=2, slot_bytes=4096, **kw)
