@@ -22,8 +22,8 @@ Configurations (``--configs``, comma-separated):
 * ``before``: the package as it was (``--before-src``: a directory holding its ``vllm_hs_compat``, e.g.
   ``git archive <commit> vllm_hs_compat | tar -x -C DIR``), its defaults;
 * ``after``: this tree's package, its defaults;
-* ``after-20us`` / ``after-50us``: this tree, ``claimed_poll_interval_s=2e-5`` / ``5e-5`` (sleep between
-  polls while claimed);
+* ``after-20us`` / ``after-spin``: this tree, ``claimed_poll_interval_s=2e-5`` / ``0`` (the pause between
+  polls while claimed; the default is 50 us; ``0``: back to back, a ``sleep(0)`` between polls);
 * ``after-cspin``: this tree, the consumer's READ poll never sleeps (its ``nixl_backend.SPIN_S`` patched in the
   benchmark's consumer process only);
 * ``before-idle200us``: the old package with ``idle_poll_interval_s=2e-4`` (what a fast pump costs idle);
@@ -56,7 +56,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "before": {"src": "before"},
     "after": {"src": "after"},
     "after-20us": {"src": "after", "kw": {"claimed_poll_interval_s": 2e-5}},
-    "after-50us": {"src": "after", "kw": {"claimed_poll_interval_s": 5e-5}},
+    "after-spin": {"src": "after", "kw": {"claimed_poll_interval_s": 0.0}},
     "after-cspin": {"src": "after", "env": {"HSX_BENCH_SPIN_S": "1e9"}},
     "before-idle200us": {"src": "before", "kw": {"idle_poll_interval_s": 2e-4}},
     "before-progthread": {"src": "before", "env": {"HSX_BENCH_PROG_THREAD": "1"}},

@@ -78,8 +78,13 @@ _ID_ARRAY = "I"  # token ids in the pool: little-endian uint32
 
 #: The pump's "hot" window: after a control-plane request it polls every ``poll_interval_s`` for this long.
 HOT_S = 0.5
-#: After a claim the pump polls back to back while the claimed leases are out, for at most this long.
+#: After a claim the pump polls every CLAIMED_POLL_S while the claimed leases are out, for at most this long.
 CLAIMED_SPIN_S = 1.0
+#: The pump's pause between polls while a claim's READ may be in flight.  Not 0 (back to back, yielding only the
+#: GIL): on a host with no idle core a thread that never sleeps loses the scheduler's favour and answers later
+#: (benchmarks/bench_pump.py on 2 loaded vCPUs: a READ after an idle spell 0.63-0.95 ms with 50 us, 0.79-2.83 ms
+#: back to back, 2.7-3.7 ms before the claim woke the pump).
+CLAIMED_POLL_S = 50e-6
 
 #: Host rows are copied into the pool and checksummed in pieces of this many bytes: each piece is checksummed right
 #: after its copy, while it is still in cache, so the destination is not read back from memory a second time.
@@ -148,7 +153,7 @@ class ExportProducer:
         ucx: UcxSettings | None = None,
         poll_interval_s: float = 200e-6,
         idle_poll_interval_s: float = 20e-3,
-        claimed_poll_interval_s: float = 0.0,
+        claimed_poll_interval_s: float = CLAIMED_POLL_S,
         claimed_spin_s: float = CLAIMED_SPIN_S,
         handshake_timeout_s: float = 5.0,
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
@@ -159,8 +164,8 @@ class ExportProducer:
         ``0`` gives at-most-once.  ``ready_ttl_s``: how long a published (or requeued) record waits unclaimed.
 
         The pump (NIXL only; UCX answers a consumer's READ only while this process progresses it, e.g. over
-        TCP): every ``claimed_poll_interval_s`` (``0``: back to back, yielding the GIL between polls) from a
-        claim until its leases are released, for at most ``claimed_spin_s`` after the latest claim; every
+        TCP): every ``claimed_poll_interval_s`` (50 us; ``0``: back to back, yielding only the GIL between polls)
+        from a claim until its leases are released, for at most ``claimed_spin_s`` after the latest claim; every
         ``poll_interval_s`` while leases stay claimed longer, or within 0.5 s of a request; otherwise it waits
         ``idle_poll_interval_s`` -- or until the next control-plane request wakes it (so the idle wait only paces
         UCX's background work: keepalives, a peer's disconnect).
@@ -460,7 +465,7 @@ class ExportProducer:
             claimed = self.pool.claimed_count() > 0
             if claimed and now - self._last_claim < self._claimed_spin_s:
                 # a consumer's READ may be in flight: answer it now (over TCP nothing else progresses UCX);
-                # sleep(0) hands the GIL to the serving threads between polls
+                # the pause hands the GIL to the serving threads and the core to the scheduler
                 time.sleep(self._claimed_poll_s)
             elif claimed or now - self._last_activity < HOT_S:
                 time.sleep(self._poll_s)
