@@ -28,7 +28,11 @@ Configurations (``--configs``, comma-separated):
   benchmark's consumer process only);
 * ``before-idle200us``: the old package with ``idle_poll_interval_s=2e-4`` (what a fast pump costs idle);
 * ``before-progthread``: the old package with NIXL's own progress thread in the producer's agent
-  (``enable_prog_thread=True``, patched in the benchmark's producer process only).
+  (``enable_prog_thread=True``, patched in the benchmark's producer process only); NIXL's Python API gives that
+  thread a 0 us delay, so it polls UCX without pause;
+* ``before-progthread-evt``: the same with the thread's delay set to 100 ms (NIXL's binding patched in the
+  benchmark's producer process only): the thread then sleeps in ``poll()`` on the UCX worker's event fd, woken by
+  traffic, or after 100 ms.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "after-cspin": {"src": "after", "env": {"HSX_BENCH_SPIN_S": "1e9"}},
     "before-idle200us": {"src": "before", "kw": {"idle_poll_interval_s": 2e-4}},
     "before-progthread": {"src": "before", "env": {"HSX_BENCH_PROG_THREAD": "1"}},
+    "before-progthread-evt": {
+        "src": "before",
+        "env": {"HSX_BENCH_PROG_THREAD": "1", "HSX_BENCH_PTHR_DELAY_US": "100000"},
+    },
 }
 
 
@@ -91,7 +99,23 @@ def role_producer() -> None:
     if os.environ.get("HSX_BENCH_PROG_THREAD"):  # diagnostic: NIXL's own progress thread in this process
         from vllm_hs_compat.export import nixl_backend
 
+        delay_us = int(os.environ.get("HSX_BENCH_PTHR_DELAY_US", "0"))
+
         def _agent(api: Any, name: str) -> Any:
+            if delay_us:  # NIXL's Python API sets the thread's delay to 0 (poll without timeout: it spins)
+                real = api.nixlBind
+
+                class Config(real.nixlAgentConfig):  # type: ignore[misc, name-defined]
+                    def __setattr__(self, key: str, value: Any) -> None:
+                        super().__setattr__(key, delay_us if key == "pthrDelay" else value)
+
+                class Bind:
+                    nixlAgentConfig = Config
+
+                    def __getattr__(self, key: str) -> Any:
+                        return getattr(real, key)
+
+                api.nixlBind = Bind()
             return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=True))
 
         nixl_backend._agent = _agent
