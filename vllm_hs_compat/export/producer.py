@@ -76,6 +76,16 @@ MAX_CLAIM_MEMORY = 4096
 
 _ID_ARRAY = "I"  # token ids in the pool: little-endian uint32
 
+#: The pump's "hot" window: after a control-plane request it polls every ``poll_interval_s`` for this long.
+HOT_S = 0.5
+#: After a claim the pump polls every CLAIMED_POLL_S while the claimed leases are out, for at most this long.
+CLAIMED_SPIN_S = 1.0
+#: The pump's pause between polls while a claim's READ may be in flight.  Not 0 (back to back, yielding only the
+#: GIL): on a host with no idle core a thread that never sleeps loses the scheduler's favour and answers later
+#: (benchmarks/bench_pump.py on 2 loaded vCPUs: a READ after an idle spell 0.63-0.95 ms with 50 us, 0.79-2.83 ms
+#: back to back, 2.7-3.7 ms before the claim woke the pump).
+CLAIMED_POLL_S = 50e-6
+
 #: Host rows are copied into the pool and checksummed in pieces of this many bytes: each piece is checksummed right
 #: after its copy, while it is still in cache, so the destination is not read back from memory a second time.
 FILL_CHUNK_BYTES = 1 << 20
@@ -142,7 +152,9 @@ class ExportProducer:
         shm_dir: str = DEFAULT_SHM_DIR,
         ucx: UcxSettings | None = None,
         poll_interval_s: float = 200e-6,
-        idle_poll_interval_s: float = 5e-3,
+        idle_poll_interval_s: float = 20e-3,
+        claimed_poll_interval_s: float = CLAIMED_POLL_S,
+        claimed_spin_s: float = CLAIMED_SPIN_S,
         handshake_timeout_s: float = 5.0,
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
         control_limits: ControlLimits | None = None,
@@ -151,6 +163,13 @@ class ExportProducer:
         taken back unreleased goes back to the queue under a new lease, up to ``max_redeliveries`` times
         (at-least-once delivery: a consumer that dies loses nothing), then it is counted ``expired_claimed``;
         ``0`` gives at-most-once.  ``ready_ttl_s``: how long a published (or requeued) record waits unclaimed.
+
+        The pump (NIXL only; UCX answers a consumer's READ only while this process progresses it, e.g. over
+        TCP): every ``claimed_poll_interval_s`` (50 us; ``0``: back to back, yielding only the GIL between polls)
+        from a claim until its leases are released, for at most ``claimed_spin_s`` after the latest claim; every
+        ``poll_interval_s`` while leases stay claimed longer, or within 0.5 s of a request; otherwise it waits
+        ``idle_poll_interval_s`` -- or until the next control-plane request wakes it (so the idle wait only paces
+        UCX's background work: keepalives, a peer's disconnect).
         See :mod:`.pool` for the ledger and docs/export.md for the rest."""
         if backend not in BACKENDS:
             raise E.ExportConfigError(f"backend must be one of {BACKENDS}, found {backend!r}")
@@ -166,8 +185,18 @@ class ExportProducer:
         #: derived per instance: mints the capability a ticket carries (see :mod:`.capabilities`)
         self.capability_key: CapabilityKey = derive_key(self.token, self.instance)
         self.checksum = checksum
+        for name, value in (
+            ("poll_interval_s", poll_interval_s),
+            ("idle_poll_interval_s", idle_poll_interval_s),
+            ("claimed_poll_interval_s", claimed_poll_interval_s),
+            ("claimed_spin_s", claimed_spin_s),
+        ):
+            if not value >= 0.0:  # NaN fails too
+                raise E.ExportConfigError(f"{name} must be a number of seconds >= 0, found {value!r}")
         self._poll_s = poll_interval_s
         self._idle_poll_s = idle_poll_interval_s
+        self._claimed_poll_s = claimed_poll_interval_s
+        self._claimed_spin_s = claimed_spin_s
         self._expiry_interval_s = 0.02
         self._counters = {
             "offered": 0,
@@ -195,6 +224,10 @@ class ExportProducer:
             collections.OrderedDict()
         )
         self._last_activity = 0.0
+        self._last_claim = 0.0  # when the latest claim handed out leases (the pump polls tightly after it)
+        # set by the control thread when the pump should look now (a request, a claim); the pump waits on it
+        self._wake = threading.Event()
+        self._pump_idle = False  # the pump is in its idle wait: a request sets _wake
         if backend == "auto":
             backend = "nixl" if nixl_available() else "shm"
         self.transport: ProducerTransport
@@ -444,17 +477,34 @@ class ExportProducer:
             now = time.monotonic()
             if busy:
                 self._last_activity = now
-            hot = now - self._last_activity < 0.5 or self.pool.claimed_count() > 0
             if self.backend == "shm":  # nothing to poll, only expiry
                 self._stop.wait(self._expiry_interval_s)
-            elif hot:
+                continue
+            claimed = self.pool.claimed_count() > 0
+            if claimed and now - self._last_claim < self._claimed_spin_s:
+                # a consumer's READ may be in flight: answer it now (over TCP nothing else progresses UCX);
+                # the pause hands the GIL to the serving threads and the core to the scheduler
+                time.sleep(self._claimed_poll_s)
+            elif claimed or now - self._last_activity < HOT_S:
                 time.sleep(self._poll_s)
             else:
-                self._stop.wait(self._idle_poll_s)
+                self._pump_idle = True
+                if self._wake.wait(self._idle_poll_s):
+                    self._wake.clear()
+                self._pump_idle = False
+
+    def _wake_pump(self, claimed: bool = False) -> None:
+        """Called by the control thread: the pump leaves its idle wait now (a READ may follow)."""
+        now = time.monotonic()
+        self._last_activity = now
+        if claimed:
+            self._last_claim = now
+        if self._pump_idle or claimed:
+            self._wake.set()
 
     # --- control plane --------------------------------------------------------------------------------------
     def _handle(self, req: P.Request, call: Call) -> P.Reply | None:
-        self._last_activity = time.monotonic()
+        self._wake_pump()
         if self._closed:
             raise E.ExportClosedError("the producer is shutting down")
         trainer = call.principal == "trainer"
@@ -576,6 +626,8 @@ class ExportProducer:
             spent += len(lease.wire) + 8
             out.append(lease)
         self._remember(call, credential, out, errors)
+        if out:
+            self._wake_pump(claimed=True)
         return P.ClaimReply([lease.wire for lease in out], errors)
 
     def _claim_next(self, req: P.ClaimNextReq, call: Call) -> P.ClaimReply | None:
@@ -589,6 +641,8 @@ class ExportProducer:
         if not leases and not call.final:
             return None  # park until a publish or the deadline
         self._remember(call, "", leases)
+        if leases:
+            self._wake_pump(claimed=True)
         more = bool(leases) and len(leases) < req.max_records and self.pool.has_ready()
         return P.ClaimReply([lease.wire for lease in leases], more=more)
 
@@ -644,6 +698,7 @@ class ExportProducer:
             self._writer.join()
         self._server.close()
         self._stop.set()
+        self._wake.set()
         self._pump.join(timeout=5.0)
         self._buf = torch.empty(0, dtype=torch.uint8)
         self.transport.close()

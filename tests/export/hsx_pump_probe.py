@@ -1,0 +1,79 @@
+"""A process of the pump tests: a NIXL producer and its consumer over UCX's TCP transport (a two-sided READ: the
+producer's pump must progress UCX to answer it).  Prints one JSON line of timings and CPU figures.
+
+    UCX_TLS=tcp UCX_NET_DEVICES=lo python hsx_pump_probe.py [--deaf]
+
+``--deaf``: the negative control -- the pump's wake event ignores ``set()``, as before a claim woke the pump.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+CHANNEL = os.fdopen(os.dup(1), "w", buffering=1)  # NIXL's log lines go to stderr
+os.dup2(2, 1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from hsx_testdata import make_meta, make_rows  # noqa: E402
+
+from vllm_hs_compat.export import ExportConsumer, ExportProducer  # noqa: E402
+from vllm_hs_compat.export.producer import HOT_S  # noqa: E402
+
+IDLE_POLL_S = 1.5  # the idle pump waits this long unless woken: a READ it does not answer waits for it
+
+
+class _Deaf(threading.Event):
+    def set(self) -> None:
+        pass
+
+
+def cpu_s() -> float:
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_over(window_s: float) -> float:
+    c0, t0 = cpu_s(), time.monotonic()
+    time.sleep(window_s)
+    return (cpu_s() - c0) / (time.monotonic() - t0)
+
+
+def main() -> None:
+    deaf = "--deaf" in sys.argv
+    rows = [make_rows(i, 4, 2, 256) for i in range(4)]  # 4 KiB records
+    out: dict[str, float] = {}
+    p = ExportProducer(backend="nixl", num_slots=8, slot_bytes=64 << 10, idle_poll_interval_s=IDLE_POLL_S)
+    if deaf:
+        p._wake = _Deaf()
+    c = ExportConsumer(p.endpoint, p.token, landing_bytes=1 << 20, timeout_s=2 * IDLE_POLL_S + 5)
+    try:
+        for i, r in enumerate(rows):
+            p.publish(make_meta(f"r{i}", r), r)
+        c.fetch("r0")  # wire-up
+        time.sleep(HOT_S + 0.3)  # no request for longer than the hot window: the pump waits idle
+        t0 = time.perf_counter()
+        c.fetch("r1")
+        out["lone_fetch_s"] = time.perf_counter() - t0
+        if not deaf:
+            time.sleep(HOT_S + 0.2)
+            out["idle_cpu"] = cpu_over(1.0)  # the pump waits; every lease was released
+            held = c.claim("r2")  # a claimed lease, never released: the pump polls back to back
+            out["claimed_cpu"] = cpu_over(0.5)
+            c.abandon([held])
+        out["pump_errors"] = p.stats()["pump_errors"]
+    finally:
+        if deaf:
+            threading.Event.set(p._wake)  # let the pump leave its wait now, so close() need not wait for it
+        c.close()
+        p.close()
+    print(json.dumps(out), file=CHANNEL, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The producer's pump over UCX's TCP transport (two-sided: a READ is answered only while the producer's process
+progresses UCX, and the pump is what progresses it): a claim wakes the idle pump at once, and an idle producer
+does not spin.  Each case runs in its own processes (``hsx_pump_probe.py``), because UCX reads ``UCX_TLS`` once
+per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from hsx_harness import NIXL_REASON  # noqa: E402
+
+from vllm_hs_compat import errors as E  # noqa: E402
+from vllm_hs_compat.export import ExportProducer, nixl_available  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _probe(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "hsx_pump_probe.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=90,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise AssertionError(f"pump probe {args} failed ({done.returncode}): {done.stderr[-3000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+@pytest.fixture(scope="module")
+def probes() -> Iterator[dict[str, dict[str, Any]]]:
+    if not nixl_available():
+        pytest.skip(NIXL_REASON)
+    with ThreadPoolExecutor(2) as ex:  # the fix and its negative control side by side: ~6 s together
+        fixed, deaf = ex.submit(_probe), ex.submit(_probe, "--deaf")
+        yield {"fixed": fixed.result(), "deaf": deaf.result()}
+
+
+@pytest.mark.nixl
+def test_a_claim_wakes_the_idle_pump_so_a_tcp_read_is_answered_at_once(probes: dict[str, dict[str, Any]]) -> None:
+    # the pump waits 1.5 s when idle; a fetch after the hot window needs the pump to answer its READ
+    assert probes["fixed"]["lone_fetch_s"] < 0.5, probes
+    assert probes["fixed"]["pump_errors"] == 0
+    # negative control: the same fetch when a claim does not wake the pump waits for the pump's next poll
+    assert probes["deaf"]["lone_fetch_s"] > 0.8, probes
+
+
+@pytest.mark.nixl
+def test_an_idle_producer_does_not_spin_and_a_claimed_one_polls(probes: dict[str, dict[str, Any]]) -> None:
+    fixed = probes["fixed"]
+    # every lease released, no request for over the hot window: the pump waits (below 5% of a core, the whole
+    # process: pump, control plane and the consumer)
+    assert fixed["idle_cpu"] < 0.05, fixed
+    # control: the measurement sees a polling pump -- a claimed lease, never read, keeps it polling back to back
+    assert fixed["claimed_cpu"] > max(0.05, 3 * fixed["idle_cpu"]), fixed
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"claimed_poll_interval_s": -1.0},
+        {"claimed_spin_s": float("nan")},
+        {"idle_poll_interval_s": -0.001},
+        {"poll_interval_s": float("nan")},
+    ],
+)
+def test_pump_intervals_are_checked(kw: dict[str, Any]) -> None:
+    with pytest.raises(E.ExportConfigError, match="must be a number of seconds >= 0"):
+        ExportProducer(backend="shm", num_slots=2, slot_bytes=4096, **kw)
