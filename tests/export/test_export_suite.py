@@ -540,14 +540,25 @@ def test_a_flip_in_a_middle_piece_fails_that_record_alone(backend: str, make_pro
         t = c._transport
         assert t is not None
         posted: list[int] = []
-        if hasattr(t, "post_read"):  # NIXL: count the pieces; posted reads are the path under test
-            orig = t.post_read
+        live: set[int] = set()
+        most: list[int] = [0]
+        if hasattr(t, "post_read"):  # NIXL: count the pieces and how many were in flight at once
+            orig, orig_release = t.post_read, t.release_read
 
             def spy(items: Any) -> Any:
                 posted.append(sum(n for _, _, n in items))
-                return orig(items)
+                r = orig(items)
+                r.done = False  # as over TCP / RDMA (loopback cma moves the bytes inside the post): fill the window
+                live.add(id(r))
+                most[0] = max(most[0], len(live))
+                return r
+
+            def released(r: Any) -> None:
+                live.discard(id(r))
+                orig_release(r)
 
             t.post_read = spy  # type: ignore[attr-defined]
+            t.release_read = released  # type: ignore[attr-defined]
         claims = [c.claim(r) for r in ("pre", "mid", "post")]
         ra, rb, rz = c.read(claims)
         assert isinstance(ra, CaptureRecord) and digest(ra.hidden_states) == a
@@ -555,6 +566,7 @@ def test_a_flip_in_a_middle_piece_fails_that_record_alone(backend: str, make_pro
         assert isinstance(rz, CaptureRecord) and digest(rz.hidden_states) == z
         if hasattr(t, "post_read"):
             assert len(posted) >= 4 and max(posted) == consumer_mod.CHECK_PIECE_BYTES, posted
+            assert most[0] == len(posted) and not live  # all in flight at once (< READ_WINDOW), all released
         assert c.stats()["checksum_failures"] == 1
         c.verify_checksum = False  # the control: the flip is in the bytes the transport moves
         p.transport.buffer[at] ^= 0x10
