@@ -259,6 +259,7 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
     dst.copy_(src)  # fault the pages in first
     keys = (
         "default",
+        "seq",
         "overlap",
         "noverify",
         "nocopy",
@@ -281,6 +282,17 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         srv(op="drain", name=name)
         dt, rec = _timed(lambda: c.fetch(f"D{i}"))  # noqa: B023 - the default path, the previous record still alive
         prev = rec
+        qsdt = None
+        if backend == "nixl" and size >= getattr(consumer_mod, "OVERLAP_MIN_BYTES", size + 1):
+            # the schedule before posted reads: one piece's READ after another, each awaited, then checksummed
+            srv(op="publish_large", name=name, size=size, id=f"Q{i}")
+            srv(op="drain", name=name)
+            window, consumer_mod.READ_WINDOW = getattr(consumer_mod, "READ_WINDOW", 1), 1
+            try:
+                qsdt, rec = _timed(lambda: c.fetch(f"Q{i}"))  # noqa: B023
+            finally:
+                consumer_mod.READ_WINDOW = window
+            prev = rec
         sdt = None
         if overlap is not None and size >= overlap:  # the same, checksumming piece k while piece k + 1 moves
             srv(op="publish_large", name=name, size=size, id=f"S{i}")
@@ -316,6 +328,8 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         if i:
             t["default"].append(dt)
             t["noverify"].append(vdt)
+            if qsdt is not None:
+                t["seq"].append(qsdt)
             if sdt is not None:
                 t["overlap"].append(sdt)
             t["nocopy"].append(zdt)
@@ -441,15 +455,19 @@ def bench_small(srv: Server, backend: str, n_small: int) -> dict[str, float]:
     return out
 
 
-def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
+def bench(
+    backend: str, iters: int, n_small: int, sizes: tuple[int, ...] = SIZES, large_only: bool = False
+) -> dict[str, float]:
     out: dict[str, float] = {}
     srv = Server()
     try:
-        for size in SIZES:
+        for size in sizes:
             n = iters * {64 * MiB: 1, 16 * MiB: 2}.get(size, 4)
             for k, v in bench_large(srv, backend, size, n).items():
                 out[f"{k}_{size // MiB}"] = v
             srv(op="stop")
+        if large_only:
+            return out
         for k, v in bench_fetch_batch(srv, backend, 2 * MiB, max(3, iters // 2)).items():
             out[f"{k}_2"] = v
         srv(op="stop")
@@ -460,7 +478,7 @@ def bench(backend: str, iters: int, n_small: int) -> dict[str, float]:
     return out
 
 
-def report(backend: str, r: dict[str, float], n_small: int) -> None:
+def report(backend: str, r: dict[str, float], n_small: int, sizes: tuple[int, ...] = SIZES) -> None:
     def ms(label: str, secs: float, nbytes: int = 0) -> None:
         bw = f"{nbytes / secs / 1e9:6.2f} GB/s" if nbytes else " " * 11
         print(f"  {label:<58} {bw}  {secs * 1e3:8.3f} ms")
@@ -473,10 +491,12 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
 
     print(f"\n=== backend: {backend} ===")
     lim = "raw NIXL READ" if backend == "nixl" else "memcpy"
-    for size in SIZES:
+    for size in sizes:
         m, s = size // MiB, f"_{size // MiB}"
         print(f"record of {m} MiB (medians):")
         ms("fetch() as a user calls it (defaults)", r["default" + s], size)
+        if "seq" + s in r:
+            ms("fetch(), pieces read one after another (READ_WINDOW=1)", r["seq" + s], size)
         if "overlap" + s in r:
             ms("fetch(), overlap_verification=True (opt-in)", r["overlap" + s], size)
         if "noverify" + s in r:
@@ -498,11 +518,15 @@ def report(backend: str, r: dict[str, float], n_small: int) -> None:
         limit = r["raw" + s] if backend == "nixl" else r["memcpy" + s]
         tgt = {64: "(target >= 0.95x)", 2: "(target >= 0.8x)"}.get(m, "") if backend == "nixl" else "(target >= 0.8x)"
         ratio(f"{m} MiB: fetch() default / {lim}", limit, r["default" + s], tgt)
+        if "seq" + s in r:
+            ratio(f"{m} MiB: fetch(), READ_WINDOW=1 / {lim}", limit, r["seq" + s])
         if "overlap" + s in r:
             ratio(f"{m} MiB: fetch(), overlap_verification=True / {lim}", limit, r["overlap" + s])
         if "noverify" + s in r:
             ratio(f"{m} MiB: fetch() default, verify_checksum=False / {lim}", limit, r["noverify" + s])
         ratio(f"{m} MiB: fetch(copy=False) / {lim}", limit, r["nocopy" + s])
+    if "api_small_s" not in r:
+        return
     if "fb_2" in r:
         nb = FETCH_BATCH * 2 * MiB
         print(f"{FETCH_BATCH} records of 2 MiB by id (medians):")
@@ -543,7 +567,10 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=10_000)
     ap.add_argument("--backends", default="nixl,shm")
     ap.add_argument("--json", help="also write the raw figures to this file")
+    ap.add_argument("--sizes", default="64,16,2", help="large-record sizes in MiB (of 64, 16, 2)")
+    ap.add_argument("--large-only", action="store_true", help="only the large-record cases")
     a = ap.parse_args()
+    sizes = tuple(int(x) * MiB for x in a.sizes.split(","))
     if a.serve:
         serve()
         return
@@ -552,8 +579,8 @@ def main() -> None:
         if b == "nixl" and not nixl_available():
             print("nixl not importable: skipping the NIXL backend")
             continue
-        results[b] = bench(b, a.iters, a.small)
-        report(b, results[b], a.small)
+        results[b] = bench(b, a.iters, a.small, sizes, a.large_only)
+        report(b, results[b], a.small, sizes)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

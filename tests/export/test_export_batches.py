@@ -508,7 +508,7 @@ def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
     backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Records of 1.5 MiB (a batch of 6 MiB) are read straight into the packed layout and checksummed on the way:
-    over NIXL in READs of ``CHECK_PIECE_BYTES`` (here an odd size, so pieces cut records anywhere), over shm by
+    over NIXL in posted READs of ``CHECK_PIECE_BYTES`` (here an odd size, so pieces cut records anywhere), over shm by
     the copy that checksums each chunk.  Exact bytes, and a flipped bit fails its record alone."""
     from vllm_hs_compat.export import shm
 
@@ -524,7 +524,7 @@ def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
         assert t is not None
         reads: list[int] = []
         on_shm = isinstance(t, shm.ShmConsumerTransport)
-        name = "read_checked" if on_shm else "read"
+        name = "read_checked" if on_shm else "post_read"  # NIXL: each piece's READ posted, a window in flight
         orig = getattr(t, name)
 
         def spy(items: Any, *a: Any) -> Any:
@@ -539,6 +539,7 @@ def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
             assert torch.equal(b.hidden_states[a:z].view(torch.uint8), rows[k].view(torch.uint8))
         assert [type(e) for e in errors] == [ChecksumMismatchError] and "'big-2'" in str(errors[0])
         # shm: one checked copy of 8 ranges; NIXL: ceil((6 MiB of rows + 12,288 B of token ids) / 300,001 B) = 22 READs
+        # (posted up to READ_WINDOW at a time)
         assert (reads == [8]) if on_shm else (len(reads) == 22)
     wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")
     st = p.stats()

@@ -526,6 +526,124 @@ def test_a_large_read_is_verified_piece_by_piece_and_a_late_flip_is_caught(backe
     ledger_balanced(st)
 
 
+def test_a_flip_in_a_middle_piece_fails_that_record_alone(backend: str, make_producer: Make) -> None:
+    """A record of 6.5 MiB is read in ``CHECK_PIECE_BYTES`` pieces (over NIXL posted a window at a time, each
+    checksummed as it lands): a bit flipped in its middle piece fails it alone, the records read with it are
+    delivered.  Control: the same flip read with verification off arrives as flipped bytes."""
+    p = make_producer()
+    a = publish(p, "pre", 40, 4, 1024)
+    big = publish(p, "mid", 832, 4, 1024)  # 6.5 MiB: four pieces, the flip in the third
+    z = publish(p, "post", 40, 4, 1024)
+    at = p.pool._by_record["mid"].offset + 4 * MiB + 12_345
+    p.transport.buffer[at] ^= 0x10
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB) as c:
+        t = c._transport
+        assert t is not None
+        posted: list[int] = []
+        live: set[int] = set()
+        most: list[int] = [0]
+        if hasattr(t, "post_read"):  # NIXL: count the pieces and how many were in flight at once
+            orig, orig_release = t.post_read, t.release_read
+
+            def spy(items: Any) -> Any:
+                posted.append(sum(n for _, _, n in items))
+                r = orig(items)
+                r.done = False  # as over TCP / RDMA (loopback cma moves the bytes inside the post): fill the window
+                live.add(id(r))
+                most[0] = max(most[0], len(live))
+                return r
+
+            def released(r: Any) -> None:
+                live.discard(id(r))
+                orig_release(r)
+
+            t.post_read = spy  # type: ignore[attr-defined]
+            t.release_read = released  # type: ignore[attr-defined]
+        claims = [c.claim(r) for r in ("pre", "mid", "post")]
+        ra, rb, rz = c.read(claims)
+        assert isinstance(ra, CaptureRecord) and digest(ra.hidden_states) == a
+        assert isinstance(rb, ChecksumMismatchError) and "'mid'" in str(rb), rb
+        assert isinstance(rz, CaptureRecord) and digest(rz.hidden_states) == z
+        if hasattr(t, "post_read"):
+            assert len(posted) >= 4 and max(posted) == consumer_mod.CHECK_PIECE_BYTES, posted
+            assert most[0] == len(posted) and not live  # all in flight at once (< READ_WINDOW), all released
+        assert c.stats()["checksum_failures"] == 1
+        c.verify_checksum = False  # the control: the flip is in the bytes the transport moves
+        p.transport.buffer[at] ^= 0x10
+        publish(p, "mid2", 832, 4, 1024, seed=hash("mid") % 10_000)
+        p.transport.buffer[p.pool._by_record["mid2"].offset + 4 * MiB + 12_345] ^= 0x10
+        got = c.fetch("mid2")
+        assert digest(got.hidden_states) != big
+    wait_until(drained(p), 5.0, "every lease to be released")
+    st = p.stats()
+    assert (st["delivered"], st["checksum_failed"]) == (3, 1)
+    ledger_balanced(st)
+
+
+@pytest.mark.parametrize("fault", ["deadline", "error"])
+def test_a_failed_piece_leaves_no_read_in_flight(
+    backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """Over NIXL a verified read posts a window of pieces; when the wait for the third one hits the deadline
+    (or fails), every posted READ is released before the record fails: at the deadline its landing space is
+    quarantined (a cancelled READ may still land), after an error the others are waited for and the space is
+    reused.  The record fails alone: the next fetch is delivered."""
+    from vllm_hs_compat.errors import ExportTimeoutError, TransportError
+
+    if backend != "nixl":
+        pytest.skip("posted reads are NIXL's (shm copies with read_checked)")
+    p = make_producer(num_slots=32)
+    publish(p, "slow", 1024, 4, 1024)  # 8 MiB of hidden states and the token ids: five pieces
+    h = publish(p, "next", 1024, 4, 1024, seed=5)
+    with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB) as c:
+        t = c._transport
+        assert t is not None
+        real_post, real_wait, real_release = t.post_read, t.wait_read, t.release_read  # type: ignore[attr-defined]
+        live: dict[int, Any] = {}
+        posted: list[Any] = []
+        waits: list[Any] = []
+        in_flight_at_fault: list[int] = []
+
+        def post(items: Any) -> Any:
+            r = real_post(items)
+            r.done = False  # as over TCP / RDMA: the bytes move after the post, so the window fills
+            live[id(r)] = r
+            posted.append(r)
+            return r
+
+        def wait(r: Any, deadline: float, spin_s: float = 0.0) -> None:
+            waits.append(r)
+            if r is posted[2] and not in_flight_at_fault:
+                in_flight_at_fault.append(len(live))
+                if fault == "deadline":
+                    raise ExportTimeoutError("simulated: the READ is still in progress at its deadline")
+                raise TransportError("simulated: NIXL READ ended in state 'ERR'")
+            real_wait(r, deadline, spin_s)
+
+        def release(r: Any) -> None:
+            live.pop(id(r), None)
+            real_release(r)
+
+        monkeypatch.setattr(t, "post_read", post)
+        monkeypatch.setattr(t, "wait_read", wait)
+        monkeypatch.setattr(t, "release_read", release)
+        exc = ExportTimeoutError if fault == "deadline" else TransportError
+        with pytest.raises(exc):
+            c.fetch("slow")
+        assert in_flight_at_fault and in_flight_at_fault[0] >= 2  # pieces were in flight when it failed
+        assert len(posted) == 5 and not live  # every posted READ released ...
+        assert all(r.handle._released for r in posted)  # ... down to NIXL's handle
+        if fault == "error":  # the pieces after the failed one were waited for before the space was freed
+            assert all(r in waits[waits.index(posted[2]) + 1 :] for r in posted[3:])
+        quarantined = c.stats()["quarantined_bytes"]
+        assert (quarantined >= 8 * MiB) if fault == "deadline" else (quarantined == 0)
+        monkeypatch.undo()
+        rec = c.fetch("next")
+        assert digest(rec.hidden_states) == h
+    wait_until(drained(p), 10.0, "the failed lease to be given back")
+    ledger_balanced(p.stats())
+
+
 def test_landing_space_of_a_timed_out_read_is_never_reused(
     backend: str, make_producer: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -88,6 +88,12 @@ CHECK_PIECE_BYTES = 2 << 20
 #: pieces of a pipelined read: about an eighth of it, between these bounds
 PIECE_MIN_BYTES = 1 << 20
 PIECE_MAX_BYTES = 8 << 20
+#: A verified read over a transport with posted reads (NIXL): this many pieces in flight at once, each
+#: checksummed as soon as it landed, in order, on the calling thread (1: one piece after another)
+READ_WINDOW = 16
+#: while a piece is awaited its READ is polled without pause for this long (over UCX TCP only the polls move
+#: the bytes), then with short sleeps (a stalled producer does not burn a core until the deadline)
+PIECE_SPIN_S = 20e-3
 #: An owned record smaller than this is copied (malloc'd memory, already faulted in: a copy costs about what
 #: lending costs), so small records a caller keeps do not fragment the landing buffer.
 LEND_MIN_BYTES = 64 << 10
@@ -988,7 +994,8 @@ class ExportConsumer:
 
         With verification on, a read of at least ``OVERLAP_MIN_BYTES`` is cut into pieces and each piece is
         checksummed right after it landed, while it is still in cache (``CHECK_PIECE_BYTES``; measured on the
-        2-vCPU box over NIXL/UCX loopback: a 64 MiB READ + xxh3 0.76x the bare READ, in 2 MiB pieces 0.87x).  With
+        2-vCPU box over NIXL/UCX loopback: a 64 MiB READ + xxh3 0.76x the bare READ, in 2 MiB pieces 0.87x; over
+        NIXL the pieces are posted ``READ_WINDOW`` at a time, see :meth:`_read_checked`).  With
         ``overlap_verification`` the pieces are about an eighth of the read and a reader thread transfers piece
         k + 1 while this thread checksums piece k (it pays only where a core is free)."""
         total = sum(c.extent for _, c, _ in group)
@@ -1018,7 +1025,13 @@ class ExportConsumer:
         bytes (its own algorithm), taken on the way while the bytes are in cache: over shm by the copy that
         checksums each chunk right after copying it (one algorithm for all), else in ``CHECK_PIECE_BYTES`` reads
         (pieces cut ranges anywhere), each checksummed as soon as it landed, or with ``overlap`` in pieces of
-        about an eighth of the read, a reader thread transferring piece k + 1 while this thread checksums piece k."""
+        about an eighth of the read, a reader thread transferring piece k + 1 while this thread checksums piece k.
+
+        With posted reads (NIXL) up to ``READ_WINDOW`` pieces are in flight; they are completed in order on this
+        thread, each checksummed as soon as it landed (posting stops while a transport moves bytes as it posts:
+        the piece is checksummed while in cache).  On a deadline every posted read is released (the caller
+        quarantines the range: a cancelled READ may still land); after any other failure the reads still in flight
+        are waited for first (a read still in flight at the deadline turns the failure into a timeout)."""
         shm_checked = getattr(transport, "read_checked", None)
         if shm_checked is not None and len(set(algorithms)) == 1:
             return list(shm_checked(items, algorithms[0], deadline))
@@ -1038,11 +1051,60 @@ class ExportConsumer:
                         view, lo = spill[lo >> REGION_SHIFT].view, lo & REGION_MASK
                     states[k].update_bytes(view[lo : lo + min(n, checked - at)])
 
-        if not overlap:
+        if overlap:
+            return self._read_overlapped(transport, pieces, check, states, total, deadline)
+        post = getattr(transport, "post_read", None)
+        if post is None or READ_WINDOW <= 1:  # a transport without posted reads: one piece after another
             for piece in pieces:
                 transport.read([(r, lo, n) for r, lo, n, _, _ in piece], b"", deadline)
                 check(piece)
             return [st.digest() for st in states]
+        wait, release = transport.wait_read, transport.release_read  # type: ignore[attr-defined]
+        posted: collections.deque[tuple[Any, list[tuple[int, int, int, int, int]]]] = collections.deque()
+        nxt = 0
+        try:
+            while posted or nxt < len(pieces):
+                while nxt < len(pieces) and len(posted) < READ_WINDOW:
+                    posted.append((post([(r, lo, n) for r, lo, n, _, _ in pieces[nxt]]), pieces[nxt]))
+                    nxt += 1
+                    if posted[-1][0].done:  # moved as it was posted (same-host shared memory): checksum it while
+                        break  # it is in cache before moving more
+                wait(posted[0][0], deadline, PIECE_SPIN_S)
+                handle, piece = posted.popleft()
+                release(handle)
+                check(piece)
+        except E.ExportTimeoutError:
+            for h, _ in posted:  # the caller quarantines the whole range: a late write lands in space never reused
+                release(h)
+            raise
+        except BaseException as e:
+            # the caller frees the range after any other failure: every posted READ must be over before that
+            late: E.ExportTimeoutError | None = None
+            for h, _ in posted:
+                if late is None:
+                    try:
+                        wait(h, deadline, PIECE_SPIN_S)
+                    except E.ExportTimeoutError as t:
+                        late = t
+                    except E.ExportError:
+                        pass  # over: it failed
+                release(h)
+            if late is not None and isinstance(e, E.ExportError):  # the caller quarantines the range instead
+                raise E.ExportTimeoutError(
+                    f"a read of {total} bytes failed ({e}); its other pieces were still in flight at the deadline"
+                ) from e
+            raise
+        return [st.digest() for st in states]
+
+    def _read_overlapped(
+        self,
+        transport: ConsumerTransport,
+        pieces: list[list[tuple[int, int, int, int, int]]],
+        check: Any,
+        states: list[ChecksumState],
+        total: int,
+        deadline: float,
+    ) -> list[int]:
         reader = self._reader_pool()
         fut = reader.submit(transport.read, [(r, lo, n) for r, lo, n, _, _ in pieces[0]], b"", deadline)
         try:

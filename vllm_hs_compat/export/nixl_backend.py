@@ -69,7 +69,7 @@ NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
 #: A READ is polled without pause for this long, then with 50 us sleeps (a sleep is ~100 us on a loaded VM: a
 #: 2 MiB READ, ~0.5 ms, lost a fifth of its speed to the sleeps when polling paused after 64 polls).
 SPIN_S = 2e-3
-#: A read of at least this many ranges builds its descriptor lists as numpy arrays (see `_read_many`).
+#: A read of at least this many ranges builds its descriptor lists as numpy arrays (see `_descs_many`).
 MANY_RANGES = 16
 LEAN_INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 
@@ -195,6 +195,18 @@ class NixlProducerTransport:
         self._agent = None
 
 
+class PostedRead:
+    """A READ posted by :meth:`NixlConsumerTransport.post_read`: its NIXL handle, the state ``transfer`` returned,
+    and whether the READ is known to be done."""
+
+    __slots__ = ("done", "handle", "state")
+
+    def __init__(self, handle: Any, state: str = "PROC") -> None:
+        self.handle = handle
+        self.state = state
+        self.done = False
+
+
 class NixlConsumerTransport:
     """One NIXL agent with the landing buffer registered; READs from the attached producer's pool."""
 
@@ -246,13 +258,49 @@ class NixlConsumerTransport:
     def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
         """One READ request for every range (each checked against both buffers first), polled to completion or
         the deadline."""
+        local, remote = self._descs(items)
+        self._read_raw(local, remote, notif, deadline)
+
+    def post_read(self, items: Sequence[tuple[int, int, int]]) -> PostedRead:
+        """Post one READ request for ``(remote_offset, local_offset, nbytes)`` ranges (checked as :meth:`read`
+        checks them) and return at once.  The caller owns the result: it waits for it (:meth:`wait_read`) and
+        always releases it (:meth:`release_read`).  Its ``done`` says the transport moved the bytes while posting
+        (UCX's same-host shared memory does; TCP and RDMA move them later)."""
+        local, remote = self._descs(items)
+        posted = self._post(local, remote, b"")
+        posted.done = posted.state == "DONE"
+        return posted
+
+    def wait_read(self, posted: PostedRead, deadline: float, spin_s: float = SPIN_S) -> None:
+        """Poll a posted READ until it is done, or failed (a named error), or past the deadline (an
+        :class:`ExportTimeoutError`, the READ still in flight).  Polls without pause for ``spin_s``, then with
+        50 us sleeps (over UCX TCP nothing moves the bytes between polls).  The handle stays the caller's: it
+        releases it with :meth:`release_read` in every case."""
+        if not posted.done:
+            self._wait(posted.handle, deadline, spin_s, None)
+            posted.done = True
+
+    def release_read(self, posted: PostedRead) -> None:
+        """Release a posted READ (twice is harmless).  Over (done or failed): only frees its handle.  In flight:
+        NIXL tries to cancel it and UCX may still write the bytes, so the caller never reuses the landing range
+        of a READ it released in flight."""
+        self._release(posted.handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            handle.release()
+        except Exception as e:
+            log.debug("releasing a NIXL handle: %s", e)
+
+    def _descs(self, items: Sequence[tuple[int, int, int]]) -> tuple[Any, Any]:
+        """NIXL's local and remote descriptors for ``(remote_offset, local_offset, nbytes)`` ranges, each checked
+        against the pool and the landing regions (a :class:`DescriptorError` otherwise)."""
         if self._remote is None:
             raise E.StaleMetadataError("no producer attached; call attach() first")
         cap = self.landing.numel()
         lbase = int(self.landing.data_ptr())
         if len(items) >= MANY_RANGES:
-            self._read_many(items, cap, lbase, notif, deadline)
-            return
+            return self._descs_many(items, cap, lbase)
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         for roff, loff, n in items:
@@ -267,7 +315,7 @@ class NixlConsumerTransport:
                 buf, lo = self.regions.locate(loff, n)
                 local.append((int(buf.data_ptr()) + lo, n, 0))
             remote.append((self._base + roff, n, 0))
-        self._read_raw(local, remote, notif, deadline)
+        return local, remote
 
     def add_region(self, buf: torch.Tensor) -> int:
         """Register ``buf`` as a landing region (see ``transport.REGION_SHIFT``); its region number."""
@@ -288,11 +336,9 @@ class NixlConsumerTransport:
             except Exception as e:
                 log.debug("NIXL deregistration of a landing region failed: %s", e)
 
-    def _read_many(
-        self, items: Sequence[tuple[int, int, int]], cap: int, lbase: int, notif: bytes, deadline: float
-    ) -> None:
-        """:meth:`read` of many ranges: checked and turned into NIXL's ``N x 3`` descriptor arrays with whole-array
-        operations (NIXL reads numpy arrays of descriptors without a Python object per descriptor)."""
+    def _descs_many(self, items: Sequence[tuple[int, int, int]], cap: int, lbase: int) -> tuple[Any, Any]:
+        """:meth:`_descs` of many ranges: checked and turned into NIXL's ``N x 3`` descriptor arrays with
+        whole-array operations (NIXL reads numpy arrays of descriptors without a Python object per descriptor)."""
         import numpy as np
 
         arr = np.asarray(items, dtype=np.int64).reshape(-1, 3)
@@ -324,7 +370,7 @@ class NixlConsumerTransport:
         remote = np.zeros_like(arr)
         remote[:, 0] = roff + self._base
         remote[:, 1] = n
-        self._read_raw(local, remote, notif, deadline)
+        return local, remote
 
     def _read_raw(
         self,
@@ -334,6 +380,16 @@ class NixlConsumerTransport:
         deadline: float,
     ) -> None:
         """READ absolute address ranges (no range checks: tests use it to prove NIXL's own checks map)."""
+        posted = self._post(local, remote, notif)
+        try:
+            if posted.state != "DONE":
+                self._wait(posted.handle, deadline, SPIN_S, local)
+        finally:
+            self._release(posted.handle)  # done: frees the handle; at the deadline: NIXL's attempt to cancel it
+
+    def _post(self, local: Any, remote: Any, notif: bytes) -> PostedRead:
+        """Make and post one READ request: its NIXL handle and the state ``transfer`` returned (the handle is
+        released here when posting fails)."""
         agent = self._agent
         handle = None
         try:
@@ -341,30 +397,38 @@ class NixlConsumerTransport:
             rdesc = agent.get_xfer_descs(remote, "DRAM")
             handle = agent.initialize_xfer("READ", ldesc, rdesc, self._remote, notif)
             state = agent.transfer(handle)
-            spin_until = time.monotonic() + SPIN_S
+        except Exception as e:
+            if handle is not None:
+                self._release(handle)
+            raise _translate(e, "READ") from None
+        if state not in ("DONE", "PROC"):
+            self._release(handle)
+            raise E.TransportError(f"NIXL READ failed as it was posted (state {state!r}); see the NIXL log lines above")
+        return PostedRead(handle, state)
+
+    def _wait(self, handle: Any, deadline: float, spin_s: float, local: Any) -> None:
+        """Poll ``handle`` until it is done, failed (a named error) or past the deadline (it is not released)."""
+        agent = self._agent
+        try:
+            state = agent.check_xfer_state(handle)
+            spin_until = time.monotonic() + spin_s
             while state == "PROC":
                 now = time.monotonic()
                 if now > deadline:
+                    what = f"of {sum(int(d[1]) for d in local)} bytes " if local is not None else ""
                     raise E.ExportTimeoutError(
-                        f"NIXL READ of {sum(int(d[1]) for d in local)} bytes still in progress at its "
-                        "deadline; "
-                        "the producer may be stalled (is its pump running?) or the network down"
+                        f"NIXL READ {what}still in progress at its deadline; the producer may be stalled (is its "
+                        "pump running?) or the network down"
                     )
                 if now > spin_until:  # a long transfer: poll without burning the core
                     time.sleep(50e-6)
                 state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise E.TransportError(f"NIXL READ ended in state {state!r}")
         except E.ExportError:
             raise
         except Exception as e:
             raise _translate(e, "READ") from None
-        finally:
-            if handle is not None:
-                try:
-                    handle.release()
-                except Exception as e:
-                    log.debug("releasing a NIXL handle: %s", e)
+        if state != "DONE":
+            raise E.TransportError(f"NIXL READ ended in state {state!r}")
 
     @property
     def remote_base(self) -> int:

@@ -90,7 +90,20 @@ class ConsumerTransport(Protocol):
 
     A transport that copies with the CPU may also offer ``read_checked(items, algorithm, deadline) -> digests``
     (:meth:`ShmConsumerTransport.read_checked <vllm_hs_compat.export.shm.ShmConsumerTransport.read_checked>`):
-    the copy with each range's checksum computed on the way; the consumer uses it when it is there."""
+    the copy with each range's checksum computed on the way; the consumer uses it when it is there.
+
+    A transport whose transfers run asynchronously may also offer posted reads (the consumer's verified read then
+    keeps a window of pieces in flight and checksums each as soon as it landed):
+
+    * ``post_read(items) -> posted``: start a read of ``(remote, local, nbytes)`` ranges and return at once; the
+      result's ``done`` says whether the bytes already moved while posting;
+    * ``wait_read(posted, deadline, spin_s)``: return when it is done; a named error when it failed, an
+      ``ExportTimeoutError`` (the read still in flight) at the deadline;
+    * ``release_read(posted)``: always called by the poster, once the read is over or given up; a read released in
+      flight may still write its landing range, which the caller then never reuses.
+
+    (:meth:`NixlConsumerTransport.post_read <vllm_hs_compat.export.nixl_backend.NixlConsumerTransport.post_read>`.)
+    """
 
     kind: str
     #: where records land, a 1-D CPU uint8 tensor
