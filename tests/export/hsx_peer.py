@@ -63,7 +63,13 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
             with mock.patch("os.getpid", return_value=fake_pid):
                 producer = ExportProducer(**cmd)
         path = producer.transport.describe().get("path")
-        return {"endpoint": producer.endpoint, "token": producer.token, "instance": producer.instance, "path": path}
+        return {
+            "endpoint": producer.endpoint,
+            "direct": producer.direct_endpoint,
+            "token": producer.token,
+            "instance": producer.instance,
+            "path": path,
+        }
     if op == "close_producer":
         if producer is not None:
             producer.close()

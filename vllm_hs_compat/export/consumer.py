@@ -83,6 +83,8 @@ OVERLAP_MIN_BYTES = 4 << 20
 DEFER_FRACTION = 0.5
 #: How long :meth:`ExportConsumer.close` waits for the answers to posted releases.
 CLOSE_COLLECT_S = 2.0
+#: How long the first ping through an offered direct endpoint may take before the trainer stays on the gate.
+DIRECT_CONFIRM_S = 2.0
 #: pieces of a verified read without ``overlap_verification``: each checksummed right after it landed
 CHECK_PIECE_BYTES = 2 << 20
 #: pieces of a pipelined read: about an eighth of it, between these bounds
@@ -428,6 +430,7 @@ class ExportConsumer:
         overlap_verification: bool = False,
         defer_releases: bool = True,
         spill_bytes: int | None = None,
+        direct: bool = True,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -493,8 +496,17 @@ class ExportConsumer:
             "deferred_releases": 0,
             "late_verdicts": 0,
             "unanswered_releases": 0,
+            "direct_switches": 0,
+            "direct_failures": 0,
+            "direct_fallbacks": 0,
         }
+        #: a trainer moves its control calls to the producer's direct endpoint (past the gate) when offered
+        self._direct_wanted = direct
+        self._token = token
+        self._max_reply_bytes = max_reply_bytes
         self._client: ControlClient | None = None
+        #: the connection through the gate (the ticket's endpoint); ``_client`` is it, or the direct one
+        self._gate_client: ControlClient | None = None
         self._reader: Any = None  # concurrent.futures.ThreadPoolExecutor, made on the first pipelined read
         self._raw, self._raw_key = memoryview(b""), (0, 0)
         try:
@@ -505,6 +517,7 @@ class ExportConsumer:
                 server_key=ticket.server_key if ticket is not None else None,
                 max_reply_bytes=max_reply_bytes,
             )
+            self._gate_client = self._client
             self._connect()
         except BaseException:
             self.close()  # do not leave a NIXL agent, a socket or a landing buffer behind
@@ -535,10 +548,7 @@ class ExportConsumer:
         return "record" if self._ticket is not None else "trainer"
 
     def _connect(self) -> None:
-        client = self._client
-        if client is None:
-            raise E.ExportClosedError("consumer is closed")
-        rep, producer = client.call(P.HelloReq())
+        rep, producer = self._exchange(P.HelloReq(), self._client.timeout_s if self._client is not None else None)
         if not isinstance(rep, P.HelloReply):
             raise E.ProtocolError(f"hello answered with {type(rep).__name__}")
         info = rep.transport
@@ -570,6 +580,63 @@ class ExportConsumer:
         self._hello = rep
         self.hello = msgspec.to_builtins(rep, builtin_types=(bytes,))
         self.counters["handshakes"] += 1
+        if rep.principal == "trainer" and self._direct_wanted and self._ticket is None:
+            self._go_direct()
+
+    @property
+    def direct(self) -> bool:
+        """Whether control calls go to the producer's direct endpoint (the trainer's path past the gate)."""
+        return self._client is not None and self._client is not self._gate_client
+
+    def _go_direct(self) -> None:
+        """After a hello through the gate: ask for the direct endpoint, confirm it with a ping (same producer
+        instance), then send every control call there.  Any failure keeps the gate (counted ``direct_failures``
+        when an offered endpoint did not answer)."""
+        gate = self._gate_client
+        if gate is None or self._client is not gate or self._token is None:
+            return
+        try:
+            rep, _ = gate.call(P.DirectReq(), self.timeout_s)
+        except E.ExportError as e:  # an older producer: `protocol` error; the gate stays
+            log.debug("no direct endpoint from %s: %s", self.endpoint, e)
+            return
+        if not isinstance(rep, P.DirectReply) or rep.endpoint is None:
+            return
+        client: ControlClient | None = None
+        try:
+            client = ControlClient(
+                rep.endpoint,
+                self._token,
+                min(self.timeout_s, DIRECT_CONFIRM_S),
+                max_reply_bytes=self._max_reply_bytes,
+                fail_on_disconnect=True,
+            )
+            pong, producer = client.call(P.PingReq())
+            if not isinstance(pong, P.PongReply) or producer != self.producer:
+                raise E.StaleMetadataError(f"direct endpoint {rep.endpoint} answered as {producer}")
+        except HsCompatError as e:
+            self.counters["direct_failures"] += 1
+            log.info("direct endpoint %s not usable (%s); staying on the gate %s", rep.endpoint, e, self.endpoint)
+            if client is not None:
+                client.close()
+            return
+        client.timeout_s = self.timeout_s
+        client.adopt(gate)
+        self._client = client
+        self.counters["direct_switches"] += 1
+
+    def _fall_back(self, why: BaseException) -> ControlClient:
+        """The direct connection failed: close it and use the gate again (its posted requests move there)."""
+        direct, gate = self._client, self._gate_client
+        if gate is None:
+            raise E.ExportClosedError("consumer is closed")
+        if direct is not None and direct is not gate:
+            gate.adopt(direct)
+            direct.close()
+        self._client = gate
+        self.counters["direct_fallbacks"] += 1
+        log.info("direct control endpoint failed (%s); back to the gate %s", why, self.endpoint)
+        return gate
 
     def _new_landing(self) -> _Landing:
         landing = _Landing(self._landing_bytes)
@@ -629,15 +696,26 @@ class ExportConsumer:
     def _call(self, req: P.Request, timeout_s: float | None = None) -> P.Reply:
         """One request.  An answer from another producer instance than the attached one (the producer restarted)
         re-attaches first."""
-        client = self._client
-        if client is None:
-            raise E.ExportClosedError("consumer is closed")
-        rep, producer = client.call(req, timeout_s if timeout_s is not None else self.timeout_s)
+        rep, producer = self._exchange(req, timeout_s if timeout_s is not None else self.timeout_s)
         if self._unsettled:
             self._reconcile()
         if producer != self.producer:
             self._connect()
         return rep
+
+    def _exchange(self, req: P.Request, timeout: float | None) -> tuple[P.Reply, str]:
+        """One request on the current connection; a direct one that fails sends it again through the gate."""
+        client = self._client
+        if client is None:
+            raise E.ExportClosedError("consumer is closed")
+        if client is self._gate_client:
+            return client.call(req, timeout)
+        rid = P.new_rid()
+        try:
+            return client.call(req, timeout, rid=rid)
+        except (E.ExportTimeoutError, E.AuthError) as e:
+            # the same request id through the gate: the producer answers it once (a claim keeps its leases)
+            return self._fall_back(e).call(req, timeout, rid=rid)
 
     def _cap(self) -> str | None:
         return self._ticket.cap if self._ticket is not None else None
@@ -1718,7 +1796,10 @@ class ExportConsumer:
                     log.warning("%d posted release(s) unanswered at close; their leases expire at the producer", left)
                 self._unsettled.clear()
             self._client.close()
+            if self._gate_client is not None and self._gate_client is not self._client:
+                self._gate_client.close()
             self._client = None
+            self._gate_client = None
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None

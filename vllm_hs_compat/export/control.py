@@ -480,7 +480,16 @@ _OWN_COUNTERS: Final = (
     "gate_exits_signal",
     "gate_exits_code",
     "gate_start_failures",
+    "direct_requests",
+    "direct_zap_accepted",
+    "direct_zap_denied",
+    "direct_bad_frames",
+    "direct_replies_dropped",
 )
+#: The ZAP domain of the producer's direct socket (the trainer's path past the gate).
+DIRECT_DOMAIN: Final = b"hsx-direct"
+#: The route's first part of a request that came on the direct socket (a gate's routing id is never empty).
+_DIRECT: Final = b""
 
 
 class ControlServer:
@@ -506,6 +515,8 @@ class ControlServer:
         heartbeat_s: float = 10.0,
         max_parked: int = 1024,
         limits: ControlLimits | None = None,
+        direct: bool = True,
+        direct_port: int = 0,
     ) -> None:
         self._handler = handler
         token = check_token(token)
@@ -555,7 +566,12 @@ class ControlServer:
             "memory_bytes": self.limits.gate_memory_bytes,
             "backend": self._backend,
         }
+        self._trainer_key = z85.decode(trainer_public)
         self._ctx = zmq.Context(io_threads=1)
+        self._zap: zmq.Socket[bytes] | None = None
+        self._direct: zmq.Socket[bytes] | None = None
+        #: the direct socket's bound port (0: none)
+        self.direct_port = 0
         try:
             s = self._ctx.socket(zmq.ROUTER)
             self._sock = s
@@ -573,6 +589,8 @@ class ControlServer:
                     f"control plane cannot bind its private socket {self._backend}: {e}; point TMPDIR at a short "
                     "path (an ipc:// path has at most 107 bytes)"
                 ) from None
+            if direct:
+                self._bind_direct(host, direct_port, secret, handshake_timeout_s, heartbeat_s)
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._wake_lock = threading.Lock()
             self._start_gate(port)
@@ -586,6 +604,97 @@ class ControlServer:
             raise
         self._thread = threading.Thread(target=self._run, name="hsx-control", daemon=True)
         self._thread.start()
+
+    def _bind_direct(self, host: str, port: int, secret: bytes, handshake_s: float, heartbeat_s: float) -> None:
+        """The trainer's direct socket: a CURVE ROUTER in this process whose ZAP handler (this context's, served
+        by the serving thread) accepts the trainer's key only, so no other peer ever delivers a message here.
+        Its options are the gate's public socket's (RCVHWM 0, never ROUTER_HANDOVER: see gate.py)."""
+        zap = self._ctx.socket(zmq.REP)
+        self._zap = zap
+        zap.linger = 0
+        zap.bind(ZAP_ENDPOINT)  # before any socket of this context accepts a connection
+        d = self._ctx.socket(zmq.ROUTER)
+        self._direct = d
+        d.linger = 0
+        if ":" in host:
+            d.ipv6 = True
+        d.curve_server = True
+        d.curve_secretkey = secret
+        d.zap_domain = DIRECT_DOMAIN
+        d.setsockopt(zmq.MAXMSGSIZE, _SERVER_MAXMSGSIZE)
+        d.setsockopt(zmq.HANDSHAKE_IVL, int(handshake_s * 1000))
+        d.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        d.setsockopt(zmq.SNDHWM, 10_000)
+        d.setsockopt(zmq.RCVHWM, 0)  # never a finite one, never ROUTER_HANDOVER (gate.py says why)
+        d.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        d.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+        d.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * int(heartbeat_s * 1000))
+        try:
+            d.bind(f"{_zmq_addr(host, port if port else '*')}")
+        except zmq.ZMQError as e:
+            raise E.ExportConfigError(
+                f"control plane cannot bind its direct socket on {host}:{port}: {e}; pass direct_port=0 for an "
+                "ephemeral port, or direct=False"
+            ) from None
+        self.direct_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+    def _zap_allows(self, domain: bytes, mechanism: bytes, key: bytes) -> bytes | None:
+        """The ZAP verdict of this process's context: the user id to stamp, or None to deny.  On the direct
+        socket only the trainer's CURVE key; the private socket to the gate (``ipc://``, NULL mechanism, no
+        domain) as without a handler."""
+        if domain == DIRECT_DOMAIN:
+            if mechanism == b"CURVE" and len(key) == 32 and hmac.compare_digest(key, self._trainer_key):
+                return b"trainer"
+            return None
+        return b"" if mechanism == b"NULL" and domain == b"" else None
+
+    def _serve_zap(self) -> None:
+        zap = self._zap
+        if zap is None:
+            return
+        for _ in range(256):
+            try:
+                frames = zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            req_id = frames[1] if len(frames) > 1 else b""
+            if len(frames) < 6:
+                zap.send_multipart([b"1.0", req_id, b"500", b"malformed ZAP request", b"", b""])
+                continue
+            domain, mechanism = frames[2], frames[5]
+            user = self._zap_allows(domain, mechanism, frames[6] if len(frames) > 6 else b"")
+            if domain == DIRECT_DOMAIN:
+                self._own["direct_zap_accepted" if user is not None else "direct_zap_denied"] += 1
+            if user is None:
+                zap.send_multipart([b"1.0", req_id, b"400", b"denied", b"", b""])
+            else:
+                zap.send_multipart([b"1.0", req_id, b"200", b"OK", user, b""])
+
+    def _serve_direct(self) -> None:
+        d = self._direct
+        if d is None:
+            return
+        for _ in range(256):
+            try:
+                frames = d.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            # [connection, header, rid, body]; only the trainer passes this socket's ZAP handler
+            if len(frames) != 4 or len(frames[2].bytes) != P.RID_BYTES:
+                self._own["direct_bad_frames"] += 1
+                continue
+            self._own["direct_requests"] += 1
+            gated = [frames[0], frames[0], b"trainer", frames[1], frames[2], frames[3]]
+            try:
+                self._one(gated, direct=True)
+            except Exception as e:  # as in _serve_requests: the request fails alone
+                self._own["internal_errors"] += 1
+                log.exception("export control request (direct) failed")
+                rep = P.ErrorReply("internal", f"{type(e).__name__}: {e}"[:8000])
+                try:
+                    self._send((_DIRECT, frames[0].bytes), frames[2].bytes, rep)
+                except Exception:
+                    log.exception("export control: the error reply could not be sent either")
 
     @property
     def endpoint(self) -> str:
@@ -797,7 +906,9 @@ class ControlServer:
             log.exception("export control plane: answering parked long polls at close failed")
         finally:
             self._stop_gate()
-            for sock in (self._sock,):
+            for sock in (self._sock, self._direct, self._zap):
+                if sock is None:
+                    continue
                 try:
                     sock.close(linger=0)
                 except zmq.ZMQError:
@@ -805,8 +916,9 @@ class ControlServer:
 
     def _serve(self) -> None:
         poller = self._poller
-        for fd in (self._sock, self._wake_r):
-            poller.register(fd, zmq.POLLIN)  # registering twice (after a restart) only updates the flags
+        for fd in (self._sock, self._wake_r, self._zap, self._direct):
+            if fd is not None:
+                poller.register(fd, zmq.POLLIN)  # registering twice (after a restart) only updates the flags
         next_retry = 0.0
         while not self._stopping:
             now = time.monotonic()
@@ -829,6 +941,10 @@ class ControlServer:
                         pass
                 except BlockingIOError:
                     pass
+            if self._zap is not None and self._zap in ready:
+                self._serve_zap()
+            if self._direct is not None and self._direct in ready:
+                self._serve_direct()
             if self._sock in ready:
                 self._serve_requests()
             if self._recheck:
@@ -858,13 +974,13 @@ class ControlServer:
                     except Exception:
                         log.exception("export control: the error reply could not be sent either")
 
-    def _one(self, frames: list[zmq.Frame]) -> None:
+    def _one(self, frames: list[Any], direct: bool = False) -> None:
         if len(frames) != 6:  # [gate, connection, principal, header, rid, body]: the gate sends nothing else
             self._own["bad_frames"] += 1
             return
-        route = (frames[0].bytes, frames[1].bytes)
+        route = (_DIRECT, frames[1].bytes) if direct else (frames[0].bytes, frames[1].bytes)
         rid = frames[4].bytes
-        principal = "trainer" if frames[2].bytes == b"trainer" else "record"
+        principal = "trainer" if direct or frames[2].bytes == b"trainer" else "record"
         try:
             P.check_header(frames[3].bytes)
             # the nesting walk only for ticket holders: a trainer's long releases would pay ~1.8 us per lease for
@@ -943,6 +1059,15 @@ class ControlServer:
             self._own["internal_errors"] += 1
             log.error("cannot encode a %s reply: %s", type(rep).__name__, e)
             body = P.encode(P.ErrorReply("internal", f"reply could not be encoded: {e}"[:8000]))
+        if route[0] == _DIRECT:
+            d = self._direct
+            try:
+                if d is None:
+                    raise zmq.ZMQError(errno.ENOTSOCK)
+                d.send_multipart([route[1], P.HEADER, rid, self._producer, body], zmq.NOBLOCK)
+            except zmq.ZMQError:  # the trainer's connection is gone: it resends by request id, or via the gate
+                self._own["direct_replies_dropped"] += 1
+            return
         try:
             self._sock.send_multipart([route[0], route[1], P.HEADER, rid, self._producer, body], zmq.NOBLOCK)
         except zmq.ZMQError:  # the gate that carried the request is gone: the client resends by request id
@@ -1007,8 +1132,13 @@ class ControlClient:
         *,
         server_key: str | None = None,
         max_reply_bytes: int = P.DEFAULT_REPLY_BYTES,
+        fail_on_disconnect: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        #: raise :class:`ProducerUnreachableError` from :meth:`call` as soon as the connection drops, instead of
+        #: waiting for it to be re-made (the trainer's direct connection: the caller falls back to the gate)
+        self.fail_on_disconnect = fail_on_disconnect
+        self.disconnected = False
         self.timeout_s = timeout_s
         if not P.MIN_REPLY_BYTES <= max_reply_bytes <= P.MAX_REPLY_BYTES:
             raise E.ExportConfigError(
@@ -1079,7 +1209,10 @@ class ControlClient:
             except zmq.Again:
                 return remade
             event = _monitor_event(msg)
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event == zmq.EVENT_DISCONNECTED:
+                self.disconnected = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.disconnected = False
                 remade = self._handshakes > 0
                 self._handshakes += 1
                 self._failures = 0
@@ -1094,12 +1227,14 @@ class ControlClient:
                         f"vllm-hs-compat producer of wire version {PROTO}"
                     )
 
-    def call(self, req: P.Request, timeout_s: float | None = None) -> tuple[P.Reply, str]:
+    def call(self, req: P.Request, timeout_s: float | None = None, rid: bytes | None = None) -> tuple[P.Reply, str]:
         """Send one request and wait for its answer: ``(reply, producer instance)``.  An error answer raises the
         mapped named error; no answer by the deadline raises :class:`ExportTimeoutError`
-        (:class:`ProducerUnreachableError` when no connection was ever made)."""
+        (:class:`ProducerUnreachableError` when no connection was ever made, or, with ``fail_on_disconnect``,
+        when the connection drops).  ``rid``: the request id (a request sent again over another connection keeps
+        its id, so the producer answers it once); a fresh one by default."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        rid = P.new_rid()
+        rid = P.new_rid() if rid is None else rid
         frames = [P.HEADER, rid, P.encode(req)]
         deadline = time.monotonic() + timeout
         sent = False
@@ -1120,6 +1255,10 @@ class ControlClient:
                     self.resends += 1  # the connection was re-made: the request may have been lost with the old one
                     sent = False
                     continue
+            if self.fail_on_disconnect and self.disconnected:
+                raise E.ProducerUnreachableError(
+                    f"the connection to {self.endpoint} dropped while {type(req).__name__} was in flight"
+                )
             if self._sock not in ready:
                 continue
             reply = self._receive(rid)
@@ -1179,6 +1318,13 @@ class ControlClient:
         except zmq.Again:
             pass  # the queue towards an unconnected producer is full: sent again when the connection is made
         return rid
+
+    def adopt(self, other: ControlClient) -> None:
+        """Take over ``other``'s posted requests (sent again here, with their ids) and the answers it holds."""
+        self._answers.extend(other.answers())
+        self._posted.update(other._posted)
+        other._posted.clear()
+        self._resend_posted()
 
     def _resend_posted(self) -> None:
         for frames in self._posted.values():

@@ -158,6 +158,7 @@ class ExportProducer:
         handshake_timeout_s: float = 5.0,
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
         control_limits: ControlLimits | None = None,
+        direct_port: int | None = 0,
     ) -> None:
         """``lease_ttl_s``: how long a consumer may hold a claimed record before it is taken back; a record
         taken back unreleased goes back to the queue under a new lease, up to ``max_redeliveries`` times
@@ -241,6 +242,7 @@ class ExportProducer:
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, name="hsx-export-pump", daemon=True)
         self._pump.start()
+        self.direct_endpoint: str | None = None
         try:
             self._server = ControlServer(
                 self._handle,
@@ -250,6 +252,8 @@ class ExportProducer:
                 producer=self.instance,
                 handshake_timeout_s=handshake_timeout_s,
                 limits=control_limits,
+                direct=direct_port is not None,
+                direct_port=direct_port or 0,
             )
         except BaseException:
             self._stop.set()
@@ -264,6 +268,9 @@ class ExportProducer:
         bound_host, bound_port = self._server.address
         adv = advertise_host or (socket.gethostname() if bound_host in ("0.0.0.0", "::", "") else bound_host)
         self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
+        dport = self._server.direct_port
+        #: the trainer's direct control endpoint (same host, the producer's own socket, past the gate), or None
+        self.direct_endpoint = (f"[{adv}]:{dport}" if ":" in adv else f"{adv}:{dport}") if dport else None
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._counter_lock:
@@ -521,6 +528,9 @@ class ExportProducer:
             )
         if isinstance(req, P.PingReq):
             return P.PongReply(self.instance)
+        if isinstance(req, P.DirectReq):
+            self._trainer_only(trainer, "direct (the trainer's own endpoint)")
+            return P.DirectReply(self.direct_endpoint)
         if isinstance(req, P.ClaimReq):
             publication = None
             if not trainer:

@@ -145,7 +145,13 @@ class StatsReq(_Request, tag="stats"):
     """The producer's counters (trainer only)."""
 
 
-Request = HelloReq | PingReq | ClaimReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq
+class DirectReq(_Request, tag="direct"):
+    """Where the trainer may reach the producer's own socket, past the gate (trainer only).  Its own op, not a
+    field of ``hello``: replies forbid unknown fields, so an older consumer could not decode such a hello; an
+    older producer answers this op with a ``protocol`` error, and the consumer stays on the gate."""
+
+
+Request = HelloReq | PingReq | ClaimReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq | DirectReq
 
 
 # --- transport descriptions (in the trainer's hello) ----------------------------------------------------------
@@ -280,6 +286,12 @@ class StatsReply(_Reply, tag="stats"):
     stats: dict[str, int | float | str]
 
 
+class DirectReply(_Reply, tag="direct"):
+    """The trainer's direct endpoint (``host:port``), or None when the producer serves none."""
+
+    endpoint: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+
+
 class ErrorReply(_Reply, tag="error"):
     """A failed request: ``code`` names the error class (``control.ERROR_CODES``)."""
 
@@ -287,7 +299,7 @@ class ErrorReply(_Reply, tag="error"):
     message: Annotated[str, msgspec.Meta(max_length=8192)]
 
 
-Reply = HelloReply | PongReply | ClaimReply | ReleaseReply | ReadReply | StatsReply | ErrorReply
+Reply = HelloReply | PongReply | ClaimReply | ReleaseReply | ReadReply | StatsReply | DirectReply | ErrorReply
 
 # --- codecs -------------------------------------------------------------------------------------------------------
 ENCODER: Final = msgspec.msgpack.Encoder()
