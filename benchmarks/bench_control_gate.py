@@ -7,7 +7,8 @@ The serving side runs in a second process (this script with ``--serve``): one ``
 control plane through its gate, the default) and, on a second port, the baseline revision's ``ControlServer``
 (the public socket in the serving process, no gate) loaded from ``git show <rev>:vllm_hs_compat/export/
 control.py`` and answering with the same producer's handler.  The client side runs here: one trainer consumer
-per endpoint, and per iteration, alternating the two: a ``ping``, a ``claim`` of one small record (its
+per endpoint (and a third on the gate's endpoint that moves to the producer's direct socket, the trainer's path
+past the gate), and per iteration, alternating the three: a ``ping``, a ``claim`` of one small record (its
 ``abandon`` untimed) and a ``fetch`` of another (claim + shm read + release).  Medians and 90th percentiles.
 """
 
@@ -59,7 +60,7 @@ def serve(rev: str, n: int) -> None:
     p = ExportProducer(backend="shm", num_slots=8 * n + 64, slot_bytes=4096, token=TOKEN)
     old = _baseline_server_class(rev)(p._handle, TOKEN, producer=p.instance)
     rows = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
-    for prefix in ("gc", "gf", "bc", "bf"):
+    for prefix in ("gc", "gf", "dc", "df", "bc", "bf"):
         for i in range(n):
             p.publish(RecordMeta.for_tensor(f"{prefix}{i}", rows, [0], [1], True), rows)
     print(json.dumps({"gate": p.endpoint, "baseline": old.endpoint}), flush=True)
@@ -85,7 +86,11 @@ def main() -> None:
     )
     assert srv.stdout is not None and srv.stdin is not None
     ends = json.loads(srv.stdout.readline())
-    consumers = {k: ExportConsumer(ends[k], TOKEN, landing_bytes=1 << 20, timeout_s=30) for k in ("gate", "baseline")}
+    consumers = {
+        k: ExportConsumer(ends[e], TOKEN, landing_bytes=1 << 20, timeout_s=30, direct=k == "direct")
+        for k, e in (("gate", "gate"), ("direct", "gate"), ("baseline", "baseline"))
+    }
+    assert consumers["direct"].direct and not consumers["gate"].direct
     times: dict[str, list[float]] = {f"{k}_{op}": [] for k in consumers for op in ("ping", "claim", "fetch")}
     gate = int(consumers["gate"].remote_stats()["control_gate_pid"])
     cpu0, forwarded0 = _cpu_s(gate), consumers["gate"].remote_stats()["control_forwarded"]
@@ -110,14 +115,17 @@ def main() -> None:
     srv.stdin.flush()
     srv.wait(30)
     print(f"{args.iters} iterations, alternating; microseconds, median (p90)")
-    print(f"{'':8}{'in-process (' + args.baseline_rev + ')':>26}{'through the gate':>26}{'extra':>10}")
+    print(
+        f"{'':8}{'in-process (' + args.baseline_rev + ')':>26}{'through the gate':>26}{'direct (trainer)':>26}"
+        f"{'gate extra':>12}{'direct extra':>14}"
+    )
     for op in ("ping", "claim", "fetch"):
         row = []
-        for k in ("baseline", "gate"):
+        for k in ("baseline", "gate", "direct"):
             xs = sorted(times[f"{k}_{op}"])
             row.append((statistics.median(xs) * 1e6, xs[int(0.9 * len(xs))] * 1e6))
-        extra = row[1][0] - row[0][0]
-        print(f"{op:8}{row[0][0]:>16.0f} ({row[0][1]:>6.0f}){row[1][0]:>16.0f} ({row[1][1]:>6.0f}){extra:>+10.0f}")
+        cells = "".join(f"{m:>16.0f} ({p90:>6.0f})" for m, p90 in row)
+        print(f"{op:8}{cells}{row[1][0] - row[0][0]:>+12.0f}{row[2][0] - row[0][0]:>+14.0f}")
     per = (cpu1 - cpu0) / max(1, forwarded1 - forwarded0) * 1e6
     print(f"the gate's CPU time per request and its reply: {per:.0f} us ({forwarded1 - forwarded0} requests)")
     print(f"host load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
