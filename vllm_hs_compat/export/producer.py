@@ -171,6 +171,9 @@ class ExportProducer:
         ``poll_interval_s`` while leases stay claimed longer, or within 0.5 s of a request; otherwise it waits
         ``idle_poll_interval_s`` -- or until the next control-plane request wakes it (so the idle wait only paces
         UCX's background work: keepalives, a peer's disconnect).
+
+        ``direct_port``: the trainer's direct control socket in this process, past the gate (its ZAP handler admits
+        the trainer's key only): ``0`` an ephemeral port on ``host``, ``N`` that port, ``None`` none.
         See :mod:`.pool` for the ledger and docs/export.md for the rest."""
         if backend not in BACKENDS:
             raise E.ExportConfigError(f"backend must be one of {BACKENDS}, found {backend!r}")
