@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -296,3 +297,15 @@ def test_hello_reply_is_unchanged_and_an_older_producer_keeps_the_gate(make_prod
     with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB) as c:
         assert not c.direct and c.stats()["direct_failures"] == 0
         assert digest(c.fetch("o").hidden_states) == digest(make_rows(3, 50, 2, 64))
+
+
+def test_a_killed_gate_does_not_interrupt_a_direct_trainer(make_producer: Make) -> None:
+    p = make_producer()
+    _publish(p, "k1", 1)
+    with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB) as c:
+        assert c.direct
+        os.kill(p.stats()["control_gate_pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        assert digest(c.fetch("k1").hidden_states) == digest(make_rows(1, 50, 2, 64))
+        assert time.monotonic() - t0 < 1.0 and c.direct and c.stats()["direct_fallbacks"] == 0
+        wait_until(lambda: p.stats()["control_gate_restarts"] == 1, 10, "the gate restarted")
