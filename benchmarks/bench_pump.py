@@ -41,12 +41,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from role_worker import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -228,49 +229,6 @@ def role_consumer() -> None:
     _serve({"connect": connect, "lone": lone, "busy": busy, "stream": stream})
 
 
-class Worker:
-    def __init__(self, role: str, src: Path, env: dict[str, str], log: Path) -> None:
-        full = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-        full.update(TCP)
-        full.update(env)
-        full["PYTHONPATH"] = str(src) + os.pathsep + full.get("PYTHONPATH", "")
-        self.role = role
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--role", role],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=full,
-            cwd=src,
-        )
-
-    def __call__(self, op: str, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.role} died (log: {self.log.name})")
-        ans = dict(json.loads(line))
-        if "error" in ans:
-            raise RuntimeError(f"{self.role} {op}: {ans['error']} (log: {self.log.name})")
-        return ans
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(20)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.log.close()
-
-
 def _load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -314,8 +272,8 @@ def main() -> None:
                 sys.exit(f"{n} needs --before-src")
             src = Path(a.before_src) if cfg["src"] == "before" else ROOT
             env = cfg.get("env", {})
-            prod = Worker("producer", src, env, log_dir / f"{n}-producer.log")
-            cons = Worker("consumer", src, env, log_dir / f"{n}-consumer.log")
+            prod = Worker("producer", __file__, sys.executable, src, {**TCP, **env}, log_dir / f"{n}-producer.log")
+            cons = Worker("consumer", __file__, sys.executable, src, {**TCP, **env}, log_dir / f"{n}-consumer.log")
             workers += [prod, cons]
             info = prod("start", kw=cfg.get("kw", {}))
             cons("connect", endpoint=info["endpoint"], token=info["token"])

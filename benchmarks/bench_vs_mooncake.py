@@ -59,6 +59,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from role_worker import Worker
+
 ROOT = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB)
@@ -603,46 +605,6 @@ def _counter(c: Any, key: str) -> int:
 
 
 # --- the orchestrator --------------------------------------------------------------------------------------
-class Worker:
-    def __init__(self, role: str, env: dict[str, str], python: str, log_dir: Path) -> None:
-        full = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-        full.update(env)
-        full["PYTHONPATH"] = str(ROOT) + os.pathsep + full.get("PYTHONPATH", "")
-        self.role = role
-        self.log = open(log_dir / f"{role}-{len(os.listdir(log_dir))}.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [python, __file__, "--role", role],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=full,
-            cwd=ROOT,
-        )
-
-    def __call__(self, op: str, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.role} died (log: {self.log.name})")
-        ans = dict(json.loads(line))
-        if "error" in ans:
-            raise RuntimeError(f"{self.role} {op}: {ans['error']} (log: {self.log.name})")
-        return ans
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(20)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.log.close()
 
 
 def _mooncake_env(mc_py: str) -> dict[str, str]:
@@ -711,7 +673,8 @@ class Bench:
         return out
 
     def _start(self, role: str, env: dict[str, str], python: str | None = None) -> Worker:
-        w = Worker(role, env, python or sys.executable, self.log_dir)
+        log = self.log_dir / f"{role}-{len(os.listdir(self.log_dir))}.log"
+        w = Worker(role, __file__, python or sys.executable, ROOT, env, log)
         self.workers.append(w)
         return w
 

@@ -33,3 +33,18 @@ def make_meta(record_id: str, rows: torch.Tensor, seed: int = 0) -> RecordMeta:
 def digest(t: torch.Tensor) -> str:
     flat = t.contiguous().view(torch.uint8).reshape(-1)
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+class Clock:
+    """A clock the pool tests move by hand (``LeasePool(clock=...)``)."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def meta(rid: str) -> RecordMeta:
+    """The metadata of a one-byte record (pool tests, where the bytes do not matter)."""
+    return RecordMeta(rid, (1,), (0,), True, "uint8", (1, 1, 1), checksum=0)

@@ -5,24 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hsx_testdata import Clock, meta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.export.pool import LeasePool
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def meta(rid: str) -> RecordMeta:
-    return RecordMeta(rid, (1,), (0,), True, "uint8", (1, 1, 1), checksum=0)
 
 
 def put(pool: LeasePool, rid: str, nbytes: int) -> int:

@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 import torch
 from hsx_harness import ledger_balanced, producer_factory, wait_until
-from hsx_testdata import digest, make_meta, make_rows
+from hsx_testdata import Clock, digest, make_meta, make_rows, meta
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.export import ExportConsumer, ExportProducer, LeaseExpiredError, PoolFullError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.pool import REQUEUED, LeasePool
@@ -33,18 +32,6 @@ from vllm_hs_compat.trainer.dataset import _Recent
 
 MiB = 1 << 20
 Make = Callable[..., ExportProducer]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def meta(rid: str) -> RecordMeta:
-    return RecordMeta(rid, (1,), (0,), True, "uint8", (1, 1, 1), checksum=0)
 
 
 def put(pool: LeasePool, rid: str, nbytes: int = 64) -> None:

@@ -160,8 +160,37 @@ class RecordBatch(Sequence[CaptureRecord]):
         return CaptureRecord(self.meta(i), self.hidden_states[a:b])
 
     def __iter__(self) -> Iterator[CaptureRecord]:
-        for i in range(len(self)):
-            yield self[i]
+        return iter(self.records())
+
+    def records(self) -> list[CaptureRecord]:
+        """Every record: its tensor a view of ``hidden_states``, its metadata built and validated as :meth:`meta`
+        builds it, with the batch's arrays converted to Python once (not per record)."""
+        s = self.schema
+        ids = self.token_ids.tolist()
+        cu = self.cu_tokens.tolist()
+        start = self.start.tolist()
+        prompt = self.num_prompt_tokens.tolist()
+        hs = self.hidden_states
+        out: list[CaptureRecord] = []
+        for k, rid in enumerate(self.record_ids):
+            lo, hi = cu[k], cu[k + 1]
+            meta = RecordMeta(
+                request_id=rid,
+                token_ids=tuple(ids[lo:hi]),
+                layer_ids=s.layer_ids,
+                pre_norm=s.pre_norm,
+                dtype=s.dtype,
+                shape=(hi - lo, s.planes, s.hidden),
+                checksum=self.checksums[k],
+                checksum_algorithm=s.checksum_algorithm,
+                vllm_version=s.vllm_version,
+                adapter=s.adapter,
+                start=start[k],
+                num_prompt_tokens=prompt[k],
+                schema_version=s.schema_version,
+            )
+            out.append(CaptureRecord(meta, hs[lo:hi]))
+        return out
 
     def __repr__(self) -> str:
         s = self.schema

@@ -314,37 +314,14 @@ def _copied(t: torch.Tensor) -> torch.Tensor:
 
 
 def _records_of(items: Sequence[RecordBatch | HsCompatError]) -> list[CaptureRecord | HsCompatError]:
-    """Batches split into their records (each record's tensor a view of its batch's owned tensor; its metadata
-    built and validated as :meth:`RecordBatch.meta` does, the token ids converted once per batch); errors kept."""
+    """Batches split into their records (:meth:`RecordBatch.records`: each record's tensor a view of its batch's
+    owned tensor); errors kept."""
     out: list[CaptureRecord | HsCompatError] = []
     for b in items:
-        if not isinstance(b, RecordBatch):
+        if isinstance(b, RecordBatch):
+            out.extend(b.records())
+        else:
             out.append(b)
-            continue
-        s = b.schema
-        ids = b.token_ids.tolist()
-        cu = b.cu_tokens.tolist()
-        start = b.start.tolist()
-        prompt = b.num_prompt_tokens.tolist()
-        hs = b.hidden_states
-        for k, rid in enumerate(b.record_ids):
-            lo, hi = cu[k], cu[k + 1]
-            meta = RecordMeta(
-                request_id=rid,
-                token_ids=tuple(ids[lo:hi]),
-                layer_ids=s.layer_ids,
-                pre_norm=s.pre_norm,
-                dtype=s.dtype,
-                shape=(hi - lo, s.planes, s.hidden),
-                checksum=b.checksums[k],
-                checksum_algorithm=s.checksum_algorithm,
-                vllm_version=s.vllm_version,
-                adapter=s.adapter,
-                start=start[k],
-                num_prompt_tokens=prompt[k],
-                schema_version=s.schema_version,
-            )
-            out.append(CaptureRecord(meta, hs[lo:hi]))
     return out
 
 
