@@ -161,7 +161,7 @@ def test_speculators_reads_exact_records_and_builds_exact_teacher(world: World, 
 
 # --- SpecForge ------------------------------------------------------------------------------------------------------
 def _specforge_batch(out: Path) -> tuple[list[Any], list[dict[str, torch.Tensor]], dict[str, Any]]:
-    from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_reader, build_offline_normalizer
+    from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer, build_offline_reader
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 
     refs = build_offline_reader(str(out), run_id="t", ttt_length=1, max_len=512).read()
