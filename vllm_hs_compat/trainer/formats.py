@@ -404,18 +404,19 @@ class FormatWriter:
         if self.fmt == "speculators":
             path = self._write_speculators(i, record, input_ids, mask)
         elif self.fmt in ("specforge-eagle3", "specforge-dflash"):
+            ckpt: dict[str, torch.Tensor]
             if self.fmt == "specforge-eagle3":
                 if self.final_norm is None:  # set in __init__; kept named
                     raise FinalNormError("specforge-eagle3 needs the verifier's final norm")
                 base = self.final_norm.apply(rows[:, p - 1])
-                data = {
+                ckpt = {
                     "input_ids": input_ids,
                     "loss_mask": mask,
                     "hidden_state": _own(base).unsqueeze(0),
                     "aux_hidden_state": _own(rows[:, : p - 1].reshape(t, (p - 1) * rows.shape[2])).unsqueeze(0),
                 }
             else:
-                data = {
+                ckpt = {
                     "input_ids": input_ids,
                     "loss_mask": mask,
                     "hidden_states": _own(rows.reshape(t, p * rows.shape[2])).unsqueeze(0),
@@ -423,7 +424,7 @@ class FormatWriter:
             folder = self.out / f"rows_{i // ROWS_PER_DIR * ROWS_PER_DIR:08d}"
             folder.mkdir(exist_ok=True)
             buf = io.BytesIO()
-            torch.save(data, buf)
+            torch.save(ckpt, buf)
             if self.compress:
                 path = folder / f"data_{i:08d}.ckpt.gz"
                 _atomic_bytes(path, gzip.compress(buf.getvalue(), compresslevel=1))
@@ -433,7 +434,7 @@ class FormatWriter:
         elif self.fmt == "modelopt":
             from vllm_hs_compat.export.files import record_stem
 
-            data = {
+            data: dict[str, Any] = {
                 "input_ids": input_ids,
                 "hidden_states": _own(rows[:, p - 1]),
                 "aux_hidden_states": _own(rows[:, : p - 1].reshape(t, (p - 1) * rows.shape[2])),
