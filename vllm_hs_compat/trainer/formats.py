@@ -94,7 +94,7 @@ FORMATS: Final[Mapping[str, FormatSpec]] = {
         "pre",
         "--target-layer-ids (speculators train; the base layer is not listed)",
         "load_from_disk(OUT) rows + OUT/hidden_states/hs_<i>.safetensors",
-        "speculators train --data-path OUT --verifier-name-or-path MODEL --target-layer-ids {ids} ...",
+        "speculators train --data-path OUT --verifier-name-or-path MODEL --target-layer-ids {ids} --on-missing raise",
     ),
     "specforge-eagle3": FormatSpec(
         "specforge-eagle3",
@@ -103,7 +103,8 @@ FORMATS: Final[Mapping[str, FormatSpec]] = {
         "post",
         "eagle_config.eagle_aux_hidden_state_layer_ids (draft config) / model.aux_hidden_state_layer_ids",
         "OUT/**/*.ckpt[.gz] (OfflineManifestReader)",
-        "specforge train ... hidden_states_path=OUT, model.aux_hidden_state_layer_ids={ids}",
+        "specforge train --config RUN.yaml data.hidden_states_path=OUT model.target_model_path=MODEL "
+        "model.aux_hidden_state_layer_ids={ids}",
     ),
     "specforge-dflash": FormatSpec(
         "specforge-dflash",
@@ -112,7 +113,8 @@ FORMATS: Final[Mapping[str, FormatSpec]] = {
         None,
         "dflash_config.target_layer_ids (draft config)",
         "OUT/**/*.ckpt[.gz] (OfflineManifestReader, strategy dflash)",
-        "specforge train ... (dflash) hidden_states_path=OUT, dflash_config.target_layer_ids={ids}",
+        "specforge train --config RUN.yaml data.hidden_states_path=OUT (draft config: dflash_config.target_layer_ids"
+        "={ids})",
     ),
     "modelopt": FormatSpec(
         "modelopt",
