@@ -64,7 +64,7 @@ def test_final_norm_is_read_from_the_folder_and_applied_as_rmsnorm(model: Path) 
     assert torch.equal(norm.weight, w) and norm.eps == 1e-5 and norm.kind == "rmsnorm"
     x = torch.randn(5, C) * 4
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(norm.apply(x), want)
+    assert torch.allclose(norm.apply(x), want, rtol=1e-6, atol=1e-6)
     assert base_norm_state(norm.apply(x), norm) == "post"
     assert base_norm_state(x, norm) == "pre"  # negative control
 
@@ -231,3 +231,26 @@ def test_convert_command(model: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     argv = ["convert", str(src), "--to", "modelopt", "--out", str(tmp_path / "m"), "--verifier", str(model)]
     assert main([*argv, "--drafter-config", str(draft)]) == 2
     assert "off by one" in capsys.readouterr().err
+
+
+def test_a_second_writer_continues_the_numbering_and_dp_ranks_write_apart(model: Path, tmp_path: Path) -> None:
+    for k in range(2):  # a restarted server, or a second convert into the same folder
+        w = FormatWriter(tmp_path / "sf", "specforge-eagle3", verifier=model)
+        w.write(record(k))
+        w.close()
+    assert sorted(p.name for p in (tmp_path / "sf").rglob("*.ckpt")) == ["data_00000000.ckpt", "data_00000001.ckpt"]
+    for k in range(2):
+        w = FormatWriter(tmp_path / "sp", "speculators", num_hidden_layers=4)
+        w.write(record(k))
+        assert w.count == k + 1
+    assert sorted(p.name for p in (tmp_path / "sp" / "hidden_states").iterdir()) == [
+        "hs_0.safetensors",
+        "hs_1.safetensors",
+    ]
+    w = FormatWriter(tmp_path / "sf", "specforge-eagle3", verifier=model)
+    with pytest.raises(FormatError, match="already holds records of layer ids"):
+        w.write(record(5, ids=(1, 2, 4)))
+    with pytest.raises(FormatError, match="holds a 'specforge-eagle3' output"):
+        FormatWriter(tmp_path / "sf", "modelopt", verifier=model)
+    sink = FileSink(str(tmp_path / "dp"), format="modelopt", verifier=str(model), dp_rank=1)
+    assert sink.path == tmp_path / "dp" / "dp1"

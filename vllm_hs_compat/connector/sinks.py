@@ -93,8 +93,10 @@ class FileSink(Sink):
 
     kind = "file"
 
-    def __init__(self, path: str, format: str = "native", **options: Any) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str, format: str = "native", *, dp_rank: int = 0, **options: Any) -> None:
+        # A trainer format numbers its files per output (speculators' hs_<i> = row i of one dataset): the
+        # data-parallel engines of one deployment each write their own complete output, rank k > 0 in dp<k>/.
+        self.path = Path(path) if format == "native" or dp_rank == 0 else Path(path) / f"dp{dp_rank}"
         self.path.mkdir(parents=True, exist_ok=True)
         if not os.access(self.path, os.W_OK):
             raise CaptureConfigError(f"file sink directory {self.path} is not writable")
@@ -133,7 +135,13 @@ class FileSink(Sink):
 
     def close(self) -> None:
         if self.writer is not None:
-            summary = self.writer.close()
+            from vllm_hs_compat.errors import HsCompatError
+
+            try:
+                summary = self.writer.close()
+            except HsCompatError as exc:  # the files written so far stay; the message says how to finish
+                log.error("file sink (%s) could not finish %s: %s", self.format, self.path, exc)
+                return
             log.info(
                 "file sink (%s) closed: %d records; %s",
                 self.format,
@@ -179,7 +187,7 @@ def make_sink(config: ConnectorConfig, dp_rank: int = 0) -> Sink:
     if config.sink == "file":
         if config.file_path is None:  # config validation guarantees it; keep the error named anyway
             raise CaptureConfigError('sink "file" needs "file": {"path": "<directory>"}')
-        return FileSink(config.file_path, **dict(config.file_options))
+        return FileSink(config.file_path, dp_rank=dp_rank, **dict(config.file_options))
     if config.callback is None:
         raise CaptureConfigError('sink "callback" needs "callback": "module:function"')
     return CallbackSink(config.callback)

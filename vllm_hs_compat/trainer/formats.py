@@ -347,8 +347,42 @@ class FormatWriter:
         self._rows: list[dict[str, Any]] = []
         self._freq: Counter[int] = Counter()
         self._closed = False
+        self._previous: list[int] | None = None
         if fmt == "speculators":
             (self.out / "hidden_states").mkdir(exist_ok=True)
+        self._resume()
+
+    def _resume(self) -> None:
+        """Continue an output written before (a restarted server, a second ``convert`` into the same folder):
+        numbering goes on after the existing files, never over them; the earlier layer ids must match."""
+        try:
+            prev = json.loads((self.out / FORMAT_FILE).read_text())
+        except (OSError, ValueError):
+            prev = None
+        if isinstance(prev, dict):
+            if prev.get("format") != self.fmt:
+                raise FormatError(
+                    f"{self.out} holds a {prev.get('format')!r} output; write {self.fmt!r} to another folder"
+                )
+            if isinstance(prev.get("vllm_layer_ids"), list):
+                self._previous = [int(i) for i in prev["vllm_layer_ids"]]
+        if self.fmt == "speculators":
+            rows = self.out / "rows.jsonl"
+            if rows.exists():
+                for line in rows.read_text().splitlines():
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if row.get("i") != len(self._rows):
+                        raise FormatError(f"{rows}: row {len(self._rows)} is numbered {row.get('i')!r}")
+                    self._rows.append({k: row[k] for k in ("record_id", "input_ids", "loss_mask")})
+                    mask = torch.tensor(row["loss_mask"], dtype=torch.bool)
+                    self._freq.update(torch.tensor(row["input_ids"])[mask].tolist())
+                self.count = len(self._rows)
+        elif self.fmt in ("specforge-eagle3", "specforge-dflash"):
+            found = [p.name.split(".")[0].removeprefix("data_") for p in self.out.glob("rows_*/data_*.ckpt*")]
+            numbers = [int(n) for n in found if n.isdigit()]
+            self.count = max(numbers) + 1 if numbers else 0
 
     # --- per record ------------------------------------------------------------------------------------------
     def _first(self, record: CaptureRecord) -> None:
@@ -359,6 +393,11 @@ class FormatWriter:
                 "written from pre-norm captures"
             )
         n = self.num_layers if self.num_layers is not None else (max(meta.layer_ids) if meta.layer_ids else 0)
+        if self._previous is not None and self._previous != list(meta.layer_ids):
+            raise FormatError(
+                f"{self.out} already holds records of layer ids {self._previous}; record {meta.request_id!r} has "
+                f"{list(meta.layer_ids)}: one drafter config cannot describe both (write to another folder)"
+            )
         self.layer_map = trainer_layer_ids(self.fmt, meta.layer_ids, n)
         self.hidden = meta.shape[2]
         self.dtype = meta.dtype
@@ -540,8 +579,8 @@ class FormatWriter:
         except ImportError:
             raise FormatError(
                 "the speculators format saves its rows (input_ids, loss_mask) as a Hugging Face `datasets` Arrow "
-                "dataset, and `datasets` is not installed here: pip install datasets (rows.jsonl holds them; "
-                "`vllm-hs-compat convert` can finish the output later)"
+                "dataset, and `datasets` is not installed here: pip install datasets, then finish the output with "
+                "FormatWriter(DIR, 'speculators', num_hidden_layers=N).close() (rows.jsonl holds the rows)"
             ) from None
         rows = self._rows
         ds = Dataset.from_dict(
