@@ -322,3 +322,21 @@ def test_modelopt_reads_exact_records_and_builds_exact_teacher(world: World, tmp
         for b, it in enumerate(items)
     ]
     assert sum(wrong) / len(wrong) < 0.9
+
+
+def test_specforge_post_norm_base_of_bf16_records_is_the_verifiers_own(world: World, tmp_path: Path) -> None:
+    """On bf16 records (what a bf16 server captures) the written post-norm base equals the bf16 verifier's own
+    post-norm hidden state bit for bit: the norm is the verifier's, in its rounding."""
+    need("specforge.runtime.data_plane.offline_reader", "specforge")
+    bf16 = truths(world.model, 3, dtype=torch.bfloat16, seed=1)
+    out = tmp_path / "bf16"
+    sink = FileSink(str(out), format="specforge-eagle3", verifier=world.model)
+    for t in bf16:
+        sink.write(t.record)
+    sink.close()
+    _, items, _ = _specforge_batch(out)
+    assert len(items) == 3
+    for item in items:
+        t = next(x for x in bf16 if x.tokens == item["input_ids"][0].tolist())
+        assert item["target"].dtype == torch.bfloat16
+        assert torch.equal(item["target"][0], t.post_norm)
