@@ -162,6 +162,41 @@ def test_speculators_reads_exact_records_and_builds_exact_teacher(world: World, 
     assert top1_agreement(wrong, t0.logits) < 0.9
 
 
+def test_speculators_packing_sampler_over_the_map_style_dataset(world: World, tmp_path: Path) -> None:
+    """speculators' own packing sampler over two ranks and its CollateFn take RecordFileDataset's tensor-only items
+    (native records, layout "speculators") as they are: every record exactly once, equal batch counts."""
+    need("speculators.train.distributed_batch_sampler", "speculators")
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from torch.utils.data import DataLoader
+
+    from vllm_hs_compat.trainer import RecordFileDataset
+
+    sink = FileSink(str(tmp_path / "native"))
+    for t in world.truths:
+        sink.write(t.record)
+    ds = RecordFileDataset(tmp_path / "native", layout="speculators", loss_mask="generated")
+    seen: list[str] = []
+    batches = []
+    for rank in range(2):
+        sampler = MultipackDistributedBatchSamplerV2(batch_max_length=64, lengths=ds.lengths, num_replicas=2, rank=rank)
+        collate = CollateFn(64, 64, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)
+        loader = DataLoader(ds, batch_sampler=sampler, collate_fn=collate)
+        batches.append(0)
+        for batch in loader:
+            batches[-1] += 1
+            docs = batch["document_ids"][0]
+            for d in range(int(docs.max()) + 1):
+                rows = docs == d
+                t = next(x for x in world.truths if x.tokens[1:] == batch["input_ids"][0, rows].tolist())
+                assert torch.equal(batch["hidden_states"][0, rows], aux_truth(t, [1, 2, 3], 0)[:-1])
+                assert torch.equal(batch["verifier_last_hidden_states"][0, rows], t.pre_norm[1:])
+                assert torch.equal(batch["loss_mask"][0, rows], generated_mask(t)[1:])
+                seen.append(t.record.meta.request_id)
+    assert sorted(seen) == sorted(world.by_id) and batches[0] == batches[1]
+
+
 # --- SpecForge ------------------------------------------------------------------------------------------------------
 def _specforge_batch(out: Path) -> tuple[list[Any], list[dict[str, torch.Tensor]], dict[str, Any]]:
     from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer, build_offline_reader
