@@ -1,4 +1,4 @@
-"""Command line: ``vllm-hs-compat doctor | inspect | demo | verify | serve-args`` (see ``--help`` of each).
+"""Command line: ``vllm-hs-compat doctor | inspect | demo | verify | serve-args | convert`` (see ``--help`` of each).
 
 A thin dispatcher: each command lives in its own module under :mod:`vllm_hs_compat.commands` and registers its
 parser there.
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 #: Command modules, in ``--help`` order; each has ``register(subparsers)``.
-COMMANDS = ("doctor", "inspect", "demo", "verify", "serve_args")
+COMMANDS = ("doctor", "inspect", "demo", "verify", "serve_args", "convert")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,6 +32,10 @@ EXPORT_KEYS: Final = frozenset(
     }
 )
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests"})
+#: Keys of ``"file"``: the directory, and the trainer format written there (see vllm_hs_compat.trainer.formats).
+FILE_KEYS: Final = frozenset(
+    {"path", "format", "verifier", "num_hidden_layers", "loss_mask", "drafter_config", "compress", "final_norm"}
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,10 @@ class ConnectorConfig:
     callback: str | None = None
     check_requests: int = 8
     """The first N requests have every derived slot checked against the slot mapping vLLM wrote with."""
+    file_options: Mapping[str, Any] = field(default_factory=dict)
+    """``"file"`` options besides ``path``: ``format`` (``native`` default, ``speculators``, ``specforge-eagle3``,
+    ``specforge-dflash``, ``modelopt``), ``verifier`` (the model folder), ``num_hidden_layers``, ``loss_mask``,
+    ``drafter_config``, ``compress``, ``final_norm`` (see :class:`~vllm_hs_compat.trainer.formats.FormatWriter`)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -64,11 +72,23 @@ class ConnectorConfig:
         if bad:
             raise CaptureConfigError(f"{what}: export has unknown keys {bad}; expected any of {sorted(EXPORT_KEYS)}")
         file_path: str | None = None
+        file_options: dict[str, Any] = {}
         if "file" in extra:
             f = extra["file"]
             if not isinstance(f, Mapping) or not isinstance(f.get("path"), str) or not f["path"]:
                 raise CaptureConfigError(f'{what}: file must be {{"path": "<directory>"}}, found {f!r}')
             file_path = str(f["path"])
+            bad_file = sorted(str(k) for k in f if k not in FILE_KEYS)
+            if bad_file:
+                raise CaptureConfigError(
+                    f"{what}: file has unknown keys {bad_file}; expected any of {sorted(FILE_KEYS)}"
+                )
+            file_options = {str(k): v for k, v in f.items() if k != "path"}
+            fmt = file_options.get("format", "native")
+            from vllm_hs_compat.trainer.formats import FORMATS
+
+            if fmt not in FORMATS:
+                raise CaptureConfigError(f"{what}: file.format must be one of {list(FORMATS)}, found {fmt!r}")
         if sink == "file" and file_path is None:
             raise CaptureConfigError(f'{what}: sink "file" needs "file": {{"path": "<directory>"}}')
         callback = extra.get("callback")
@@ -79,4 +99,4 @@ class ConnectorConfig:
         checks = extra.get("check_requests", 8)
         if isinstance(checks, bool) or not isinstance(checks, int) or checks < 0:
             raise CaptureConfigError(f"{what}: check_requests must be a non-negative int, found {checks!r}")
-        return cls(capture, sink, dict(export), file_path, callback, checks)
+        return cls(capture, sink, dict(export), file_path, callback, checks, file_options)
