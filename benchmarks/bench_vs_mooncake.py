@@ -131,7 +131,8 @@ def role_ours_producer() -> None:
         return out
 
     def publish(name: str, size: int, ids: list[str]) -> dict[str, Any]:
-        p, big = prods[name], rows[size]
+        p = prods[name]
+        big = rows[size] if size in rows else rows.setdefault(size, _rows(size))
         for rid in ids:
             p.publish(RecordMeta.for_tensor(rid, big, [0] * big.shape[0], [1, 2, 3, 4], True), big)
         p.flush(30.0)
