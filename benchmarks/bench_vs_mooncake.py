@@ -354,7 +354,8 @@ def role_mc_store_producer() -> None:
             st[0].register_buffer(t.data_ptr(), t.numel())
 
     def publish(size: int, ids: list[str]) -> None:
-        s, t = st[0], rows[size]
+        s = st[0]
+        t = rows[size] if size in rows else rows[min(n for n in rows if n >= size)]  # registered: put its prefix
         for k in old:  # what the last round put is gone before this one's puts, as a consumed record would be
             s.remove(k, True)
         old.clear()
