@@ -170,8 +170,11 @@ SHM_HANDOFFS: Final = ("fd", "path")
 #: What a consumer sends on the handoff socket: this magic, then the key of the trainer's ``hello``.
 HANDOFF_MAGIC: Final = b"HSX2FD1\n"
 HANDOFF_KEY_BYTES: Final = 32
-#: How long either side of a handoff waits for the other (a connection that sends nothing is dropped after it).
+#: How long the producer waits for a handoff connection's key (one that sends nothing is dropped after it).
 HANDOFF_TIMEOUT_S: Final = 2.0
+#: How long a consumer waits for its descriptor: longer than the producer's bound on each connection served before
+#: it (connections are served one at a time).
+HANDOFF_WAIT_S: Final = 10.0
 _OK: Final = b"OK"
 _CRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -269,7 +272,7 @@ class _Handoff:
         self._sock.close()
 
 
-def receive_pool_fd(name: str, key: bytes, timeout_s: float = HANDOFF_TIMEOUT_S) -> int:
+def receive_pool_fd(name: str, key: bytes, timeout_s: float = HANDOFF_WAIT_S) -> int:
     """The pool descriptor from the producer's handoff socket ``name`` (abstract), presenting ``key``.
 
     Refuses (:class:`UnsafePoolFileError`) a socket held by another uid before sending the key; a socket that is
