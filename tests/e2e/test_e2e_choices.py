@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import e2e_cases
 import e2e_models
 import pytest
 
@@ -75,7 +76,7 @@ def test_n2_choices_reach_every_record_and_sigkill_leaves_shm_clean(
     out = tmp_path / "run"
     out.mkdir()
     before = set(os.listdir(SHM))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**e2e_cases.base_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # engine core (and worker) processes
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "e2e_choices_engine.py"), model, str(out)],
         env=env,
