@@ -340,7 +340,9 @@ def _dead_pid() -> int:
 
 def _foreign_producer_survives_the_sweep(peer: Peer, shm_dir: str, name_pid: int, started: bool = False) -> None:
     if not started:
-        peer.ok("producer", backend="shm", num_slots=2, slot_bytes=MiB, token=TOKEN, shm_dir=shm_dir)
+        peer.ok(
+            "producer", backend="shm", num_slots=2, slot_bytes=MiB, token=TOKEN, shm_dir=shm_dir, shm_handoff="path"
+        )
     (name,) = [f for f in os.listdir(shm_dir) if f.endswith(".pool")]
     path = os.path.join(shm_dir, name)
     endpoint = peer.ok("pstats")["endpoint"]
@@ -373,7 +375,16 @@ def test_a_live_producer_whose_pid_means_nothing_here_keeps_its_pool(private_shm
     pid = _dead_pid()
     peer = peers["main"]
     try:
-        peer.ok("producer", fake_pid=pid, backend="shm", num_slots=2, slot_bytes=MiB, token=TOKEN, shm_dir=private_shm)
+        peer.ok(
+            "producer",
+            fake_pid=pid,
+            backend="shm",
+            num_slots=2,
+            slot_bytes=MiB,
+            token=TOKEN,
+            shm_dir=private_shm,
+            shm_handoff="path",
+        )
         _foreign_producer_survives_the_sweep(peer, private_shm, pid, started=True)
     finally:
         peer.ok("close_producer")
@@ -382,12 +393,14 @@ def test_a_live_producer_whose_pid_means_nothing_here_keeps_its_pool(private_shm
 def test_the_pool_of_a_killed_producer_is_swept(private_shm: str) -> None:
     peer = Peer()
     try:
-        path = peer.ok("producer", backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=private_shm)["path"]
+        path = peer.ok("producer", backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=private_shm, shm_handoff="path")[
+            "path"
+        ]
         peer.kill()  # SIGKILL: no close(); the kernel drops its lock
     finally:
         peer.close()
     assert os.path.exists(path)
-    with ExportProducer(backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=private_shm) as p:
+    with ExportProducer(backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=private_shm, shm_handoff="path") as p:
         assert not os.path.exists(path)
         assert sorted(os.listdir(private_shm)) == [os.path.basename(p.transport.describe()["path"])]
 

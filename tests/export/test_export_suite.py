@@ -306,14 +306,16 @@ def test_stale_or_garbled_transport_metadata_is_refused(backend: str, make_produ
                 {**info, "agent": "someone-else"},
                 {**info, "metadata": "a str, not bytes"},
             ]
-        else:
+        else:  # the default handoff: the pool's descriptor over the handoff socket (no file to name)
             bad = [
-                {**info, "path": "/etc/passwd"},
-                {**info, "path": os.path.join(os.path.dirname(info["path"]), "hsx2-1-deadbeefdeadbeef.pool")},
+                {**info, "socket": "hsx2-not-a-producer"},
+                {**info, "key": b"\0" * len(info["key"])},
+                {**info, "key": b"not a key"},
                 {**info, "size": info["size"] * 2},
+                {**info, "path": "/etc/passwd"},
             ]
         for b in bad:
-            with pytest.raises((StaleMetadataError, DescriptorError, P.ProtocolError)):
+            with pytest.raises((StaleMetadataError, DescriptorError, P.ProtocolError, AuthError)):
                 t.attach(b)
         # the real metadata still works afterwards
         t.attach(info)

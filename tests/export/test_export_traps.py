@@ -112,7 +112,7 @@ def test_a_planted_name_neither_blocks_nor_is_touched_by_the_producer_start(shm_
     if kind == "fifo":
         _release_fifo_later(path, 5.0)  # a regression fails here instead of hanging
     t0 = time.monotonic()
-    with ExportProducer(backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=shm_dir) as p:
+    with ExportProducer(backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=shm_dir, shm_handoff="path") as p:
         took = time.monotonic() - t0
         sweep = p.transport.sweep
         counted = (p.stats()["shm_sweep_removed"], p.stats()["shm_sweep_skipped"])
@@ -149,7 +149,7 @@ def test_a_dead_producers_pool_is_still_swept(shm_dir: str) -> None:
 
 
 def test_the_pool_file_is_created_0600_and_mapped_by_a_consumer(shm_dir: str) -> None:
-    with ExportProducer(backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=shm_dir) as p:
+    with ExportProducer(backend="shm", num_slots=1, slot_bytes=MiB, shm_dir=shm_dir, shm_handoff="path") as p:
         info = p.transport.describe()
         st = os.lstat(info["path"])
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()

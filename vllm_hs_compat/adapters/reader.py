@@ -51,6 +51,10 @@ def _ids(blocks: Iterable[Iterable[int]] | None) -> tuple[tuple[int, ...], ...] 
     return tuple(tuple(int(b) for b in group) for group in blocks)
 
 
+def _float_or_none(x: object) -> float | None:
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
 class VllmReader:
     """Reads vLLM objects into core types.  Mixed into every adapter."""
 
@@ -207,7 +211,19 @@ class VllmReader:
             aborted=name in ("FINISHED_ABORTED", "FINISHED_ERROR"),
             status=name,
             params=params if isinstance(params, Mapping) else None,
+            arrival_time=_float_or_none(getattr(request, "arrival_time", None)),
         )
+
+    def parallel_sampling_child(self, req_id: str) -> tuple[str, int] | None:
+        """``(parent request id, choice index)`` when ``req_id`` names a child of an ``n > 1`` request, else None.
+
+        vLLM runs such a request as ``n`` children named ``f"{index}_{parent}"`` (``ParentRequest.get_child_info``
+        in ``vllm/v1/engine/parallel_sampling.py``, every supported release), each with ``n=1``, and answers with
+        the ``kv_transfer_params`` of the child that finished last (``RequestState.make_request_output``)."""
+        head, sep, parent = req_id.partition("_")
+        if not sep or not parent or not (head.isascii() and head.isdigit()) or (len(head) > 1 and head[0] == "0"):
+            return None
+        return parent, int(head)
 
     def step_engine(self, llm: Any) -> None:
         """One step of an offline ``LLM``'s in-process engine."""

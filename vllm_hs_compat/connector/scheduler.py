@@ -29,6 +29,7 @@ from vllm_hs_compat.core.capture import (
     SlotCheck,
     StepPlan,
 )
+from vllm_hs_compat.core.choices import Choices, Sibling
 from vllm_hs_compat.errors import CaptureConfigError
 from vllm_hs_compat.export.capabilities import new_publication
 
@@ -76,6 +77,7 @@ class CaptureScheduler:
         self._tracker = BlockTracker(self.group.index)
         self._checks_left = config.check_requests
         self._locator: dict[str, Any] | None = None
+        self._choices = Choices()  # the families of n > 1 requests (see core/choices.py)
         self.counters = {
             "records_scheduled": 0,
             "records_refused": 0,
@@ -158,8 +160,23 @@ class CaptureScheduler:
         """Decide the request's record; hold its blocks (True) when one will be made.
 
         ``block_ids``: the capture group's list (vLLM without HMA passes its only group) or one list per group
-        (``request_finished_all_groups``)."""
-        fr = self.adapter.read_finished(request)
+        (``request_finished_all_groups``).  A child of an ``n > 1`` request also reports its siblings finished
+        so far (``hs_choices``, see :mod:`vllm_hs_compat.core.choices`)."""
+        return self.finished(self.adapter.read_finished(request), block_ids)
+
+    def finished(self, fr: FinishedRequest, block_ids: Sequence[Any]) -> tuple[bool, dict[str, Any]]:
+        """:meth:`request_finished` of a request already read into the core type."""
+        sib = self._choices.join(
+            self.adapter.parallel_sampling_child(fr.req_id), fr.arrival_time, fr.token_ids, fr.num_prompt_tokens
+        )
+        hold, params = self._decide(fr, block_ids, sib)
+        if sib is not None:
+            params = self._choices.finish(sib, params)
+        return hold, params
+
+    def _decide(
+        self, fr: FinishedRequest, block_ids: Sequence[Any], sib: Sibling | None
+    ) -> tuple[bool, dict[str, Any]]:
         watched = self._tracker.blocks(fr.req_id) if fr.req_id in self._tracker else None
         self._tracker.forget(fr.req_id)
         if fr.aborted:
@@ -172,6 +189,15 @@ class CaptureScheduler:
             start, stop = spec.positions(num_prompt_tokens=fr.num_prompt_tokens, num_valid=fr.num_valid)
         except NoRecord as e:
             return self._refuse(fr, e.reason, e.message)
+        in_prompt = sib is not None and stop <= fr.num_prompt_tokens
+        if sib is not None and in_prompt:
+            shared = self._choices.shared_record(sib, start, stop)
+            if shared is not None:  # a sibling stores these prompt rows already: point at its record
+                self._choices.counters["choices_shared"] += 1
+                entry = dict(shared[RESULT_KEY])
+                same_as = entry["record_id"]
+                entry.update(record_id=fr.req_id, status="shared", same_as=same_as)
+                return False, {**shared, RESULT_KEY: entry}
         try:
             blocks = _group_blocks(block_ids, self.group.index)
         except CaptureConfigError as e:
@@ -225,6 +251,8 @@ class CaptureScheduler:
         )
         nbytes = (stop - start) * self.bytes_per_token
         params.update(sink_ticket(self.config.sink, self._locator, fr.req_id, nbytes, publication))
+        if sib is not None and in_prompt:
+            self._choices.remember_prompt_record(sib, start, stop, params)
         return True, params
 
     def on_finished_sending(self, req_ids: set[str]) -> None:

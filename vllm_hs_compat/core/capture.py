@@ -165,6 +165,8 @@ class FinishedRequest:
     status: str
     params: Mapping[str, Any] | None = None
     """The request's own ``kv_transfer_params``."""
+    arrival_time: float | None = None
+    """When the engine received the request (the children of an ``n > 1`` request share it)."""
 
     @property
     def num_valid(self) -> int:

@@ -159,6 +159,7 @@ class ExportProducer:
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
         control_limits: ControlLimits | None = None,
         direct_port: int | None = 0,
+        shm_handoff: str = "fd",
     ) -> None:
         """``lease_ttl_s``: how long a consumer may hold a claimed record before it is taken back; a record
         taken back unreleased goes back to the queue under a new lease, up to ``max_redeliveries`` times
@@ -174,6 +175,11 @@ class ExportProducer:
 
         ``direct_port``: the trainer's direct control socket in this process, past the gate (its ZAP handler admits
         the trainer's key only): ``0`` an ephemeral port on ``host``, ``N`` that port, ``None`` none.
+
+        ``shm_handoff`` (shm only): ``"fd"`` the pool has no name and the trainer gets its descriptor over an
+        abstract Unix socket (nothing is left in ``shm_dir``, whatever kills the process; the trainer must share
+        this process's network namespace), ``"path"`` the named ``hsx2-<pid>-<instance>.pool`` file (left behind
+        by a SIGKILL until the next producer's sweep).
         See :mod:`.pool` for the ledger and docs/export.md for the rest."""
         if backend not in BACKENDS:
             raise E.ExportConfigError(f"backend must be one of {BACKENDS}, found {backend!r}")
@@ -239,7 +245,7 @@ class ExportProducer:
         if backend == "nixl":
             self.transport = NixlProducerTransport(self.pool.pool_bytes, self.instance, ucx)
         else:
-            self.transport = ShmProducerTransport(self.pool.pool_bytes, self.instance, shm_dir)
+            self.transport = ShmProducerTransport(self.pool.pool_bytes, self.instance, shm_dir, shm_handoff)
         self.backend = backend
         self._buf = self.transport.buffer
         self._transport_info = P.convert_transport(self.transport.describe())
@@ -459,7 +465,11 @@ class ExportProducer:
         sweep = getattr(self.transport, "sweep", None)
         if sweep is None:
             return {}
-        return {"shm_sweep_removed": sweep.removed, "shm_sweep_skipped": sweep.skipped}
+        return {
+            "shm_sweep_removed": sweep.removed,
+            "shm_sweep_skipped": sweep.skipped,
+            **getattr(self.transport, "counters", {}),
+        }
 
     def occupancy(self) -> int:
         """Slots in use (any lease state)."""

@@ -166,11 +166,20 @@ Request = HelloReq | PingReq | ClaimReq | FetchReq | ClaimNextReq | ReleaseReq |
 
 # --- transport descriptions (in the trainer's hello) ----------------------------------------------------------
 class ShmInfo(msgspec.Struct, tag_field="kind", tag="shm", forbid_unknown_fields=True):
-    """The shared-memory pool: its file, size and owner pid (for people; liveness is its ``flock``)."""
+    """The shared-memory pool, reached one of two ways (exactly one of ``path`` and ``socket`` is set):
 
-    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    * ``socket`` + ``key`` (handoff ``"fd"``, the default): the pool has no name; its descriptor is handed over
+      on the abstract Unix socket ``socket`` to a same-user peer that presents ``key`` (both only ever in the
+      trainer's ``hello``, over CURVE);
+    * ``path`` (handoff ``"path"``): the named file in the shm directory, its liveness its ``flock``.
+
+    ``pid`` is the owner's, for people."""
+
     size: Size
+    path: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     pid: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
+    socket: Annotated[str, msgspec.Meta(max_length=100)] = ""
+    key: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class NixlInfo(msgspec.Struct, tag_field="kind", tag="nixl", forbid_unknown_fields=True):

@@ -17,6 +17,15 @@ for people only; it is never used to decide liveness, because DP ranks in siblin
 ``/dev/shm`` live in other pid namespaces, where a live producer's pid means nothing (or another process).
 The ``hsx2-`` prefix keeps producers of the earlier release (``hsx-<pid>-...``, no lock) and this one out of
 each other's sweeps.
+
+That named file is handoff ``"path"``.  The default, handoff ``"fd"``, never gives the pool a name: it is created
+``O_TMPFILE`` in the shm directory (counted against that tmpfs, as the named file was; ``memfd_create`` where the
+directory cannot make unnamed files), so the kernel frees it when the last process holding it goes, SIGKILL of
+everyone included, and nothing is left for a sweep.  A consumer gets a read-only descriptor of it over an abstract
+Unix socket (no file either; gone with the producer), after proving it is this user (``SO_PEERCRED``) and that
+the control plane admitted it as the trainer (the ``key`` only the trainer's ``hello`` carries, over CURVE); the
+consumer checks the socket's owner before it sends the key and the descriptor (``fstat``) before it maps it.
+See docs/export.md, "Shared memory".
 """
 
 from __future__ import annotations
@@ -29,7 +38,11 @@ import logging
 import mmap
 import os
 import re
+import secrets
+import socket
 import stat
+import struct
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -150,6 +163,156 @@ def _sweep_dead(shm_dir: str) -> SweepResult:
     return out
 
 
+#: How consumers reach the pool: ``"fd"`` (an unnamed file, its descriptor handed over a Unix socket; nothing is
+#: ever left in the shm directory) or ``"path"`` (the named ``hsx2-<pid>-<instance>.pool`` file; consumers may run
+#: in another network namespace that shares the directory).
+SHM_HANDOFFS: Final = ("fd", "path")
+#: What a consumer sends on the handoff socket: this magic, then the key of the trainer's ``hello``.
+HANDOFF_MAGIC: Final = b"HSX2FD1\n"
+HANDOFF_KEY_BYTES: Final = 32
+#: How long the producer waits for a handoff connection's key (one that sends nothing is dropped after it).
+HANDOFF_TIMEOUT_S: Final = 2.0
+#: How long a consumer waits for its descriptor: longer than the producer's bound on each connection served before
+#: it (connections are served one at a time).
+HANDOFF_WAIT_S: Final = 10.0
+_OK: Final = b"OK"
+_CRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket (as the kernel recorded them)."""
+    pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
+def _unnamed_file(shm_dir: str, instance: str) -> tuple[int, str]:
+    """A new read-write file with no name: ``O_TMPFILE`` in ``shm_dir`` (that tmpfs's size limit applies), else
+    ``memfd_create``.  Returns the descriptor and how it was made (for the log)."""
+    try:
+        return os.open(shm_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600), f"O_TMPFILE in {shm_dir}"
+    except OSError as e:  # a filesystem without O_TMPFILE (EOPNOTSUPP), an old kernel (EISDIR/EINVAL)
+        why = e.strerror
+    fd = os.memfd_create(f"hsx2-{instance}", os.MFD_CLOEXEC)
+    os.fchmod(fd, 0o600)
+    return fd, f"memfd_create ({shm_dir} makes no unnamed files: {why}; the pool is not counted against it)"
+
+
+class _Handoff:
+    """The producer's end of the descriptor handoff: an abstract Unix socket served by one thread.
+
+    A connection gets the read-only pool descriptor only if its peer runs as this user (``SO_PEERCRED``, checked
+    before anything is read) and sends :data:`HANDOFF_MAGIC` + the key (compared in constant time); anything else
+    is closed without an answer and counted.  One connection at a time, each bounded by
+    :data:`HANDOFF_TIMEOUT_S`."""
+
+    def __init__(self, fd: int, instance: str) -> None:
+        self.key = secrets.token_bytes(HANDOFF_KEY_BYTES)
+        self.name = f"hsx2-{instance}-{secrets.token_hex(8)}"
+        self.counters = {"shm_handoffs": 0, "shm_handoffs_refused": 0}
+        self._fd = fd
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.bind("\0" + self.name)
+            self._sock.listen(64)
+            self._sock.settimeout(0.25)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hsx-shm-handoff", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.05)  # EMFILE and the like: try again later, never spin
+                continue
+            try:
+                self._one(conn)
+            except OSError as e:
+                self.counters["shm_handoffs_refused"] += 1
+                log.debug("shm handoff: connection failed: %s", e)
+            finally:
+                conn.close()
+
+    def _one(self, conn: socket.socket) -> None:
+        pid, uid = _peer_uid(conn)
+        if uid != os.geteuid():
+            self.counters["shm_handoffs_refused"] += 1
+            log.info("shm handoff: refused pid %d of uid %d (this producer's uid is %d)", pid, uid, os.geteuid())
+            return
+        conn.settimeout(HANDOFF_TIMEOUT_S)
+        want = len(HANDOFF_MAGIC) + HANDOFF_KEY_BYTES
+        got = b""
+        while len(got) < want:
+            part = conn.recv(want - len(got))
+            if not part:
+                break
+            got += part
+        if len(got) != want or not secrets.compare_digest(got, HANDOFF_MAGIC + self.key):
+            self.counters["shm_handoffs_refused"] += 1
+            log.info("shm handoff: refused pid %d: it did not present this pool's key", pid)
+            return
+        socket.send_fds(conn, [_OK], [self._fd])
+        self.counters["shm_handoffs"] += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(5.0)
+        self._sock.close()
+
+
+def receive_pool_fd(name: str, key: bytes, timeout_s: float = HANDOFF_WAIT_S) -> int:
+    """The pool descriptor from the producer's handoff socket ``name`` (abstract), presenting ``key``.
+
+    Refuses (:class:`UnsafePoolFileError`) a socket held by another uid before sending the key; a socket that is
+    gone is :class:`StaleMetadataError` (the producer exited, or this process is in another network namespace);
+    a producer that answers without a descriptor is :class:`AuthError`."""
+    where = f"shm handoff socket @{name}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout_s)
+        try:
+            s.connect("\0" + name)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise E.StaleMetadataError(
+                f"{where} is gone: the producer exited or restarted (reconnect for fresh metadata), or this "
+                "consumer runs in another network namespace than the producer (abstract Unix sockets are per "
+                "namespace: share the producer's, or start it with shm_handoff='path')"
+            ) from None
+        pid, uid = _peer_uid(s)
+        if uid != os.geteuid():
+            raise E.UnsafePoolFileError(
+                f"{where} is held by pid {pid} of uid {uid}, not by this process's uid {os.geteuid()}: refusing "
+                "to send it the key (someone else may have bound the name)"
+            )
+        s.sendall(HANDOFF_MAGIC + key)
+        s.shutdown(socket.SHUT_WR)  # all it sends: a short key is refused at once, not after a timeout
+        msg, fds, flags, _ = socket.recv_fds(s, 16, 1)
+        if msg != _OK or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise E.AuthError(
+                f"{where} (pid {pid}) handed over no pool descriptor: the key was refused (a key from another "
+                "producer instance: reconnect for fresh metadata) or the handoff failed"
+            )
+        return fds[0]
+    except TimeoutError:
+        raise E.ExportTimeoutError(f"{where} did not answer within {timeout_s} s") from None
+    finally:
+        s.close()
+
+
 def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only maps: torch warns the tensor is not writable; we never write
@@ -159,12 +322,16 @@ def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
 class ShmProducerTransport:
     kind = "shm"
 
-    def __init__(self, pool_bytes: int, instance: str, shm_dir: str = DEFAULT_SHM_DIR) -> None:
+    def __init__(self, pool_bytes: int, instance: str, shm_dir: str = DEFAULT_SHM_DIR, handoff: str = "fd") -> None:
+        """``handoff``: how consumers reach the pool (:data:`SHM_HANDOFFS`)."""
+        if handoff not in SHM_HANDOFFS:
+            raise E.ExportConfigError(f"shm_handoff must be one of {SHM_HANDOFFS}, found {handoff!r}")
         if not os.path.isdir(shm_dir):
             raise E.TransportUnavailableError(
                 f"shared-memory directory {shm_dir!r} does not exist; pass shm_dir= an existing tmpfs directory"
             )
-        self.sweep = _sweep_dead(shm_dir)
+        self.handoff = handoff
+        self.sweep = _sweep_dead(shm_dir)  # also in "fd" mode: named pools of producers of earlier versions
         if self.sweep.removed:
             log.info("removed %d pool file(s) left by dead producers in %s", self.sweep.removed, shm_dir)
         if self.sweep.skipped:
@@ -174,8 +341,6 @@ class ShmProducerTransport:
                 self.sweep.skipped,
                 shm_dir,
             )
-        self.path = os.path.join(shm_dir, f"hsx2-{os.getpid()}-{instance}.pool")
-        tmp = os.path.join(shm_dir, f".hsx2-{instance}.tmp")
         self.pool_bytes = pool_bytes
         st = os.statvfs(shm_dir)
         free = st.f_bavail * st.f_frsize
@@ -184,20 +349,31 @@ class ShmProducerTransport:
                 f"{shm_dir} has {free} bytes free, the pool needs {pool_bytes}; shrink num_slots/slot_bytes, "
                 "enlarge the tmpfs (Docker: --shm-size) or pass shm_dir="
             )
+        self.path = ""
+        self._handoff: _Handoff | None = None
+        self._ro_fd = -1
+        if handoff == "fd":
+            fd, how = _unnamed_file(shm_dir, instance)
+            try:
+                self._mm = self._reserve(fd, pool_bytes, shm_dir)
+                # consumers get a read-only descriptor: they cannot write the pool even by mistake
+                self._ro_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+                self._handoff = _Handoff(self._ro_fd, instance)
+            except BaseException:
+                if self._ro_fd >= 0:
+                    os.close(self._ro_fd)
+                os.close(fd)
+                raise
+            log.debug("shm pool: %d bytes, unnamed (%s), handed over on @%s", pool_bytes, how, self._handoff.name)
+            self._lock_fd = fd
+            self.buffer = _tensor_over(self._mm)
+            return
+        self.path = os.path.join(shm_dir, f"hsx2-{os.getpid()}-{instance}.pool")
+        tmp = os.path.join(shm_dir, f".hsx2-{instance}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until close() or death: the liveness proof
-            # Reserve the pages now: a sparse tmpfs file that cannot be backed later would kill the serving
-            # process with SIGBUS on first write instead of failing here with a named error.
-            try:
-                os.posix_fallocate(fd, 0, pool_bytes)
-            except OSError as e:
-                raise E.TransportUnavailableError(
-                    f"cannot reserve {pool_bytes} bytes in {shm_dir}: {e}; shrink the pool or enlarge "
-                    "the tmpfs "
-                    "(Docker: --shm-size)"
-                ) from None
-            self._mm = mmap.mmap(fd, pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = self._reserve(fd, pool_bytes, shm_dir)
             os.rename(tmp, self.path)
         except BaseException:
             os.close(fd)
@@ -210,28 +386,58 @@ class ShmProducerTransport:
         self._lock_fd = fd
         self.buffer = _tensor_over(self._mm)
 
+    @staticmethod
+    def _reserve(fd: int, pool_bytes: int, shm_dir: str) -> mmap.mmap:
+        """Reserve the pages now, then map them: a sparse tmpfs file that cannot be backed later would kill the
+        serving process with SIGBUS on first write instead of failing here with a named error."""
+        try:
+            os.posix_fallocate(fd, 0, pool_bytes)
+        except OSError as e:
+            raise E.TransportUnavailableError(
+                f"cannot reserve {pool_bytes} bytes in {shm_dir}: {e}; shrink the pool or enlarge the tmpfs "
+                "(Docker: --shm-size)"
+            ) from None
+        return mmap.mmap(fd, pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
     def describe(self) -> dict[str, Any]:
-        """What a same-host consumer needs: the file, its size and the owner's pid (for people)."""
-        return {"kind": self.kind, "path": self.path, "size": self.pool_bytes, "pid": os.getpid()}
+        """What a same-host consumer needs (only ever sent in the trainer's ``hello``): the handoff socket and its
+        key, or the file; the size and the owner's pid (for people)."""
+        out: dict[str, Any] = {"kind": self.kind, "size": self.pool_bytes, "pid": os.getpid()}
+        if self._handoff is not None:
+            out.update(socket=self._handoff.name, key=self._handoff.key)
+        else:
+            out["path"] = self.path
+        return out
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Descriptor handoffs served and refused (handoff ``"fd"``)."""
+        return dict(self._handoff.counters) if self._handoff is not None else {}
 
     def poll_notifications(self) -> list[bytes]:
         """None on this transport."""
         return []
 
     def close(self) -> None:
-        """Unmap, unlink, then drop the lock."""
+        """Stop the handoff, unmap, unlink (a named pool), then drop the lock."""
+        if self._handoff is not None:
+            self._handoff.close()
+            self._handoff = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
         try:
             self._mm.close()
         except BufferError:
             log.warning("pool views still alive at close; the mapping is left to the garbage collector")
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        fd, self._lock_fd = self._lock_fd, -1
-        if fd >= 0:
-            os.close(fd)
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        for attr in ("_ro_fd", "_lock_fd"):
+            fd = getattr(self, attr)
+            setattr(self, attr, -1)
+            if fd >= 0:
+                os.close(fd)
 
 
 class ShmConsumerTransport:
@@ -255,6 +461,16 @@ class ShmConsumerTransport:
         desc = P.convert_transport(info)
         if not isinstance(desc, P.ShmInfo):
             raise E.TransportUnavailableError("producer offers transport 'nixl', this is shm")
+        if bool(desc.path) == bool(desc.socket) or bool(desc.socket) != bool(desc.key):
+            raise E.DescriptorError(
+                "the shm transport description names neither or both of a pool file and a handoff socket (or a "
+                "socket without its key); a producer sends exactly one"
+            )
+        if desc.socket:
+            self.detach()
+            fd = receive_pool_fd(desc.socket, desc.key)
+            self._map(fd, desc.size, f"the pool handed over on @{desc.socket}")
+            return
         path, size = desc.path, desc.size
         # The directory may be reached through links (``/dev/shm`` often is one); the name itself never is.
         real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
@@ -281,16 +497,21 @@ class ShmConsumerTransport:
             raise E.TransportUnavailableError(
                 f"cannot open pool file {real}: {e}; producer and consumer must run as the same user on one host"
             ) from None
+        self._map(fd, size, f"pool file {real}")
+
+    def _map(self, fd: int, size: int, what: str) -> None:
+        """Map ``fd`` read-only after checking it on the descriptor (a regular file of this uid, large enough);
+        closes ``fd``."""
         try:
             st = os.fstat(fd)
             why = _untrusted(st)
             if why is not None:
                 raise E.UnsafePoolFileError(
-                    f"pool file {real} is {why}: refusing to map it; a producer's pool is a regular file owned "
+                    f"{what} is {why}: refusing to map it; a producer's pool is a regular file owned "
                     "by the user both producer and consumer run as (someone else may have planted this one)"
                 )
             if st.st_size < size:
-                raise E.StaleMetadataError(f"pool file {real} has {st.st_size} bytes, producer says {size}")
+                raise E.StaleMetadataError(f"{what} has {st.st_size} bytes, producer says {size}")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
