@@ -8,7 +8,7 @@ On shm and NIXL, as the trainer and as a ticket holder: the bytes equal what was
 and copies out of it, which beats any answer carrying the bytes: it never asks for them.  Negative controls: with
 ``inline_bytes=0`` the same fetch takes the transport (the counters would not tell the paths apart otherwise);
 bytes altered between the pool and the consumer are caught by the checksum and released ``checksum_failed``;
-an older producer, which answers the op with a protocol error, is claimed from the old way.
+a producer that answers the op with a protocol error is claimed from the old way.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_altered_inline_bytes_fail_the_checksum_and_are_released_so(make_produce
     assert p.stats()["checksum_failed"] == 1
 
 
-def test_an_older_producer_is_claimed_from_the_old_way(make_producer: Make, backend: str) -> None:
+def test_a_producer_without_fetch_is_claimed_from_the_old_way(make_producer: Make, backend: str) -> None:
     p = make_producer()
     ticket = _publish(p, "o", 5)
     _publish(p, "o2", 6)
@@ -122,8 +122,8 @@ def test_an_older_producer_is_claimed_from_the_old_way(make_producer: Make, back
 
     def older(req: P.Request, call: object) -> P.Reply | None:
         seen.append(type(req).__name__)
-        if isinstance(req, P.FetchReq):  # what an older producer's decoder answers to an unknown op
-            raise P.ProtocolError("request does not fit the wire-2 schema: Invalid value 'fetch'")
+        if isinstance(req, P.FetchReq):  # what a decoder without the op answers
+            raise P.ProtocolError("request does not fit the wire schema: Invalid value 'fetch'")
         return handler(req, call)  # type: ignore[arg-type]
 
     p._server._handler = older

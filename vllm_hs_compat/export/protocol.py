@@ -1,4 +1,4 @@
-"""The export control plane's wire schema, version 2: the one place that defines every message.
+"""The export control plane's wire schema, version 3: the one place that defines every message.
 
 Transport: ZeroMQ over TCP with CURVE (see :mod:`vllm_hs_compat.export.control`).  A request is three frames, a
 reply four::
@@ -37,8 +37,8 @@ from vllm_hs_compat.errors import (
 
 __all__ = ["PARAMS_KEY", "WIRE_VERSION", "ExportTicket", "ProtocolError"]
 
-WIRE_VERSION: Final = 2
-HEADER: Final = b"hsx\x00\x02"
+WIRE_VERSION: Final = 3
+HEADER: Final = b"hsx\x00\x03"
 HEADER_PREFIX: Final = b"hsx\x00"
 RID_BYTES: Final = 16
 
