@@ -160,7 +160,7 @@ def test_garbled_or_foreign_answers_are_protocol_errors(router: Callable[..., st
     answers = [
         lambda ident, rid: [ident, P.HEADER, rid, b"ab", b"\xc1"],  # body not msgpack
         lambda ident, rid: [ident, P.HEADER, rid, b"ab", msgspec.msgpack.encode({"t": "pong"})],  # missing field
-        lambda ident, rid: [ident, P.HEADER_PREFIX + bytes([P.WIRE_VERSION + 1]), rid, b"ab", b""],  # another wire version
+        lambda ident, rid: [ident, P.HEADER_PREFIX + bytes([P.WIRE_VERSION + 1]), rid, b"ab", b""],  # another version
     ]
     errors = (E.ProtocolError, E.ProtocolError, E.WireVersionError)
     for make, err in zip(answers, errors, strict=True):
