@@ -15,6 +15,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import sys
+from collections.abc import Callable
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -151,3 +154,32 @@ def register_connector(name: str, module_path: str, class_name: str) -> None:
     if name in getattr(factory, "_registry", {}):
         return
     factory.register_connector(name, module_path, class_name)
+
+
+_CHECK_MARK = "_vllm_hs_compat_config_check"
+
+
+def check_config_before_engine(check: Callable[[Any], object]) -> bool:
+    """Run ``check(engine_args.kv_transfer_config)`` first in vLLM's ``EngineArgs.create_engine_config``.
+
+    That method is where every vLLM front end (``vllm serve``, ``python -m vllm.entrypoints.openai.api_server``,
+    ``LLM(...)``, ``AsyncLLM.from_engine_args``) turns its arguments into a ``VllmConfig``: in the user's process,
+    before any engine process starts or a model loads, so what ``check`` raises is the last thing the user sees.
+    Installed once per process and only where vLLM's ``arg_utils`` is already imported (a front end's process:
+    vLLM loads the general plugins from there); returns whether the check is installed."""
+    module = sys.modules.get("vllm.engine.arg_utils")
+    cls = getattr(module, "EngineArgs", None) if module is not None else None
+    original = getattr(cls, "create_engine_config", None)
+    if cls is None or original is None:
+        return False
+    if getattr(original, _CHECK_MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        check(getattr(self, "kv_transfer_config", None))
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, _CHECK_MARK, True)
+    cls.create_engine_config = create_engine_config
+    return True
