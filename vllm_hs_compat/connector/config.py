@@ -46,7 +46,10 @@ KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "c
 CONNECTOR_NAME: Final = "HiddenStatesCaptureConnector"
 CONNECTOR_MODULE: Final = "vllm_hs_compat.connector"
 WHAT: Final = "kv_connector_extra_config"
-FIX: Final = "fix it in --kv-transfer-config (docs/connector.md lists every key)"
+FIX: Final = (
+    "fix it where the config is given (--kv-transfer-config, or --extra-config of vllm-hs-compat serve); "
+    "docs/connector.md lists every key"
+)
 
 
 def _unknown(keys: list[str], known: frozenset[str]) -> str:
