@@ -21,6 +21,7 @@ from vllm_hs_compat.core.capture import (
     REASON_BLOCKS,
     REQUEST_KEY,
     RESULT_KEY,
+    STATUS_QUEUED,
     BlockTracker,
     CaptureSpec,
     FinishedRequest,
@@ -220,8 +221,10 @@ class CaptureScheduler:
         self._pending.append(save)
         self._held.add(fr.req_id)
         self.counters["records_scheduled"] += 1
+        # "queued", not a promise: the pool that may still drop it lives in the capture owner's worker process,
+        # which this step cannot ask (docs/connector.md says why, and what a client must expect).
         params = self._params(
-            fr, "pending", start=start, num_tokens=stop - start, num_prompt_tokens=fr.num_prompt_tokens
+            fr, STATUS_QUEUED, start=start, num_tokens=stop - start, num_prompt_tokens=fr.num_prompt_tokens
         )
         nbytes = (stop - start) * self.bytes_per_token
         params.update(sink_ticket(self.config.sink, self._locator, fr.req_id, nbytes, publication))
