@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_hs_compat.commands import progress
-from vllm_hs_compat.commands.serve_args import add_capture_arguments, load_config, plan
+from vllm_hs_compat.commands.serve_args import add_capture_arguments, extra_config, load_config, plan
 from vllm_hs_compat.errors import HsCompatError, ToolError
 
 #: Flags the front door writes itself; passing them after ``--`` as well would be read two ways.
@@ -82,6 +82,10 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Any, dict[str, A
             f"--warmup-tokens {args.warmup_tokens} is too few: the warm-up exists to give the engine's first "
             "forward more than 4 tokens; use 8 or more, or 0 for none"
         )
+    from vllm_hs_compat.connector.config import check_kv_transfer_config
+    from vllm_hs_compat.demo.engine import kv_transfer_config
+
+    check_kv_transfer_config(kv_transfer_config(extra_config(args)))  # first: needs neither vLLM nor the model
     version = installed_vllm_version()
     adapter = choose_adapter(version, os.environ.get(OVERRIDE_ENV) or None)
     config = load_config(args.model)
