@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         _forward(signal.SIGTERM, None)
         proc.wait()
         return 1
-    lines = [f"ready in {time.monotonic() - t0:.1f} s: OpenAI API {_url(args, '/v1')} (pid {proc.pid})"]
+    lines = [f"in {time.monotonic() - t0:.1f} s: OpenAI API {_url(args, '/v1')} (server pid {proc.pid})"]
     if sink == "export":
         if export:
             lines.append(
@@ -236,5 +236,5 @@ def run(args: argparse.Namespace) -> int:
     elif sink == "file":
         lines.append(f"records: {p.kv_transfer_config['kv_connector_extra_config']['file']['path']}")
     for i, line in enumerate(lines):
-        print(f"{READY}: {line}" if i == 0 else f"vllm-hs-compat: {line}", flush=True)
+        print(f"{READY} {line}" if i == 0 else f"vllm-hs-compat: {line}", flush=True)
     return proc.wait()
