@@ -132,16 +132,24 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         proc.kill()
         pytest.fail(f"vllm-hs-compat serve never said ready ({srv.ready_s:.0f} s):\n" + "\n".join(srv.log[-60:]))
     e2e_report.add(f"serve: `vllm-hs-compat serve` ready in {srv.ready_s:.1f} s (warm-up included)")
+    banner = next(line for line in srv.log if line.startswith(READY))
+    server_pid = int(banner.split("(server pid ")[1].split(")")[0])
     try:
         yield srv
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60.0)
+            rc = proc.wait(60.0)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            rc = proc.wait()
         (out / "server.log").write_text("\n".join(srv.log))
+    # SIGTERM to the front door stops vLLM's server with it.
+    deadline = time.monotonic() + 30.0
+    while os.path.exists(f"/proc/{server_pid}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{server_pid}"), f"vLLM's server (pid {server_pid}) outlived the front door"
+    assert rc == 0, f"the server stopped with status {rc} on SIGTERM"
 
 
 def _prompts(n: int, length: int, shared: int, seed: int) -> list[list[int]]:

@@ -12,7 +12,8 @@ capture, for the installed release and distribution.
    With the export sink the warm-up's record is fetched with its own ticket, which proves the path a client
    takes and keeps the record from trainers; with the file or callback sink the warm-up opts out of the capture.
 4. Prints ``vllm-hs-compat: ready``, the API address, the export endpoint and where the trainer token is, then
-   waits for the server; SIGTERM or SIGINT is passed on to it, and its exit status is this command's.
+   waits for the server; SIGTERM or SIGINT is passed on to it (as SIGTERM), its exit status is this command's,
+   and if this command is killed outright the server gets SIGTERM from the kernel (Linux ``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -186,6 +187,17 @@ def _token_where(p: Any) -> str:
     return f"the file {path} (mode 0600, written by the server at start-up; trainers on this host read it)"
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec (Linux): SIGTERM when this front door dies, even by SIGKILL, so a
+    killed ``serve`` leaves no server behind.  Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
@@ -203,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     sink = p.kv_transfer_config["kv_connector_extra_config"]["sink"]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 
     def _forward(signum: int, _frame: Any) -> None:
         if proc.poll() is None:
