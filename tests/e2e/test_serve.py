@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -287,8 +288,9 @@ def test_a_pool_full_drop_says_queued_and_fails_at_fetch(
 
 
 def _last_line(text: str) -> str:
+    """The last non-empty line, without the ``(APIServer pid=N)`` prefix vLLM 0.27 puts on its process's lines."""
     lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    return re.sub(r"^\(APIServer pid=\d+\) ", "", lines[-1]) if lines else ""
 
 
 def test_a_bad_config_is_refused_in_seconds_with_our_message_last(server: Server, model_dir: str) -> None:
