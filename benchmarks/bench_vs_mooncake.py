@@ -64,6 +64,8 @@ from role_worker import Worker
 ROOT = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB)
+#: the consumer's default inline_bytes (consumer.INLINE_BYTES; not imported here: the driver needs no torch)
+INLINE_BYTES = 256 * KiB
 STREAM_N, STREAM_REC, BATCH = 1000, 64 * KiB, 256
 #: a stream record's slot: its 64 KiB of rows and its 8 token ids, rounded up (Mooncake's records sit at the
 #: same stride, so neither side reads one contiguous range)
@@ -129,7 +131,8 @@ def role_ours_producer() -> None:
         return out
 
     def publish(name: str, size: int, ids: list[str]) -> dict[str, Any]:
-        p, big = prods[name], rows[size]
+        p = prods[name]
+        big = rows[size] if size in rows else rows.setdefault(size, _rows(size))
         for rid in ids:
             p.publish(RecordMeta.for_tensor(rid, big, [0] * big.shape[0], [1, 2, 3, 4], True), big)
         p.flush(30.0)
@@ -159,14 +162,18 @@ def role_ours_consumer() -> None:
         cons["L"] = ExportConsumer(eps["L"]["endpoint"], eps["L"]["token"])  # the defaults
         cons["S"] = ExportConsumer(eps["S"]["endpoint"], eps["S"]["token"], landing_bytes=64 * MiB)
 
-    def single(rid: str, verify: bool) -> dict[str, Any]:
+    def single(rid: str, verify: bool, inline: bool = True) -> dict[str, Any]:
         c = cons["L"]
         c.verify_checksum = verify
+        default_inline = c.inline_bytes
+        if not inline:
+            c.inline_bytes = 0
         t0 = time.perf_counter()
         rec = c.fetch(rid)
         dt = time.perf_counter() - t0
         keep[0] = rec
         c.verify_checksum = True
+        c.inline_bytes = default_inline
         return {"s": dt}
 
     def stream(ids: list[str], mode: str, verify: bool) -> dict[str, Any]:
@@ -696,6 +703,10 @@ class Bench:
         for size in self.a.sizes:
             case = _size_name(size)
             out.append((case, "ours tcp  fetch() (verify on, default)", self._ours_single("ours tcp", size, True)))
+            if size <= INLINE_BYTES:  # the default answers the claim with the bytes: the same fetch without that
+                out.append(
+                    (case, "ours tcp  fetch(), claim then READ [ctx]", self._ours_single("ours tcp", size, True, False))
+                )
             out.append((case, "mc-te tcp transfer_sync_read", self._mc_single(size, False)))
             if self.store is not None:
                 out.append((case, "mc-store tcp get_into", self._store_single(size)))
@@ -727,13 +738,13 @@ class Bench:
             out.append((case, "ours shm  iter_batches [ctx]", self._ours_stream("ours shm", "iter_batches", True)))
         return out
 
-    def _ours_single(self, cfg: str, size: int, verify: bool) -> Callable[[], float]:
+    def _ours_single(self, cfg: str, size: int, verify: bool, inline: bool = True) -> Callable[[], float]:
         prod, cons = self.ours[cfg]
 
         def run() -> float:
             rid = self._id("r")
             prod("publish", name="L", size=size, ids=[rid])
-            return float(cons("single", rid=rid, verify=verify)["s"])
+            return float(cons("single", rid=rid, verify=verify, inline=inline)["s"])
 
         return run
 

@@ -197,6 +197,21 @@ class LayoutError(RecordFormatError):
     the auxiliary layers and the base layer)."""
 
 
+class FinalNormError(DatasetConfigError):
+    """The verifier's final norm is needed (a trainer format whose base plane is post-norm) but its folder, weight,
+    eps or norm type is not available or not known."""
+
+
+class LayerNumberingError(DatasetConfigError):
+    """A drafter config's layer ids do not match the records' planes in the trainer's numbering (typically off by
+    one: vLLM's id ``i`` is the residual entering layer ``i``; SGLang/SpecForge/ModelOpt name layer outputs)."""
+
+
+class FormatError(DatasetConfigError):
+    """Records cannot be written in the trainer format asked for (unknown format, planes that format cannot carry,
+    records of different layer ids or hidden sizes in one output)."""
+
+
 # --- tools: demo, verify, serve-args ------------------------------------------------------------------------
 class ToolError(HsCompatError):
     """A command-line tool (``demo``, ``verify``, ``serve-args``) cannot go on; the message names the fix."""

@@ -148,3 +148,23 @@ def test_missing_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("[1]")
     with pytest.raises(ModelConfigError):
         S.load_config(str(tmp_path))
+
+
+def test_trainer_format_prints_the_trainers_layer_ids(tmp_path: Path) -> None:
+    from vllm_hs_compat.connector.config import ConnectorConfig
+
+    m = model_dir(tmp_path, LLAMA_8B)
+    ns = args(m, "2,16,29,32", sink="file", file_path="/data/hs", format="modelopt")
+    plan = S.plan(ns, adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m)))
+    assert plan.trainer is not None and plan.trainer["trainer_layer_ids"] == [1, 15, 28]
+    assert "vLLM id - 1" in S.render(plan) and not plan.errors
+    kv = json.loads(plan.argv[plan.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert kv["file"]["format"] == "modelopt" and ConnectorConfig.from_extra(kv).file_options["format"] == "modelopt"
+    speculators = S.plan(
+        args(m, "2,16,29,32", format="speculators"), adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m))
+    )
+    assert speculators.trainer is not None and speculators.trainer["trainer_layer_ids"] == [2, 16, 29]
+    no_base = S.plan(
+        args(m, "2,16,29", format="specforge-eagle3"), adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m))
+    )
+    assert any("base plane" in e for e in no_base.errors)

@@ -51,7 +51,9 @@ def main() -> None:
     p = ExportProducer(backend="nixl", num_slots=8, slot_bytes=64 << 10, idle_poll_interval_s=IDLE_POLL_S)
     if deaf:
         p._wake = _Deaf()
-    c = ExportConsumer(p.endpoint, p.token, landing_bytes=1 << 20, timeout_s=2 * IDLE_POLL_S + 5)
+    # inline_bytes=0: the record comes by READ, which only the pump answers (a small record would otherwise come in
+    # the claim's answer, with no READ for the pump to answer)
+    c = ExportConsumer(p.endpoint, p.token, landing_bytes=1 << 20, timeout_s=2 * IDLE_POLL_S + 5, inline_bytes=0)
     try:
         for i, r in enumerate(rows):
             p.publish(make_meta(f"r{i}", r), r)

@@ -250,11 +250,12 @@ def test_48_unreceived_reads_stay_under_the_per_connection_bound(
     print(f"gate RSS {rss0:.1f} -> peak {rss1:.1f} MiB; {st['inline_reads']} reads answered")
     assert rss1 - rss0 <= REPLY_BOUND_MIB, f"the gate grew by {rss1 - rss0:.1f} MiB"
     # paced: the replies it does not receive fill its queue; at once: its requests in flight pass their bound, or
-    # (when the producer keeps up with the burst on a quiet host) the replies fill the queue first
+    # (when the producer keeps up with the burst on a quiet host) the replies fill the queue first.  On a loaded
+    # host the paced requests can also pile up unanswered first: either per-connection bound may drop it.
     why = "reply_queue" if paced else "inflight"
     assert st["control_peers_dropped"] >= 1, st  # (again after its reconnect, if it sends on)
-    if paced:
-        assert st["control_peers_dropped_reply_queue"] >= 1, st
+    bounds = st["control_peers_dropped_reply_queue"] + st["control_peers_dropped_inflight"]
+    assert bounds == st["control_peers_dropped"], st  # dropped by these bounds, not for anything else
     assert st["control_gate_restarts"] == 0
     assert served(p, f"after-reads-{why}", 4)  # the others are served
 

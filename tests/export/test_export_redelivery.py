@@ -176,14 +176,17 @@ def publish(p: ExportProducer, rid: str, seed: int, tokens: int = 16) -> str:
 
 def test_a_slow_consumer_is_refused_and_the_next_one_reads_the_record_intact(backend: str, make_producer: Make) -> None:
     """A consumer alive but slower than lease_ttl_s: its read and release are refused (it raises nothing, the
-    record is not handed out twice from that lease), a ticket holder's stale inline read too, and the requeued
-    record is read intact under its new lease.  Counts: the slow consumer ``lease_expired``; the producer
-    ``stale_releases`` and ``redelivered``, ``delivered`` once."""
+    record is not handed out twice from that lease), a ticket holder's too (its bytes came with its claim; their
+    release names the dead lease), and the requeued record is read intact under its new lease.  Counts: the slow
+    consumer ``lease_expired``; the producer ``stale_releases`` (one per refused release) and ``redelivered``,
+    ``delivered`` once per record."""
     p = make_producer(lease_ttl_s=0.3)
     h = publish(p, "slow", 1)
     rows2 = make_rows(2, 16, 2, 64, "bfloat16")
     h2 = digest(rows2)
     issued = p.publish(make_meta("slow-ticket", rows2, 2), rows2)  # the ticket bound to this publication
+    rows3 = make_rows(3, 16, 2, 64, "bfloat16")
+    issued3 = p.publish(make_meta("slow-read", rows3, 3), rows3)
     with ExportConsumer(p.endpoint, p.token, landing_bytes=MiB) as slow:
         (old,) = slow.claim_next(1, wait_s=1.0)
         wait_until(lambda: p.stats()["redelivered"] == 1, 5.0, "the lease to expire and be requeued")
@@ -200,11 +203,20 @@ def test_a_slow_consumer_is_refused_and_the_next_one_reads_the_record_intact(bac
     with ExportConsumer(ticket.endpoint, None, ticket=ticket) as t:  # reads over the control plane
         c = t.claim("slow-ticket")
         wait_until(lambda: p.stats()["redelivered"] == 2, 5.0, "the ticket holder's lease to be requeued")
-        (res,) = t.read([c])  # the inline read names the dead lease: refused, expired
+        assert c.inline is not None  # the bytes came with the claim: its release is what names the dead lease
+        (res,) = t.read([c])  # refused, expired
         assert isinstance(res, LeaseExpiredError)
         assert digest(t.fetch("slow-ticket").hidden_states) == h2  # the same ticket fetches it again
+    ticket3 = P.ExportTicket.parse(issued3.kv_transfer_params())
+    with ExportConsumer(ticket3.endpoint, None, ticket=ticket3, inline_bytes=0) as t3:  # bytes by `read` requests
+        c3 = t3.claim("slow-read")
+        assert c3.inline is None
+        wait_until(lambda: p.stats()["redelivered"] == 3, 5.0, "the reading holder's lease to be requeued")
+        (res,) = t3.read([c3])  # the `read` names the dead lease: refused, expired (no release sent)
+        assert isinstance(res, LeaseExpiredError)
+        assert digest(t3.fetch("slow-read").hidden_states) == digest(rows3)
     st = p.stats()
-    assert (st["delivered"], st["redelivered"], st["expired_claimed"], st["stale_releases"]) == (2, 2, 0, 1)
+    assert (st["delivered"], st["redelivered"], st["expired_claimed"], st["stale_releases"]) == (3, 3, 0, 2)
     ledger_balanced(st)
 
 

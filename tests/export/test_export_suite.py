@@ -923,7 +923,9 @@ def test_consumer_asking_for_the_other_transport_gets_a_named_error(backend: str
 def test_ucx_settings_never_override_the_users_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_hs_compat.export.nixl_backend import _load
 
-    assert UcxSettings().env() == {"UCX_RCACHE_MAX_UNRELEASED": "1024"}
+    seg = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+    assert UcxSettings().env() == {"UCX_RCACHE_MAX_UNRELEASED": "1024", **seg}
+    assert "UCX_TCP_TX_SEG_SIZE" not in UcxSettings(tcp_seg_size=None).env()
     assert UcxSettings(net_devices="mlx5_0:1", mmap_hook_mode="none").env()["UCX_MEM_MMAP_HOOK_MODE"] == "none"
     if not nixl_available():
         pytest.skip("nixl is not importable here")

@@ -59,6 +59,13 @@ def add_capture_arguments(p: Any) -> None:
         help="file sink: the records' folder (a relative one is taken from where this command runs)",
     )
     p.add_argument("--callback", default=None, help="callback sink: module:function")
+    p.add_argument(
+        "--format",
+        default=None,
+        choices=("native", "speculators", "specforge-eagle3", "specforge-dflash", "modelopt"),
+        help="the drafter trainer's format: the file sink writes it; every sink prints the layer ids its drafter "
+        "config needs (SpecForge/ModelOpt number layer outputs: vLLM id - 1)",
+    )
     p.add_argument("--capture", choices=("prompt", "all", "output"), default="prompt")
     p.add_argument("--dtype", default=None, help="the serving dtype (default: the model config's)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (vLLM's default 16)")
@@ -176,6 +183,8 @@ class Plan:
     cost: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    trainer: dict[str, Any] | None = None
+    """With ``--format``: the layer ids the trainer's drafter config needs (its numbering) and where they go."""
 
     @property
     def argv(self) -> list[str]:
@@ -261,6 +270,12 @@ def _flags_extra_config(args: argparse.Namespace) -> dict[str, Any]:
         extra["export"] = export
     elif args.sink == "file":
         extra["file"] = {"path": os.path.abspath(args.file_path)}
+        fmt = getattr(args, "format", None)
+        if fmt not in (None, "native"):
+            extra["file"]["format"] = fmt
+            model = getattr(args, "model", "")
+            if model and os.path.isdir(model):
+                extra["file"]["verifier"] = os.path.abspath(model)
     else:
         if not args.callback or ":" not in args.callback:
             raise ToolError("--sink callback needs --callback module:function")
@@ -318,6 +333,22 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
             extra_flags.append("--no-disable-hybrid-kv-cache-manager")
     if facts.state_layers and not facts.hybrid:
         warnings.append(f"{facts.state_layers} layers hold no per-token KV (state layers)")
+    trainer: dict[str, Any] | None = None
+    fmt = getattr(args, "format", None)
+    if fmt is not None:
+        from vllm_hs_compat.trainer.formats import trainer_layer_ids
+
+        try:
+            lm = trainer_layer_ids(fmt, sorted(layers), facts.num_layers)
+        except HsCompatError as exc:
+            errors.append(str(exc))
+        else:
+            trainer = {"format": fmt, **lm.to_dict(), "line": lm.line()}
+            if fmt == "specforge-eagle3" and args.sink == "file" and not os.path.isdir(args.model):
+                errors.append(
+                    "--format specforge-eagle3 writes the base plane after the verifier's final norm, read from the "
+                    "model folder: pass --model as a local folder"
+                )
     spec = speculative_config(layers)
     kv = kv_transfer_config(extra_config(args))
     try:  # what the plugin's check would refuse at start-up, said here first
@@ -342,6 +373,7 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
         cost=cost(facts, len(layers), args.block_size, args.tokens, args.kv_budget_gib),
         warnings=warnings,
         errors=errors,
+        trainer=trainer,
     )
 
 
@@ -383,6 +415,8 @@ def render(p: Plan) -> str:
             f"KV budget {_gib(c['budget_bytes'])}: {c['tokens_without_capture'] or 0:,} tokens without capture, "
             f"{c['tokens_with_capture']:,} with"
         )
+    if p.trainer is not None:
+        lines.append(f"trainer layer ids: {p.trainer['line']}")
     for w in p.warnings:
         lines.append(f"warning: {w}")
     for e in p.errors:

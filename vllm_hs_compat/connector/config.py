@@ -42,6 +42,10 @@ EXPORT_KEYS: Final = frozenset(
     }
 )
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests"})
+#: Keys of ``"file"``: the directory, and the trainer format written there (see vllm_hs_compat.trainer.formats).
+FILE_KEYS: Final = frozenset(
+    {"path", "format", "verifier", "num_hidden_layers", "loss_mask", "drafter_config", "compress", "final_norm"}
+)
 #: The names vLLM may be given for this connector (``kv_connector``) and its module (``kv_connector_module_path``).
 CONNECTOR_NAME: Final = "HiddenStatesCaptureConnector"
 CONNECTOR_MODULE: Final = "vllm_hs_compat.connector"
@@ -133,6 +137,10 @@ class ConnectorConfig:
     callback: str | None = None
     check_requests: int = 8
     """The first N requests have every derived slot checked against the slot mapping vLLM wrote with."""
+    file_options: Mapping[str, Any] = field(default_factory=dict)
+    """``"file"`` options besides ``path``: ``format`` (``native`` default, ``speculators``, ``specforge-eagle3``,
+    ``specforge-dflash``, ``modelopt``), ``verifier`` (the model folder), ``num_hidden_layers``, ``loss_mask``,
+    ``drafter_config``, ``compress``, ``final_norm`` (see :class:`~vllm_hs_compat.trainer.formats.FormatWriter`)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -164,6 +172,7 @@ class ConnectorConfig:
             )
         check_export_options(export)
         file_path: str | None = None
+        file_options: dict[str, Any] = {}
         if "file" in extra:
             f = extra["file"]
             if not isinstance(f, Mapping) or not isinstance(f.get("path"), str) or not f["path"]:
@@ -173,6 +182,18 @@ class ConnectorConfig:
                 raise CaptureConfigError(
                     f'{WHAT}: "file": {{"path": {file_path!r}}} exists and is not a directory; name a directory'
                 )
+            bad_file = sorted(str(k) for k in f if k not in FILE_KEYS)
+            if bad_file:
+                raise CaptureConfigError(
+                    f'{WHAT}: "file" has unknown keys {bad_file}{_unknown(bad_file, FILE_KEYS)}; expected any of '
+                    f"{sorted(FILE_KEYS)}; {FIX}"
+                )
+            file_options = {str(k): v for k, v in f.items() if k != "path"}
+            fmt = file_options.get("format", "native")
+            from vllm_hs_compat.trainer.formats import FORMATS
+
+            if fmt not in FORMATS:
+                raise CaptureConfigError(f"{WHAT}: file.format must be one of {list(FORMATS)}, found {fmt!r}; {FIX}")
         if sink == "file" and file_path is None:
             raise CaptureConfigError(f'{WHAT}: "sink": "file" needs "file": {{"path": "<directory>"}}; {FIX}')
         callback = extra.get("callback")
@@ -183,7 +204,7 @@ class ConnectorConfig:
         checks = extra.get("check_requests", 8)
         if isinstance(checks, bool) or not isinstance(checks, int) or checks < 0:
             raise CaptureConfigError(f'{WHAT}: "check_requests" must be an int >= 0, found {checks!r}; {FIX}')
-        return cls(capture, sink, dict(export), file_path, callback, checks)
+        return cls(capture, sink, dict(export), file_path, callback, checks, file_options)
 
 
 def names_this_connector(kv_transfer_config: Any) -> bool:

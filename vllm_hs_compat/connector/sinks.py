@@ -86,24 +86,68 @@ class ExportSink(Sink):
 
 
 class FileSink(Sink):
-    """One safetensors file and one JSON manifest per record in a directory."""
+    """Records into a directory: the package's own files (``format="native"``: one safetensors file and one JSON
+    manifest per record), or a drafter trainer's own on-disk contract (``speculators``, ``specforge-eagle3``,
+    ``specforge-dflash``, ``modelopt``; see :mod:`vllm_hs_compat.trainer.formats`; ``options`` go to its
+    :class:`~vllm_hs_compat.trainer.formats.FormatWriter`)."""
 
     kind = "file"
 
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str, format: str = "native", *, dp_rank: int = 0, **options: Any) -> None:
+        # A trainer format numbers its files per output (speculators' hs_<i> = row i of one dataset): the
+        # data-parallel engines of one deployment each write their own complete output, rank k > 0 in dp<k>/.
+        self.path = Path(path) if format == "native" or dp_rank == 0 else Path(path) / f"dp{dp_rank}"
         self.path.mkdir(parents=True, exist_ok=True)
         if not os.access(self.path, os.W_OK):
             raise CaptureConfigError(f"file sink directory {self.path} is not writable")
+        self.format = format
+        self.writer: Any = None
+        if format != "native":
+            from vllm_hs_compat.errors import HsCompatError
+            from vllm_hs_compat.trainer.formats import FormatWriter
+
+            if "final_norm" in options:
+                options["final_norm_kind"] = options.pop("final_norm")
+            try:
+                self.writer = FormatWriter(self.path, format, **options)
+            except HsCompatError as exc:
+                raise CaptureConfigError(f"file sink format {format!r}: {exc}") from None
+            except TypeError as exc:
+                raise CaptureConfigError(f"file sink format {format!r}: bad options ({exc})") from None
 
     def locator(self) -> dict[str, Any]:
-        return {"path": str(self.path.resolve())}
+        return {"path": str(self.path.resolve()), "format": self.format}
 
     def write(self, record: CaptureRecord, publication: str | None = None) -> None:
+        if self.writer is not None:
+            first = self.writer.layer_map is None
+            self.writer.write(record)
+            if first and self.writer.layer_map is not None:
+                log.info("file sink (%s): %s", self.format, self.writer.layer_map.line())
+            return
         files.write_record(self.path, record)
 
     def fail(self, failure: RecordFailure) -> None:
+        if self.writer is not None:
+            self.writer.fail(failure.record_id, failure.reason, failure.message)
+            return
         files.write_failure(self.path, failure.record_id, failure.reason, failure.message)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            from vllm_hs_compat.errors import HsCompatError
+
+            try:
+                summary = self.writer.close()
+            except HsCompatError as exc:  # the files written so far stay; the message says how to finish
+                log.error("file sink (%s) could not finish %s: %s", self.format, self.path, exc)
+                return
+            log.info(
+                "file sink (%s) closed: %d records; %s",
+                self.format,
+                summary["records"],
+                summary.get("layer_ids_line", ""),
+            )
 
 
 class CallbackSink(Sink):
@@ -143,7 +187,7 @@ def make_sink(config: ConnectorConfig, dp_rank: int = 0) -> Sink:
     if config.sink == "file":
         if config.file_path is None:  # config validation guarantees it; keep the error named anyway
             raise CaptureConfigError('sink "file" needs "file": {"path": "<directory>"}')
-        return FileSink(config.file_path)
+        return FileSink(config.file_path, dp_rank=dp_rank, **dict(config.file_options))
     if config.callback is None:
         raise CaptureConfigError('sink "callback" needs "callback": "module:function"')
     return CallbackSink(config.callback)
@@ -161,6 +205,8 @@ def sink_ticket(
         return {}
     if kind == "export":
         return ExportTicket.from_locator(locator, record_id, nbytes, publication).kv_transfer_params()
+    if kind == "file" and locator.get("format", "native") != "native":
+        return {files.PARAMS_KEY: {"v": 1, "record_id": record_id, "format": locator["format"], "dir": locator["path"]}}
     if kind == "file":
         tensors, manifest, error = files.record_paths(locator["path"], record_id)
         return {

@@ -104,6 +104,9 @@ LEND_MIN_BYTES = 64 << 10
 #: a descriptor costs a NIXL request about 2 us) and packed by two buffer copies each (cheaper than a descriptor).
 #: Over shm every batch is copied straight into its packed layout.
 BATCH_DIRECT_MIN_BYTES = 64 << 10
+#: A record claimed by id (``fetch``, ``claim``) whose bytes are at most this many comes in the claim's answer
+#: (one round trip, no transfer; see :class:`ExportConsumer`'s ``inline_bytes``).
+INLINE_BYTES = 256 << 10
 #: Spill arenas (see :class:`_Landing`) are at least a quarter of the landing buffer and a multiple of this.
 SPILL_ROUND_BYTES = 2 << 20
 
@@ -126,6 +129,8 @@ class Claim:
     #: when the claim was sent (``time.monotonic()``; 0: unknown): its lease cannot expire before
     #: ``claimed_at + lease_ttl_s``, which lets a release far from that point go without waiting for its answer
     claimed_at: float = 0.0
+    #: the record's bytes (its extent), when they came in the claim's answer (``FetchReq``); else None
+    inline: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_desc(cls, d: P.RecordDesc, claimed_at: float = 0.0) -> Claim:
@@ -408,6 +413,7 @@ class ExportConsumer:
         defer_releases: bool = True,
         spill_bytes: int | None = None,
         direct: bool = True,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -437,6 +443,13 @@ class ExportConsumer:
         #: :meth:`_release`): one control round trip less per read.  ``False``: wait for every verdict.
         self.defer_releases = defer_releases
         self._unsettled: dict[bytes, list[str]] = {}
+        if not 0 <= inline_bytes <= P.MAX_READ_BYTES:
+            raise E.ExportConfigError(f"inline_bytes must be in [0, {P.MAX_READ_BYTES}], found {inline_bytes!r}")
+        #: A record claimed by id whose bytes are at most this many (and within the producer's ``max_read_bytes``)
+        #: comes in the claim's answer: one round trip, no transfer after it.  Larger records, streams and batches
+        #: are read over the transport.  ``0``: always claim, then read.
+        self.inline_bytes = inline_bytes
+        self._fetch_op: bool | None = None  # whether the producer knows the ``fetch`` op (None: not asked yet)
         if not 0.0 <= lend_fraction <= 1.0:
             raise E.ExportConfigError(f"lend_fraction must be in [0, 1], found {lend_fraction!r}")
         #: How much of the landing buffer owned records (``copy=True``) may keep: such a record's tensor views
@@ -468,6 +481,7 @@ class ExportConsumer:
             "read_failures": 0,
             "abandoned": 0,
             "bad_descriptors": 0,
+            "inline_records": 0,
             "lease_expired": 0,
             "quarantined_bytes": 0,
             "deferred_releases": 0,
@@ -710,9 +724,7 @@ class ExportConsumer:
         pause = 0.005
         while True:
             sent = time.monotonic()
-            rep = self._call(P.ClaimReq([record_id], max_reply_bytes=self._budget(), cap=self._cap()), timeout_s)
-            if not isinstance(rep, P.ClaimReply):
-                raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
+            rep = self._claim_one(record_id, timeout_s)
             if not rep.errors:
                 break
             e0 = rep.errors[0]
@@ -727,7 +739,43 @@ class ExportConsumer:
         (item,) = self._parse(rep.records, sent)
         if isinstance(item, HsCompatError):
             raise item
+        data = rep.data[0] if isinstance(rep, P.FetchReply) and rep.data else b""
+        if data:
+            if len(data) != item.extent:
+                self.abandon([item])
+                raise E.ProtocolError(
+                    f"record {record_id!r}: the claim's answer carries {len(data)} bytes, its descriptor says "
+                    f"{item.extent}"
+                )
+            item = dataclasses.replace(item, inline=data)
         return item
+
+    def _claim_one(self, record_id: str, timeout_s: float | None) -> P.ClaimReply | P.FetchReply:
+        """One claim of ``record_id``: with its bytes in the answer when they may fit (``inline_bytes``) and the
+        producer knows the ``fetch`` op (an older one answers it with a protocol error: asked once)."""
+        room = self.inline_bytes
+        if self._hello is not None:
+            room = min(room, self._hello.max_read_bytes)
+        if self._transport is not None and self._transport.kind == "shm":
+            room = 0  # the pool is mapped here: a copy out of it beats any answer carrying the bytes
+        if room > 0 and self._fetch_op is not False:
+            req = P.FetchReq([record_id], max_reply_bytes=self._budget(), cap=self._cap(), inline_bytes=room)
+            try:
+                rep = self._call(req, timeout_s)
+            except E.ProtocolError as e:
+                if self._fetch_op is not None:
+                    raise
+                log.info("producer %s does not answer 'fetch' (%s): claims, then reads", self.endpoint, e)
+                self._fetch_op = False
+            else:
+                self._fetch_op = True
+                if not isinstance(rep, P.FetchReply):
+                    raise E.ProtocolError(f"fetch answered with {type(rep).__name__}")
+                return rep
+        rep = self._call(P.ClaimReq([record_id], max_reply_bytes=self._budget(), cap=self._cap()), timeout_s)
+        if not isinstance(rep, P.ClaimReply):
+            raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
+        return rep
 
     def _parse(self, raws: Sequence[bytes], claimed_at: float = 0.0) -> list[Claim | HsCompatError]:
         """Each descriptor on its own: a bad one fails its record alone (its lease is given back if it can be
@@ -970,6 +1018,14 @@ class ExportConsumer:
             except E.ExportError as e:
                 results[i] = e
                 self.abandon([c])
+        if any(c.inline is not None for _, c in todo):
+            rest: collections.deque[tuple[int, Claim]] = collections.deque()
+            for i, c in todo:
+                if c.inline is None:
+                    rest.append((i, c))
+                else:
+                    results[i] = self._read_given(c, c.inline)
+            todo = rest
         if self._transport is None:
             for i, c in todo:
                 results[i] = self._read_inline(c, deadline)
@@ -1219,6 +1275,29 @@ class ExportConsumer:
         if bad is not None:
             return bad
         self.counters["records"] += 1
+        self.counters["bytes"] += c.nbytes
+        return CaptureRecord(meta, buf[: c.nbytes].view(meta.torch_dtype).view(meta.shape))
+
+    def _read_given(self, c: Claim, data: bytes) -> CaptureRecord | HsCompatError:
+        """A record whose bytes came in its claim's answer: verified like a transferred one, then released with
+        its outcome (posted as :meth:`_release` decides for the trainer; a ticket holder waits for the verdict,
+        so a caller that exits right after its fetch leaves no lease behind).  The record owns its memory."""
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        meta, outcome = self._verify(c, buf, 0)
+        entry = [(c.lease, c.nonce, outcome)]
+        if self._ticket is None:
+            settled = self._release(entry, c.claimed_at, [c.record_id])
+        else:
+            settled = self._settle(entry)
+        bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[0])
+        if isinstance(bad, E.LeaseExpiredError):
+            return bad
+        if isinstance(meta, HsCompatError):
+            return meta
+        if bad is not None:
+            return bad
+        self.counters["records"] += 1
+        self.counters["inline_records"] += 1
         self.counters["bytes"] += c.nbytes
         return CaptureRecord(meta, buf[: c.nbytes].view(meta.torch_dtype).view(meta.shape))
 

@@ -16,6 +16,10 @@ once):
 * ``UCX_NET_DEVICES``: which NIC(s) UCX may use, e.g. ``mlx5_0:1`` on an RDMA host, ``lo`` for a single-host
   test. Left to UCX unless given.
 * ``UCX_TLS``: transports; left to UCX unless given (``cma,tcp,self`` works on a host without RDMA).
+* ``UCX_TCP_TX_SEG_SIZE`` / ``UCX_TCP_RX_SEG_SIZE`` = ``256k`` (UCX's default is 8 KiB): over TCP a READ is
+  answered by the producer in active messages of this size, each needing the producer's progress call; with
+  256 KiB segments a 16-64 MiB READ over loopback TCP took about half the time (docs/benchmarks.md, "UCX's TCP
+  segment size").  Only UCX's ``tcp`` transport reads them; set by default, the user's value wins.
 
 Agents run with ``enable_prog_thread=False``: the producer's pump thread polls ``get_new_notifs()`` (which
 also drives UCX progress for incoming connections); the consumer polls ``check_xfer_state``.  Every wait has
@@ -52,6 +56,7 @@ class UcxSettings:
     tls: str | None = None
     rcache_max_unreleased: str | None = "1024"
     mmap_hook_mode: str | None = None
+    tcp_seg_size: str | None = "256k"
 
     def env(self) -> dict[str, str]:
         pairs = {
@@ -59,6 +64,8 @@ class UcxSettings:
             "UCX_TLS": self.tls,
             "UCX_RCACHE_MAX_UNRELEASED": self.rcache_max_unreleased,
             "UCX_MEM_MMAP_HOOK_MODE": self.mmap_hook_mode,
+            "UCX_TCP_TX_SEG_SIZE": self.tcp_seg_size,
+            "UCX_TCP_RX_SEG_SIZE": self.tcp_seg_size,
         }
         return {k: v for k, v in pairs.items() if v is not None}
 

@@ -211,6 +211,7 @@ class ExportProducer:
             "failed_records": 0,
             "claim_retries": 0,
             "inline_reads": 0,
+            "inline_claims": 0,
         }
         self._counter_lock = threading.Lock()
         # publish_nowait: records handed over and not yet taken by the writer (``queued`` in stats, part of the
@@ -540,7 +541,10 @@ class ExportProducer:
                 if len(req.ids) != 1:
                     raise E.CapabilityError(f"a ticket's capability claims its own record only, not {len(req.ids)}")
                 publication = self._check_cap(req.cap, req.ids[0], "claim")
-            return self._claim(req, call, publication)
+            leases, errors = self._claim(req, call, publication)
+            if isinstance(req, P.FetchReq):
+                return self._fetch_reply(req, leases, errors)
+            return P.ClaimReply([lease.wire for lease in leases], errors)
         if isinstance(req, P.ClaimNextReq):
             self._trainer_only(trainer, "claim_next (streaming every record)")
             return self._claim_next(req, call)
@@ -599,18 +603,20 @@ class ExportProducer:
         while len(self._claims) > MAX_CLAIM_MEMORY:
             self._claims.popitem(last=False)
 
-    def _retried(self, call: Call, credential: str) -> P.ClaimReply | None:
+    def _retried(self, call: Call, credential: str) -> tuple[list[Lease], list[P.ClaimError]] | None:
         """The answer to a claim already made under this request id with this credential (``""``: the trainer's
-        token; else the capability, checked again before this runs), with its leases that are still claimed."""
+        token; else the capability, checked again before this runs): its leases that are still claimed, and its
+        errors."""
         got = self._claims.get(self._claim_key(call, credential))
         if got is None:
             return None
         self._count("claim_retries")
         ids, errors = got
-        return P.ClaimReply([lease.wire for lease in self.pool.claimed(ids)], errors)
+        return self.pool.claimed(ids), errors
 
-    def _claim(self, req: P.ClaimReq, call: Call, publication: str | None) -> P.ClaimReply:
-        """Claim ``req.ids``; ``publication`` (a ticket holder's, checked) limits the claim to that publication."""
+    def _claim(self, req: P.ClaimReq, call: Call, publication: str | None) -> tuple[list[Lease], list[P.ClaimError]]:
+        """Claim ``req.ids``; ``publication`` (a ticket holder's, checked) limits the claim to that publication.
+        The leases granted and why the other ids were not."""
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
         credential = req.cap if publication is not None and req.cap is not None else ""
         again = self._retried(call, credential)
@@ -641,12 +647,38 @@ class ExportProducer:
         self._remember(call, credential, out, errors)
         if out:
             self._wake_pump(claimed=True)
-        return P.ClaimReply([lease.wire for lease in out], errors)
+        return out, errors
+
+    def _fetch_reply(self, req: P.FetchReq, leases: list[Lease], errors: list[P.ClaimError]) -> P.FetchReply:
+        """A claim's answer with the bytes of the leased records that fit, in order, in the smallest of the
+        request's ``inline_bytes``, this producer's ``max_read_bytes`` and what the reply budget leaves after the
+        descriptors (a record that does not fit is read as after a claim).  The leases are CLAIMED: their slots
+        hold these bytes until they are released or expire."""
+        wires = [lease.wire for lease in leases]
+        room = min(
+            req.inline_bytes,
+            self._server.limits.max_read_bytes,
+            req.max_reply_bytes - P.REPLY_OVERHEAD - sum(len(w) + 16 for w in wires),
+        )
+        data: list[bytes] = []
+        for lease in leases:
+            meta = lease.meta
+            extent = P.ids_layout(meta.nbytes, meta.shape[0])[1] if meta is not None else room + 1
+            if extent > room:
+                data.append(b"")
+                room = -1  # in order: a record that does not fit ends the inlined run
+                continue
+            room -= extent
+            data.append(bytes(byte_view(self._buf[lease.offset : lease.offset + extent])))
+        inlined = sum(1 for d in data if d)
+        if inlined:
+            self._count("inline_claims", inlined)
+        return P.FetchReply(wires, data, errors)
 
     def _claim_next(self, req: P.ClaimNextReq, call: Call) -> P.ClaimReply | None:
         again = self._retried(call, "")
         if again is not None:
-            return again
+            return P.ClaimReply([lease.wire for lease in again[0]], again[1])
         budget = req.max_reply_bytes - P.REPLY_OVERHEAD
         leases = self.pool.claim_next(
             req.max_records, req.max_bytes, 0.0, budget=budget, cost=lambda lease: len(lease.wire) + 8, snapshots=False

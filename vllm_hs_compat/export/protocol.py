@@ -106,6 +106,16 @@ class ClaimReq(_Request, tag="claim"):
     cap: Capability | None = None
 
 
+class FetchReq(ClaimReq, tag="fetch"):
+    """A claim by id whose answer also carries the bytes of the leased records that fit in ``inline_bytes``
+    (together, in request order): a small record reaches its reader in one round trip, with no transfer after the
+    claim.  Its own op, not a field of ``claim``: requests forbid unknown fields, so an older producer answers this
+    op with a ``protocol`` error and the consumer claims as before (docs/export.md, "Small records in the
+    claim's answer")."""
+
+    inline_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_READ_BYTES)] = 0
+
+
 class ClaimNextReq(_Request, tag="claim_next"):
     """Lease the oldest published records (trainer only), long-polling up to ``wait_s`` for the first."""
 
@@ -151,7 +161,7 @@ class DirectReq(_Request, tag="direct"):
     older producer answers this op with a ``protocol`` error, and the consumer stays on the gate."""
 
 
-Request = HelloReq | PingReq | ClaimReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq | DirectReq
+Request = HelloReq | PingReq | ClaimReq | FetchReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq | DirectReq
 
 
 # --- transport descriptions (in the trainer's hello) ----------------------------------------------------------
@@ -266,6 +276,17 @@ class ClaimReply(_Reply, tag="claim"):
     more: bool = False
 
 
+class FetchReply(_Reply, tag="fetch"):
+    """The answer to :class:`FetchReq`: a :class:`ClaimReply` whose ``data[i]`` holds record i's bytes (its extent:
+    hidden states, then token ids) or is empty when they did not fit (read them as after a claim).  The lease is
+    the same as a claim's: the record is released with its outcome once its checksums are verified."""
+
+    records: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BATCH)]
+    data: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_READ_BYTES)]], msgspec.Meta(max_length=MAX_BATCH)]
+    errors: Annotated[list[ClaimError], msgspec.Meta(max_length=MAX_CLAIM_IDS)] = []
+    more: bool = False
+
+
 class ReleaseReply(_Reply, tag="release"):
     """One entry per released lease, in request order: ``released`` (it was still claimed: the slots are free and
     the outcome counted), ``expired`` (its TTL ran out first: the bytes read may be another record's),
@@ -299,7 +320,9 @@ class ErrorReply(_Reply, tag="error"):
     message: Annotated[str, msgspec.Meta(max_length=8192)]
 
 
-Reply = HelloReply | PongReply | ClaimReply | ReleaseReply | ReadReply | StatsReply | DirectReply | ErrorReply
+Reply = (
+    HelloReply | PongReply | ClaimReply | FetchReply | ReleaseReply | ReadReply | StatsReply | DirectReply | ErrorReply
+)
 
 # --- codecs -------------------------------------------------------------------------------------------------------
 ENCODER: Final = msgspec.msgpack.Encoder()

@@ -9,15 +9,27 @@
     for item in DataLoader(ds, batch_size=None, num_workers=2):
         item["input_ids"], item["hidden_states"], item["aux_hidden_states"], item["loss_mask"]
 
-See docs/trainer.md for the layouts, workers, resume and errors.
+Map-style over files, sharded over torch.distributed ranks: ``RecordFileDataset(path).shard()``.  A drafter
+trainer's own on-disk format (speculators, SpecForge, ModelOpt): ``FormatWriter`` / ``vllm-hs-compat convert``.
+
+See docs/trainer.md for the layouts, workers, resume and errors, and docs/trainers.md for the trainer formats.
 """
 
 from vllm_hs_compat.trainer.collate import collate_padded
 from vllm_hs_compat.trainer.dataset import COUNTERS, STATE_VERSION, HiddenStatesDataset
+from vllm_hs_compat.trainer.formats import FORMATS, FormatWriter, check_drafter_config, check_output, trainer_layer_ids
 from vllm_hs_compat.trainer.layouts import LAYOUTS, LOSS_MASKS, make_loss_mask, to_item
+from vllm_hs_compat.trainer.mapped import RecordFileDataset, RecordShard
 
 __all__ = [
     "COUNTERS",
+    "FORMATS",
+    "FormatWriter",
+    "RecordFileDataset",
+    "RecordShard",
+    "check_drafter_config",
+    "check_output",
+    "trainer_layer_ids",
     "LAYOUTS",
     "LOSS_MASKS",
     "STATE_VERSION",

@@ -1,0 +1,91 @@
+"""``vllm-hs-compat convert SRC --to FORMAT --out DIR``: records already on disk (the file sink's native records in
+SRC) rewritten in a drafter trainer's own on-disk contract (see vllm_hs_compat.trainer.formats):
+
+  speculators        OUT/hidden_states/hs_<i>.safetensors + OUT as its prepared Arrow dataset (loss masks) +
+                     OUT/token_freq.pt; base plane pre-norm (speculators applies the verifier's norm)
+  specforge-eagle3   OUT/rows_<k>/data_<i>.ckpt: input_ids, loss_mask, hidden_state [1,T,C] AFTER the verifier's
+                     final norm (computed from --verifier's weight and eps), aux_hidden_state [1,T,(P-1)C]
+  specforge-dflash   OUT/rows_<k>/data_<i>.ckpt: input_ids, loss_mask, hidden_states [1,T,P*C]
+  modelopt           OUT/<record>.pt: input_ids, hidden_states (base, pre-norm), aux_hidden_states, loss_mask,
+                     hidden_states_prenorm=True
+  native             the package's own records (a copy)
+
+It prints the layer ids the trainer's drafter config must use, in that trainer's numbering (SpecForge and
+ModelOpt name layer outputs: vLLM id - 1), and with --drafter-config refuses a config whose ids are off by one.
+With --verifier it then checks the written base plane's norm state against what the format declares.
+
+Exit codes: 0 written (and checked); 1 a record or the check failed; 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from vllm_hs_compat.commands import progress
+
+
+def register(sub: Any) -> None:
+    """Add ``convert`` to the ``vllm-hs-compat`` subparsers."""
+    p = sub.add_parser(
+        "convert",
+        help="rewrite records on disk in a trainer's format (speculators, specforge-eagle3, modelopt, ...)",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="the file sink's folder of native records (<record>.json + .safetensors)")
+    p.add_argument(
+        "--to",
+        required=True,
+        dest="format",
+        choices=("speculators", "specforge-eagle3", "specforge-dflash", "modelopt", "native"),
+    )
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--verifier", default=None, help="the verifier's local model folder (config.json, safetensors)")
+    p.add_argument("--num-hidden-layers", type=int, default=None, help="instead of --verifier (formats without norm)")
+    p.add_argument("--loss-mask", choices=("all", "generated"), default="all", help="rows in the loss (default all)")
+    p.add_argument("--drafter-config", default=None, help="a drafter config JSON whose layer ids are checked")
+    p.add_argument("--final-norm", choices=("rmsnorm",), default=None, help="the norm type of an unlisted model_type")
+    p.add_argument("--compress", action="store_true", help="specforge: .ckpt.gz")
+    p.add_argument("--no-checksum", action="store_true", help="do not verify the records' checksums")
+    p.add_argument("--json", action="store_true", help="machine-readable summary on stdout")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``convert`` command."""
+    from vllm_hs_compat.errors import DatasetConfigError, HsCompatError
+    from vllm_hs_compat.trainer.formats import check_output, convert
+
+    kwargs: dict[str, Any] = {
+        "verifier": args.verifier,
+        "num_hidden_layers": args.num_hidden_layers,
+        "loss_mask": args.loss_mask,
+        "drafter_config": args.drafter_config,
+        "final_norm_kind": args.final_norm,
+        "compress": args.compress,
+    }
+    try:
+        summary = convert(args.src, args.out, args.format, verify_checksum=not args.no_checksum, **kwargs)
+        if args.verifier is not None:
+            summary["check"] = check_output(args.out, args.verifier, final_norm_kind=args.final_norm)
+    except DatasetConfigError as exc:
+        progress(f"{type(exc).__name__}: {exc}")
+        return 2
+    except HsCompatError as exc:
+        progress(f"{type(exc).__name__}: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"wrote {summary['records']} records ({summary['failed']} failed) to {summary['out']} as {args.format}")
+        if "layer_ids_line" in summary:
+            print(f"layer ids: {summary['layer_ids_line']}")
+            print(f"base plane: {summary['base_plane_note']}")
+            print(f"train with: {summary['command']}")
+        if "drafter_config" in summary:
+            print(f"drafter config: {summary['drafter_config']}")
+        if "check" in summary:
+            print(f"check: {summary['check']['verdict']}")
+    return 0
