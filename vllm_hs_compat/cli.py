@@ -1,4 +1,5 @@
-"""Command line: ``vllm-hs-compat doctor | inspect | demo | verify | serve-args | convert`` (see ``--help`` of each).
+"""Command line: ``vllm-hs-compat doctor | inspect | demo | verify | serve-args | serve | convert`` (see ``--help``
+of each).
 
 A thin dispatcher: each command lives in its own module under :mod:`vllm_hs_compat.commands` and registers its
 parser there.
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 #: Command modules, in ``--help`` order; each has ``register(subparsers)``.
-COMMANDS = ("doctor", "inspect", "demo", "verify", "serve_args", "convert")
+COMMANDS = ("doctor", "inspect", "demo", "verify", "serve_args", "serve", "convert")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,7 +22,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"vllm_hs_compat.commands.{name}").register(sub)
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    tail: list[str] | None = None
+    if "--" in words:  # `serve ... -- VLLM FLAGS`: everything after the first -- belongs to vLLM, unparsed
+        i = words.index("--")
+        words, tail = words[:i], words[i + 1 :]
+    args = parser.parse_args(words)
+    if tail is not None:
+        if not hasattr(args, "vllm_args"):
+            parser.error(f"arguments after -- are passed to vLLM by `serve` only; {args.command} takes none")
+        args.vllm_args = tail
     return int(args.func(args))
 
 

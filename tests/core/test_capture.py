@@ -76,11 +76,11 @@ def test_connector_config_validates_every_key() -> None:
     assert ConnectorConfig.from_extra({}).sink == "export"
     for bad, text in (
         ({"sinks": "file"}, "unknown keys"),
-        ({"sink": "s3"}, "sink must be one of"),
+        ({"sink": "s3"}, '"sink" must be one of'),
         ({"sink": "file"}, "needs"),
         ({"sink": "callback"}, "needs"),
         ({"callback": "nocolon"}, "module:function"),
-        ({"export": {"bakend": "shm"}}, "export has unknown keys"),
+        ({"export": {"bakend": "shm"}}, '"export" has unknown keys'),
         ({"check_requests": -1}, "check_requests"),
     ):
         with pytest.raises(CaptureConfigError, match=text):

@@ -361,7 +361,7 @@ def expected_record(
         lo, hi = (picked.start, picked.stop) if len(picked) else (lo, lo)
     if hi <= lo:
         return Expected("failed")
-    return Expected("pending", lo, hi)
+    return Expected("queued", lo, hi)
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -396,7 +396,7 @@ def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]
     by_record_id = {}
     for r in reqs:
         cap = (r["kv_transfer_params"] or {}).get(RESULT_KEY) or {}
-        if cap.get("status") != "pending":
+        if cap.get("status") != "queued":
             notes.append(f"request {r['index']}: {RESULT_KEY} {cap}")
             continue
         by_record_id[cap["record_id"]] = r["index"]
@@ -500,7 +500,7 @@ def check(run: CaseRun, title: str) -> CheckResult:
         if run.spec.connector == "ours" and status != exp.status:
             notes.append(f"request {i}: status {status!r}, expected {exp.status!r}")
             missing.append(i)
-        if exp.status != "pending":
+        if exp.status != "queued":
             if rec is not None:
                 notes.append(f"request {i}: a record exists although none was expected ({exp.status})")
                 missing.append(i)

@@ -98,7 +98,7 @@ def test_n2_choices_reach_every_record_and_sigkill_leaves_shm_clean(
         everything, prompt_only = results
         choices = everything["kv_transfer_params"]["hs_choices"]
         assert [e["index"] for e in choices] == [0, 1]
-        assert [e["hs_record"]["status"] for e in choices] == ["pending", "pending"]
+        assert [e["hs_record"]["status"] for e in choices] == ["queued", "queued"]
         ids = [e["hs_export"]["record_id"] for e in choices]
         assert len(set(ids)) == 2
         for e, generated in zip(choices, everything["outputs"], strict=True):
@@ -110,7 +110,7 @@ def test_n2_choices_reach_every_record_and_sigkill_leaves_shm_clean(
 
         shared = prompt_only["kv_transfer_params"]["hs_choices"]
         statuses = sorted(e["hs_record"]["status"] for e in shared)
-        assert statuses == ["pending", "shared"]
+        assert statuses == ["queued", "shared"]
         (holder,) = {e["hs_export"]["record_id"] for e in shared}  # both choices lead to one record
         assert {e["hs_record"].get("same_as") for e in shared} == {None, holder}
         with ExportConsumer.from_params(shared[0]) as c:

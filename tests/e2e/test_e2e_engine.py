@@ -107,7 +107,7 @@ def _checked(run: C.CaseRun, name: str, connector: str) -> C.CheckResult:
 def _assert_connector_facts(case: C.Case, run: C.CaseRun, checked: C.CheckResult) -> C.LogFacts:
     result = run.result or {}
     facts = C.log_facts(run.log)
-    n = checked.expected_status.count("pending")
+    n = checked.expected_status.count("queued")
     for r, expected in zip(result["requests"], checked.expected_status, strict=True):
         cap = (r["kv_transfer_params"] or {}).get(C.RESULT_KEY) or {}
         assert cap.get("status") == expected, f"request {r['index']}: {cap}"

@@ -171,7 +171,7 @@ def test_capture_prompt_stores_the_shared_prompt_once(producer: ExportProducer) 
     assert list(digests) == [f"1_{PARENT}"]  # one record
     last = answers[-1][1]
     statuses = {e["index"]: (e[RESULT_KEY]["status"], e[RESULT_KEY].get("same_as")) for e in last[CHOICES_KEY]}
-    assert statuses == {0: ("shared", f"1_{PARENT}"), 1: ("pending", None), 2: ("shared", f"1_{PARENT}")}
+    assert statuses == {0: ("shared", f"1_{PARENT}"), 1: ("queued", None), 2: ("shared", f"1_{PARENT}")}
     # every choice's entry leads to the one record (fetched once: a record is delivered once)
     assert {e[PARAMS_KEY]["record_id"] for e in last[CHOICES_KEY]} == {f"1_{PARENT}"}
     with ExportConsumer.from_params(last[CHOICES_KEY][0], token=None) as c:

@@ -141,7 +141,7 @@ def floor(verifier: str, connector: bool, v2: bool) -> int:
 # what the contract (docs/connector.md) says a finished request's record is
 # --------------------------------------------------------------------------------------------------
 def expected_positions(t: sh.RequestTrace, base: dict[str, Any]) -> tuple[str, Any]:
-    """``("pending", (start, stop))`` or ``(status, reason)`` for a finished request, from docs/connector.md:
+    """``("queued", (start, stop))`` or ``(status, reason)`` for a finished request, from docs/connector.md:
     rows ``[0, num_computed_tokens)`` exist at finish; ``capture`` picks the prompt, everything, or the generated
     part; ``window`` slices that (Python semantics); a request's own ``hs_capture`` overrides both or opts out."""
     if t.aborted:
@@ -171,7 +171,7 @@ def expected_positions(t: sh.RequestTrace, base: dict[str, Any]) -> tuple[str, A
         lo, hi = (picked.start, picked.stop) if len(picked) else (lo, lo)
     if hi <= lo:
         return "failed", "empty_selection"
-    return "pending", (lo, hi)
+    return "queued", (lo, hi)
 
 
 def greedy(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
@@ -225,7 +225,7 @@ def run_and_check(schedule: Schedule, coverage: Counter[str]) -> None:
             expect_tokens = greedy(t.plan.prompt, t.plan.max_tokens)
             assert t.token_ids_at_finish == expect_tokens, f"{rid}: generated tokens are not the greedy continuation"
         assert entry["status"] == status, (rid, entry, status, detail)
-        if status != "pending":
+        if status != "queued":
             assert entry["reason"] == detail, (rid, entry, detail)
             assert held is False
             assert not got, f"{rid}: a record exists although the ticket says {entry}"

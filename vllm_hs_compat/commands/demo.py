@@ -350,7 +350,7 @@ def _summarise(
     records = done["records"]
     ok = [r for r in records if r["ok"]]
     failed = [r for r in records if not r["ok"]]
-    not_pending = [t.get("hs_record", {}) for t in tickets if t.get("hs_record", {}).get("status") != "pending"]
+    not_queued = [t.get("hs_record", {}) for t in tickets if t.get("hs_record", {}).get("status") != "queued"]
     nbytes = sum(r["nbytes"] for r in records)
     pull_s = sum(r["pull_s"] for r in records)
     losses, accs = done["losses"], done["accuracies"]
@@ -361,8 +361,8 @@ def _summarise(
         problems.append(f"{len(failed)} record(s) failed verification")
     if len(records) != len(prompts):
         problems.append(f"{len(records)} records arrived for {len(prompts)} prompts")
-    if not_pending:
-        problems.append(f"{len(not_pending)} request(s) were not exported: {not_pending[:2]}")
+    if not_queued:
+        problems.append(f"{len(not_queued)} request(s) were not exported: {not_queued[:2]}")
     if trainer_rc != 0:
         problems.append(f"the trainer exited with {trainer_rc}")
     if not losses and args.steps > 0:

@@ -86,7 +86,9 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
         SUPPORTED_VLLM,
         TESTED_RELEASES,
         choose_adapter,
+        installed_vllm_distribution,
         installed_vllm_version,
+        openai_server_command,
     )
 
     report["supported_vllm"] = str(SUPPORTED_VLLM)
@@ -102,7 +104,11 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
         ]
         return EXIT_NO_VLLM
     report["vllm"] = raw
-    lines.append(f"vLLM: {raw}")
+    dist = installed_vllm_distribution()
+    server = openai_server_command("python", "MODEL")
+    report["vllm_distribution"] = dist
+    report["openai_server"] = server
+    lines.append(f"vLLM: {raw} (distribution {dist}; OpenAI server: {' '.join(server)} ..., which serve starts)")
     override = os.environ.get(OVERRIDE_ENV) or None
     try:
         adapter = choose_adapter(raw, override)

@@ -29,6 +29,15 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 def register(sub: Any) -> None:
     p = sub.add_parser("serve-args", help="the vllm serve flags for a capture on the installed vLLM, and its cost")
     p.add_argument("--model", required=True, help="model folder or hub id (its config.json is read)")
+    add_capture_arguments(p)
+    p.add_argument("--tokens", type=int, default=1 << 20, help="N for the 'N tokens' cost line (default 1Mi)")
+    p.add_argument("--kv-budget-gib", type=float, default=None, help="KV-cache memory, to show tokens that fit")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def add_capture_arguments(p: Any) -> None:
+    """The capture's options, shared with ``vllm-hs-compat serve``."""
     p.add_argument("--layers", required=True, help="comma-separated layer ids, e.g. 2,16,29,32")
     p.add_argument("--sink", choices=("export", "file", "callback"), default="export")
     p.add_argument(
@@ -60,16 +69,18 @@ def register(sub: Any) -> None:
     p.add_argument("--capture", choices=("prompt", "all", "output"), default="prompt")
     p.add_argument("--dtype", default=None, help="the serving dtype (default: the model config's)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (vLLM's default 16)")
-    p.add_argument("--tokens", type=int, default=1 << 20, help="N for the 'N tokens' cost line (default 1Mi)")
-    p.add_argument("--kv-budget-gib", type=float, default=None, help="KV-cache memory, to show tokens that fit")
     p.add_argument(
         "--hybrid-kv-cache-manager",
         choices=("auto", "on", "off"),
         default="auto",
         help="on: you intend --no-disable-hybrid-kv-cache-manager; off: --disable-hybrid-kv-cache-manager",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=run)
+    p.add_argument(
+        "--extra-config",
+        default=None,
+        metavar="JSON",
+        help='more kv_connector_extra_config, merged over the flags (e.g. \'{"export": {"num_slots": 256}}\')',
+    )
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -226,6 +237,26 @@ def cost(facts: ModelFacts, num_planes: int, block_size: int, tokens: int, budge
 
 
 def extra_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``kv_connector_extra_config`` from the flags, with ``--extra-config`` merged over it (one level deep: its
+    ``export`` map is merged into the flags' one)."""
+    extra = _flags_extra_config(args)
+    raw = getattr(args, "extra_config", None)
+    if raw:
+        try:
+            more = json.loads(raw)
+        except ValueError as exc:
+            raise ToolError(f"--extra-config is not JSON ({exc}): {raw!r}") from None
+        if not isinstance(more, dict):
+            raise ToolError(f"--extra-config must be a JSON object, found {type(more).__name__}")
+        for key, value in more.items():
+            if isinstance(value, dict) and isinstance(extra.get(key), dict):
+                extra[key] = {**extra[key], **value}
+            else:
+                extra[key] = value
+    return extra
+
+
+def _flags_extra_config(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"capture": args.capture, "sink": args.sink}
     if args.sink == "export":
         export: dict[str, Any] = {"backend": getattr(args, "backend", "auto")}
@@ -320,6 +351,12 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
                 )
     spec = speculative_config(layers)
     kv = kv_transfer_config(extra_config(args))
+    try:  # what the plugin's check would refuse at start-up, said here first
+        from vllm_hs_compat.connector.config import check_kv_transfer_config
+
+        check_kv_transfer_config(kv)
+    except HsCompatError as exc:
+        errors.append(str(exc))
     env: dict[str, str] = {}
     if args.sink == "export":
         env["VLLM_HS_COMPAT_EXPORT_TOKEN"] = "$(openssl rand -hex 32)"

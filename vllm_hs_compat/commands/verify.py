@@ -176,7 +176,7 @@ def _capture(args: argparse.Namespace, model: str, layers: list[int], prompts: l
         failed = [
             o.kv_transfer_params
             for o in outs
-            if (o.kv_transfer_params or {}).get("hs_record", {}).get("status") != "pending"
+            if (o.kv_transfer_params or {}).get("hs_record", {}).get("status") != "queued"
         ]
         flush(llm, timeout_s=300.0)
         shutdown(llm)

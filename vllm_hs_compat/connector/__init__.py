@@ -12,10 +12,9 @@ from typing import Any
 
 from vllm_hs_compat.errors import HsCompatError
 
-from .config import ConnectorConfig
+from .config import CONNECTOR_NAME, ConnectorConfig
 from .sinks import CallbackSink, ExportSink, FileSink, Sink
 
-CONNECTOR_NAME = "HiddenStatesCaptureConnector"
 MODULE_PATH = __name__
 
 __all__ = [

@@ -1,7 +1,17 @@
-"""The connector's settings, read from ``kv_transfer_config.kv_connector_extra_config`` (see docs/connector.md)."""
+"""The connector's settings, read from ``kv_transfer_config.kv_connector_extra_config`` (see docs/connector.md).
+
+:meth:`ConnectorConfig.from_extra` checks everything that can be checked without the engine: key names, value
+types and ranges, the sink's needs.  :func:`check_kv_transfer_config` runs it on a ``kv_transfer_config`` that
+names this connector; the ``vllm.general_plugins`` entry point calls it in the process that turns vLLM's
+arguments into a config, before any engine process starts or the model loads (see :mod:`vllm_hs_compat.plugin`).
+"""
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -29,6 +39,7 @@ EXPORT_KEYS: Final = frozenset(
         "token_file",
         "handshake_timeout_s",
         "max_redeliveries",
+        "shm_handoff",
     }
 )
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests"})
@@ -36,6 +47,86 @@ KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "c
 FILE_KEYS: Final = frozenset(
     {"path", "format", "verifier", "num_hidden_layers", "loss_mask", "drafter_config", "compress", "final_norm"}
 )
+#: The names vLLM may be given for this connector (``kv_connector``) and its module (``kv_connector_module_path``).
+CONNECTOR_NAME: Final = "HiddenStatesCaptureConnector"
+CONNECTOR_MODULE: Final = "vllm_hs_compat.connector"
+WHAT: Final = "kv_connector_extra_config"
+FIX: Final = (
+    "fix it where the config is given (--kv-transfer-config, or --extra-config of vllm-hs-compat serve); "
+    "docs/connector.md lists every key"
+)
+
+
+def _unknown(keys: list[str], known: frozenset[str]) -> str:
+    hints = []
+    for k in keys:
+        close = difflib.get_close_matches(k, sorted(known), n=1)
+        if close:
+            hints.append(f"{close[0]!r} for {k!r}")
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def _int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        span = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
+        raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be {span}; {FIX}')
+
+
+def _seconds(name: str, value: Any, *, positive: bool, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok and (value > 0 if positive else value >= 0):
+        return
+    want = "a number of seconds " + ("> 0" if positive else ">= 0") + (" or null" if none_ok else "")
+    raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be {want}; {FIX}')
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be one of {list(choices)}; {FIX}')
+
+
+def _text(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be a non-empty string; {FIX}')
+
+
+def check_export_options(export: Mapping[str, Any]) -> None:
+    """Types and ranges of the export sink's options (the producer checks them again when it starts)."""
+    from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS
+
+    for key, value in export.items():
+        if key == "backend":
+            _choice(key, value, ("auto", "shm", "nixl"))
+        elif key == "on_full":
+            _choice(key, value, ("drop", "wait"))
+        elif key == "shm_handoff":
+            _choice(key, value, ("fd", "path"))
+        elif key == "checksum":
+            _choice(key, value, tuple(CHECKSUM_ALGORITHMS))
+        elif key == "num_slots":
+            _int(key, value, 1)
+        elif key == "slot_bytes":
+            _int(key, value, 64)
+            if value % 64:
+                raise CaptureConfigError(
+                    f'{WHAT}: "export": {{"slot_bytes": {value}}} must be a multiple of 64; round it up to '
+                    f"{-(-value // 64) * 64}"
+                )
+        elif key == "port":
+            _int(key, value, 0, 65535)
+        elif key == "max_redeliveries":
+            _int(key, value, 0)
+        elif key in ("lease_ttl_s", "handshake_timeout_s"):
+            _seconds(key, value, positive=True)
+        elif key == "ready_ttl_s":
+            _seconds(key, value, positive=True, none_ok=True)
+        elif key == "wait_timeout_s":
+            _seconds(key, value, positive=False)
+        elif key in ("host", "advertise_host", "shm_dir", "token_file"):
+            if not (key == "advertise_host" and value is None):
+                _text(key, value)
 
 
 @dataclass(frozen=True)
@@ -56,47 +147,108 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
-        """Parse ``kv_connector_extra_config``; unknown or malformed keys raise :class:`CaptureConfigError`."""
-        what = "kv_connector_extra_config"
+        """Parse ``kv_connector_extra_config``; unknown or malformed keys raise :class:`CaptureConfigError`
+        naming what was found, what is expected and how to fix it."""
+        if not isinstance(extra, Mapping):
+            raise CaptureConfigError(f"{WHAT} must be a JSON object, found {type(extra).__name__}; {FIX}")
         unknown = sorted(str(k) for k in extra if k not in KNOWN_KEYS)
         if unknown:
-            raise CaptureConfigError(f"{what} has unknown keys {unknown}; expected any of {sorted(KNOWN_KEYS)}")
-        capture = CaptureSpec.parse({k: extra[k] for k in ("capture", "window") if k in extra}, what=what)
+            raise CaptureConfigError(
+                f"{WHAT} has unknown keys {unknown}{_unknown(unknown, KNOWN_KEYS)}; expected any of "
+                f"{sorted(KNOWN_KEYS)}; {FIX}"
+            )
+        try:
+            capture = CaptureSpec.parse({k: extra[k] for k in ("capture", "window") if k in extra}, what=WHAT)
+        except CaptureConfigError as e:
+            raise CaptureConfigError(f"{e}; {FIX}") from None
         sink = extra.get("sink", "export")
         if sink not in SINKS:
-            raise CaptureConfigError(f"{what}: sink must be one of {list(SINKS)}, found {sink!r}")
+            raise CaptureConfigError(f'{WHAT}: "sink" must be one of {list(SINKS)}, found {sink!r}; {FIX}')
         export = extra.get("export", {})
         if not isinstance(export, Mapping):
-            raise CaptureConfigError(f"{what}: export must be a map, found {type(export).__name__}")
+            raise CaptureConfigError(f'{WHAT}: "export" must be a JSON object, found {type(export).__name__}; {FIX}')
         bad = sorted(str(k) for k in export if k not in EXPORT_KEYS)
         if bad:
-            raise CaptureConfigError(f"{what}: export has unknown keys {bad}; expected any of {sorted(EXPORT_KEYS)}")
+            raise CaptureConfigError(
+                f'{WHAT}: "export" has unknown keys {bad}{_unknown(bad, EXPORT_KEYS)}; expected any of '
+                f"{sorted(EXPORT_KEYS)}; {FIX}"
+            )
+        check_export_options(export)
         file_path: str | None = None
         file_options: dict[str, Any] = {}
         if "file" in extra:
             f = extra["file"]
             if not isinstance(f, Mapping) or not isinstance(f.get("path"), str) or not f["path"]:
-                raise CaptureConfigError(f'{what}: file must be {{"path": "<directory>"}}, found {f!r}')
+                raise CaptureConfigError(f'{WHAT}: "file" must be {{"path": "<directory>"}}, found {f!r}; {FIX}')
             file_path = str(f["path"])
+            if os.path.exists(file_path) and not os.path.isdir(file_path):
+                raise CaptureConfigError(
+                    f'{WHAT}: "file": {{"path": {file_path!r}}} exists and is not a directory; name a directory'
+                )
             bad_file = sorted(str(k) for k in f if k not in FILE_KEYS)
             if bad_file:
                 raise CaptureConfigError(
-                    f"{what}: file has unknown keys {bad_file}; expected any of {sorted(FILE_KEYS)}"
+                    f'{WHAT}: "file" has unknown keys {bad_file}{_unknown(bad_file, FILE_KEYS)}; expected any of '
+                    f"{sorted(FILE_KEYS)}; {FIX}"
                 )
             file_options = {str(k): v for k, v in f.items() if k != "path"}
             fmt = file_options.get("format", "native")
             from vllm_hs_compat.trainer.formats import FORMATS
 
             if fmt not in FORMATS:
-                raise CaptureConfigError(f"{what}: file.format must be one of {list(FORMATS)}, found {fmt!r}")
+                raise CaptureConfigError(f"{WHAT}: file.format must be one of {list(FORMATS)}, found {fmt!r}; {FIX}")
         if sink == "file" and file_path is None:
-            raise CaptureConfigError(f'{what}: sink "file" needs "file": {{"path": "<directory>"}}')
+            raise CaptureConfigError(f'{WHAT}: "sink": "file" needs "file": {{"path": "<directory>"}}; {FIX}')
         callback = extra.get("callback")
         if callback is not None and (not isinstance(callback, str) or ":" not in callback):
-            raise CaptureConfigError(f'{what}: callback must be "module:function", found {callback!r}')
+            raise CaptureConfigError(f'{WHAT}: "callback" must be "module:function", found {callback!r}; {FIX}')
         if sink == "callback" and callback is None:
-            raise CaptureConfigError(f'{what}: sink "callback" needs "callback": "module:function"')
+            raise CaptureConfigError(f'{WHAT}: "sink": "callback" needs "callback": "module:function"; {FIX}')
         checks = extra.get("check_requests", 8)
         if isinstance(checks, bool) or not isinstance(checks, int) or checks < 0:
-            raise CaptureConfigError(f"{what}: check_requests must be a non-negative int, found {checks!r}")
+            raise CaptureConfigError(f'{WHAT}: "check_requests" must be an int >= 0, found {checks!r}; {FIX}')
         return cls(capture, sink, dict(export), file_path, callback, checks, file_options)
+
+
+def names_this_connector(kv_transfer_config: Any) -> bool:
+    """Whether a ``kv_transfer_config`` (vLLM's object or a plain map) loads this package's connector."""
+    get = kv_transfer_config.get if isinstance(kv_transfer_config, Mapping) else None
+
+    def attr(name: str) -> Any:
+        return get(name) if get is not None else getattr(kv_transfer_config, name, None)
+
+    if kv_transfer_config is None:
+        return False
+    module = attr("kv_connector_module_path")
+    return attr("kv_connector") == CONNECTOR_NAME and module in (None, "", CONNECTOR_MODULE)
+
+
+def check_kv_transfer_config(kv_transfer_config: Any) -> ConnectorConfig | None:
+    """Validate the connector's settings in a ``kv_transfer_config`` that names this connector (None for any
+    other config).  Also checks what the sink needs from this machine and can be checked without starting it:
+    the callback's module can be found, ``$VLLM_HS_COMPAT_EXPORT_TOKEN`` is a well-formed token."""
+    if not names_this_connector(kv_transfer_config):
+        return None
+    if isinstance(kv_transfer_config, Mapping):
+        extra = kv_transfer_config.get("kv_connector_extra_config")
+    else:
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+    config = ConnectorConfig.from_extra({} if extra is None else extra)
+    if config.sink == "callback" and config.callback is not None:
+        module = config.callback.split(":", 1)[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise CaptureConfigError(
+                f'{WHAT}: "callback": {config.callback!r}: module {module!r} cannot be found; install it or put '
+                "its folder on PYTHONPATH (the worker processes import it)"
+            )
+    if config.sink == "export":
+        from vllm_hs_compat.export.control import TOKEN_ENV, check_token
+
+        env = os.environ.get(TOKEN_ENV)
+        if env:
+            check_token(env)
+    return config

@@ -21,6 +21,8 @@ from vllm_hs_compat.core.capture import (
     REASON_BLOCKS,
     REQUEST_KEY,
     RESULT_KEY,
+    STATUS_QUEUED,
+    STATUS_SHARED,
     BlockTracker,
     CaptureSpec,
     FinishedRequest,
@@ -196,7 +198,7 @@ class CaptureScheduler:
                 self._choices.counters["choices_shared"] += 1
                 entry = dict(shared[RESULT_KEY])
                 same_as = entry["record_id"]
-                entry.update(record_id=fr.req_id, status="shared", same_as=same_as)
+                entry.update(record_id=fr.req_id, status=STATUS_SHARED, same_as=same_as)
                 return False, {**shared, RESULT_KEY: entry}
         try:
             blocks = _group_blocks(block_ids, self.group.index)
@@ -246,8 +248,10 @@ class CaptureScheduler:
         self._pending.append(save)
         self._held.add(fr.req_id)
         self.counters["records_scheduled"] += 1
+        # "queued", not a promise: the pool that may still drop it lives in the capture owner's worker process,
+        # which this step cannot ask (docs/connector.md says why, and what a client must expect).
         params = self._params(
-            fr, "pending", start=start, num_tokens=stop - start, num_prompt_tokens=fr.num_prompt_tokens
+            fr, STATUS_QUEUED, start=start, num_tokens=stop - start, num_prompt_tokens=fr.num_prompt_tokens
         )
         nbytes = (stop - start) * self.bytes_per_token
         params.update(sink_ticket(self.config.sink, self._locator, fr.req_id, nbytes, publication))

@@ -23,6 +23,13 @@ REQUEST_KEY: Final = "hs_capture"
 #: Key of the returned ``kv_transfer_params`` entry saying what became of the request's record (a different key,
 #: so params fed back into a new request are not mistaken for settings).
 RESULT_KEY: Final = "hs_record"
+#: ``hs_record.status`` of a record the scheduler accepted and queued for the worker.  Not a promise: the sink may
+#: still drop it (full pool, backlog, slot check); the drop is reported when the ticket is fetched, see
+#: docs/connector.md ("What the client gets back").
+STATUS_QUEUED: Final = "queued"
+#: ``hs_record.status`` of an ``n > 1`` choice whose prompt-only record is its sibling's (``same_as`` names it; see
+#: :mod:`vllm_hs_compat.core.choices`).
+STATUS_SHARED: Final = "shared"
 
 # Why a record will not exist (``kv_transfer_params["hs_record"]["reason"]``).
 REASON_ABORTED: Final = "aborted"
