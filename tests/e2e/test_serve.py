@@ -6,6 +6,7 @@ module, spoken to over HTTP like an OpenAI client does.
   the same records rotated must fail the pairing);
 * streaming: vLLM's stream chunks carry no ``kv_transfer_params`` (what docs/connector.md says), the record still
   reaches the trainer stream (which also leaves the pool empty for the next case);
+* ``n=2``: every choice's record reachable from the one response (``hs_choices``), the shared prompt stored once;
 * pool full: every response says ``queued`` (not a promise); the records that found a slot fetch, the others
   raise ``RecordFailedError`` naming ``pool_full`` (negative control: the ones that fit fetch and match);
 * a bad ``kv_connector_extra_config`` is refused in seconds with the package's message as the last line, by the
@@ -99,6 +100,11 @@ class Server:
         return self.post(body)
 
 
+def _shm_pools() -> set[str]:
+    """The export pool files in /dev/shm (named pools only: handoff "path", or pools of earlier releases)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hsx")} if os.path.isdir("/dev/shm") else set()
+
+
 def _pump(proc: subprocess.Popen[str], log: list[str], ready: threading.Event) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -122,6 +128,7 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     extra = {"export": {"num_slots": NUM_SLOTS, "slot_bytes": SLOT_BYTES, "token_file": str(token_file)}}
     argv = [*CLI, "serve", model_dir, "--layers", ",".join(map(str, M.CAPTURE_LAYER_IDS)), "--backend", "shm"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--extra-config", json.dumps(extra), "--", *VLLM_FLAGS]
+    shm_before = _shm_pools()
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     srv = Server(proc, f"http://127.0.0.1:{port}", model_dir, token_file)
@@ -151,6 +158,9 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         time.sleep(0.2)
     assert not os.path.exists(f"/proc/{server_pid}"), f"vLLM's server (pid {server_pid}) outlived the front door"
     e2e_report.add(f"serve: SIGTERM to the front door: it exited with status {rc}, vLLM's server with it")
+    # the pool had no name while it served (shm_handoff "fd"): nothing new is left in /dev/shm
+    left = _shm_pools() - shm_before
+    assert not left, f"left in /dev/shm after the server stopped: {sorted(left)}"
 
 
 def _prompts(n: int, length: int, shared: int, seed: int) -> list[list[int]]:
@@ -230,6 +240,44 @@ def test_serve_answers_and_each_record_is_fetched_with_its_ticket(
     assert pairing.ok, pairing.render("serve")
     rotated = e2e_pairing.pair(records[1:] + records[:1], refs, prompts, LAYERS)
     assert not rotated.ok, "negative control: rotated records must fail the pairing"
+
+
+def test_n2_reaches_every_choice_with_its_own_ticket(
+    server: Server, model_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """OpenAI's ``n=2`` over HTTP: the one response lists both choices (``hs_choices``), each with its own ticket.
+    Capture "all": two records, each the prompt plus its own sampled tokens, fetched with its ticket alone and
+    paired with a transformers forward over its own tokens (negative control: swapped, they fail where the two
+    continuations differ).  Capture "prompt": one record; the other choice says ``shared`` and its ticket opens
+    that record."""
+    _ticket_only(monkeypatch, tmp_path)
+    (prompt,) = _prompts(1, 40, 0, seed=21)
+    sampled = {"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6}
+    resp = server.complete(prompt, kv_transfer_params={"hs_capture": {"capture": "all"}}, **sampled)
+    choices = (resp.get("kv_transfer_params") or {}).get("hs_choices")
+    assert choices and [c["index"] for c in choices] == [0, 1], resp.get("kv_transfer_params")
+    records, refs, contexts = [], [], []
+    for c in choices:
+        assert c["hs_record"]["status"] == "queued", c
+        rec = _fetch(c)
+        ids = list(rec.meta.token_ids)
+        assert ids[: len(prompt)] == prompt and len(ids) > len(prompt), (len(ids), c["hs_record"])
+        records.append(_record(f"choice {c['index']}", rec))
+        refs.append(R.reference(model_dir, ids, LAYERS))
+        contexts.append(ids)
+    assert records[0].label != records[1].label
+    pairing = e2e_pairing.pair(records, refs, contexts, LAYERS)
+    e2e_report.add(pairing.render("serve: n=2 over HTTP, capture 'all', each choice fetched by its own ticket"))
+    assert pairing.ok, pairing.render("serve n=2")
+    if contexts[0] != contexts[1]:
+        assert not e2e_pairing.pair(records[::-1], refs, contexts, LAYERS).ok, "swapped choices must fail"
+    resp = server.complete(prompt, kv_transfer_params={"hs_capture": {"capture": "prompt"}}, **sampled)
+    choices = resp["kv_transfer_params"]["hs_choices"]
+    statuses = sorted(c["hs_record"]["status"] for c in choices)
+    assert statuses == ["queued", "shared"], choices
+    got = [_fetch(c) for c in choices]  # the shared choice's ticket opens the stored record
+    assert got[0].meta.request_id == got[1].meta.request_id
+    assert list(got[0].meta.token_ids) == prompt
 
 
 def test_streaming_chunks_carry_no_ticket(server: Server) -> None:
