@@ -105,8 +105,11 @@ def test_n2_choices_reach_every_record_and_sigkill_leaves_shm_clean(
             with ExportConsumer.from_params(e) as c:
                 assert c.principal == "record"
                 rec = c.fetch(e["hs_export"]["record_id"], wait_s=60)
-            # capture "all": the prompt and this choice's generated tokens (the last one was never computed)
-            assert list(rec.meta.token_ids) == everything["prompt"] + generated[:-1]
+            # capture "all": the prompt and this choice's generated tokens whose hidden states were computed: all
+            # but the last, or all of them when the engine ran one more step for this choice before it learned the
+            # choice had finished (seen on 0.32.0 with both choices in one batch)
+            full, toks = everything["prompt"] + generated, list(rec.meta.token_ids)
+            assert toks == full[: len(toks)] and len(full) - 1 <= len(toks) <= len(full), (len(toks), len(full))
 
         shared = prompt_only["kv_transfer_params"]["hs_choices"]
         statuses = sorted(e["hs_record"]["status"] for e in shared)

@@ -251,8 +251,8 @@ def test_n2_reaches_every_choice_with_its_own_ticket(
     continuations differ).  Capture "prompt": one record; the other choice says ``shared`` and its ticket opens
     that record."""
     _ticket_only(monkeypatch, tmp_path)
-    (prompt,) = _prompts(1, 40, 0, seed=21)
-    sampled = {"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6}
+    (prompt,) = _prompts(1, 12, 0, seed=21)  # small records: 2 slots each of the module's 16-slot pool
+    sampled = {"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 4}
     resp = server.complete(prompt, kv_transfer_params={"hs_capture": {"capture": "all"}}, **sampled)
     choices = (resp.get("kv_transfer_params") or {}).get("hs_choices")
     assert choices and [c["index"] for c in choices] == [0, 1], resp.get("kv_transfer_params")
