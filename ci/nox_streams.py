@@ -1,13 +1,14 @@
 """Run the selected nox sessions in N concurrent streams (``scripts/test --full`` runs the release matrix in two).
 
-    python ci/nox_streams.py --jobs 2 -s lint vllm
+    python ci/nox_streams.py --jobs 2 -s lint vllm [-- PYTEST ARGS]
 
 A vLLM release session is one process at a time, mostly on one core (venv creation and wheel linking, then pytest
 with torch on one thread), so on the 2-core CI machine two sessions side by side take about the time of one.  The
 sessions (as ``nox -l --json`` lists them for the selection) are dealt to the streams longest first by a rough cost
-(era boundaries run twice the schedules; releases with Model Runner V2 run both scheduler modes), each stream is one
-``nox -s ...`` process, its lines prefixed with the stream's number.  Every session runs whatever another stream
-does; the exit status is 1 when any stream failed.  ``--jobs 1`` is one plain ``nox`` over the selection.
+(era boundaries run twice the schedules; releases with Model Runner V2 run both scheduler modes).  Each stream is
+one ``nox -s ...`` process, its lines prefixed with the stream's number and the seconds since the start.  Every
+session runs whatever another stream does; the exit status is 1 when any stream failed.  ``--jobs 1`` is one plain
+``nox`` over the selection.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ def deal(entries: list[dict[str, object]], jobs: int) -> list[list[str]]:
     return [sorted(s, key=order.__getitem__) for s in streams if s]
 
 
-def _pump(k: int, proc: subprocess.Popen[str], lock: threading.Lock) -> None:
+def _pump(k: int, proc: subprocess.Popen[str], lock: threading.Lock, t0: float) -> None:
+    """Each line of stream ``k`` with the seconds since the streams started (the log's per-session timings)."""
     for line in proc.stdout or ():
         with lock:
-            sys.stdout.write(f"[stream {k}] {line}")
+            sys.stdout.write(f"[stream {k} {time.monotonic() - t0:5.0f}s] {line}")
             sys.stdout.flush()
 
 
@@ -84,18 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     procs = []
     t0 = time.monotonic()
     for k, names in enumerate(streams, 1):
-        print(f"[stream {k}] nox -s {' '.join(names)}", flush=True)
+        with lock:
+            print(f"[stream {k}] nox -s {' '.join(names)}", flush=True)
         proc = subprocess.Popen(
             [args.nox, "-s", *names, *posargs], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
-        pump = threading.Thread(target=_pump, args=(k, proc, lock), daemon=True)
+        pump = threading.Thread(target=_pump, args=(k, proc, lock, t0), daemon=True)
         pump.start()
         procs.append((k, proc, pump))
     failed = []
     for k, proc, pump in procs:
         rc = proc.wait()
         pump.join()
-        print(f"[stream {k}] exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
+        with lock:
+            print(f"[stream {k}] exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
         if rc != 0:
             failed.append(k)
     if failed:
