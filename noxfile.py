@@ -214,6 +214,8 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
         "VLLM_TARGET_DEVICE": "cpu",
         "HS_E2E_REPORT": str(report),
         "HS_E2E_WORK": str(REPORTS / f"e2e-{release}-runs"),
+        # Two engine cases at a time, each on a CPU of its own (tests/e2e/test_e2e_engine.py; TP=2 runs alone).
+        "HS_E2E_JOBS": os.environ.get("HS_E2E_JOBS", "2"),
         **E2E_EXTRAS.get(release, {}),
     }
     try:
