@@ -121,6 +121,10 @@ def _vllm_session(
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_HS_COMPAT_RELEASE": release,
         "VLLM_HS_COMPAT_DOCTOR_REPORT": str(doctor_report),
+        # Bytecode written on first import (an empty value turns off a PYTHONDONTWRITEBYTECODE the machine sets):
+        # the session imports vLLM in several processes (pytest, doctor, vLLM's model-inspection subprocesses),
+        # and each import after the first takes about half the time (measured: docs/ci.md).
+        "PYTHONDONTWRITEBYTECODE": "",
         **(extra_env or {}),
     }
     try:
