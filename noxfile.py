@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -114,10 +115,23 @@ def _vllm_session(
     _install_vllm(session, release, "pytest", "hypothesis", "safetensors", "xxhash")
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_HS_COMPAT_RELEASE": release, **(extra_env or {})}
+    # `vllm-hs-compat doctor --json` runs once per release: tests/vllm/test_doctor.py runs the console script and
+    # writes its report here (read by compat_report) before checking it.  When that test is deselected (-k), the
+    # session runs doctor itself after pytest.
+    doctor_report = REPORTS / f"doctor-{release}.json"
+    doctor_report.unlink(missing_ok=True)
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_HS_COMPAT_RELEASE": release,
+        "VLLM_HS_COMPAT_DOCTOR_REPORT": str(doctor_report),
+        # Bytecode written on first import (an empty value turns off a PYTHONDONTWRITEBYTECODE the machine sets):
+        # the session imports vLLM in several processes (pytest, doctor, vLLM's model-inspection subprocesses),
+        # and each import after the first takes about half the time (measured: docs/ci.md).
+        "PYTHONDONTWRITEBYTECODE": "",
+        **(extra_env or {}),
+    }
     try:
-        with open(REPORTS / f"doctor-{release}.json", "w") as out:
-            session.run("vllm-hs-compat", "doctor", "--json", stdout=out, env=env)
         session.run(
             "pytest",
             "tests/vllm",
@@ -129,8 +143,29 @@ def _vllm_session(
             *session.posargs,
             env=env,
         )
+        if not doctor_report.exists():
+            with open(doctor_report, "w") as out:
+                session.run("vllm-hs-compat", "doctor", "--json", stdout=out, env=env)
     finally:
         _drop_venv(session)
+
+
+def _schedule_seed(session: nox.Session) -> str | None:
+    """The hypothesis seed of the random schedules: ``VLLM_HS_COMPAT_SCHEDULE_SEED`` when set (a replay), else one
+    drawn from the commit under test, so each landing runs other schedules; None (derandomized schedules, the same
+    every run) outside a git checkout."""
+    seed = os.environ.get("VLLM_HS_COMPAT_SCHEDULE_SEED")
+    if not seed:
+        try:
+            head = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
+            ).stdout.strip()
+            seed = str(int(head[:12], 16))
+        except (OSError, ValueError, subprocess.SubprocessError):
+            session.log("schedule seed: derandomized (no git commit to draw one from)")
+            return None
+    session.log(f"schedule seed {seed} (replay: VLLM_HS_COMPAT_SCHEDULE_SEED={seed})")
+    return seed
 
 
 @nox.session(python="3.11")
@@ -139,8 +174,13 @@ def vllm(session: nox.Session, release: str) -> None:
     """One supported vLLM release: adapters proven against vLLM's own code."""
     # Random schedules per scheduler mode: 200 on the era boundaries, 100 (still enough to assert that preemption,
     # prefix hits, every abort point and no-forward steps were reached) on the releases between them.
+    # The schedules are seeded by the commit (printed; VLLM_HS_COMPAT_SCHEDULE_SEED=<seed> replays them).
     schedules = os.environ.get("VLLM_HS_COMPAT_SCHEDULES") or ("200" if release in BOUNDARIES else "100")
-    _vllm_session(session, release, {"VLLM_HS_COMPAT_SCHEDULES": schedules})
+    env = {"VLLM_HS_COMPAT_SCHEDULES": schedules}
+    seed = _schedule_seed(session)
+    if seed is not None:
+        env["VLLM_HS_COMPAT_SCHEDULE_SEED"] = seed
+    _vllm_session(session, release, env)
 
 
 @nox.session(python="3.11")
@@ -182,6 +222,8 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
         "VLLM_TARGET_DEVICE": "cpu",
         "HS_E2E_REPORT": str(report),
         "HS_E2E_WORK": str(REPORTS / f"e2e-{release}-runs"),
+        # Two engine cases at a time, each on a CPU of its own (tests/e2e/test_e2e_engine.py; TP=2 runs alone).
+        "HS_E2E_JOBS": os.environ.get("HS_E2E_JOBS", "2"),
         **E2E_EXTRAS.get(release, {}),
     }
     try:

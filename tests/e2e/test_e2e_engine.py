@@ -4,13 +4,22 @@ the transformers forward of the same weights.  Each case is its own engine proce
 
 Model Runner V2 cases run when ``HS_E2E_V2=1`` and the TP=2 case when ``HS_E2E_TP=1`` (the nox sessions choose
 per release; they are slow on 2 cores).
+
+``HS_E2E_JOBS=N`` (the nox sessions: 2) runs up to N engine processes at a time, each bound to a CPU of its own
+(``VLLM_CPU_OMP_THREADS_BIND``): an engine's start-up is mostly one busy core, so on 2 cores two cases take about
+the time of one.  Each case is still its own fresh engine process with its own settings; the runs this session's
+selected tests need are started in test order, at most N ahead, and a TP=2 case runs alone.  Unset or 1: one at a
+time, on demand.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import shutil
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,26 +56,108 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
-class Runs:
-    """Runs each (case, connector) once per session; tests that need the same run share it."""
+Key = tuple[str, str]  # (case name, connector)
 
-    def __init__(self, models: dict[str, str], root: Path) -> None:
+
+def _exclusive(key: Key) -> bool:
+    """A TP=2 engine binds both CPUs itself: it runs with no other engine beside it."""
+    return bool(ALL_CASES[key[0]].engine.get("tensor_parallel_size", 1) > 1)
+
+
+def planned_runs(items: list[pytest.Item]) -> list[Key]:
+    """The runs the selected, enabled tests of this module will ask for, in test order (a test not listed here
+    still gets its run, on demand)."""
+    keys: list[Key] = []
+    for item in items:
+        if getattr(item, "module", None) is not sys.modules[__name__]:
+            continue
+        spec = getattr(item, "callspec", None)
+        params = spec.params if spec is not None else {}
+        test = getattr(item, "originalname", item.name)
+        if test == "test_case" and _enabled(ALL_CASES[params["name"]]) is None:
+            key = (params["name"], "ours")
+        elif test == "test_pairing_catches_misattribution":
+            key = ("dense", "ours")
+        elif test == "test_in_tree_example_connector_agrees":
+            key = ("dense", "example")
+        elif test == "test_minimal_example_connector":
+            key = (params["name"], "minimal")
+        else:
+            continue
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+class Runs:
+    """Runs each (case, connector) once per session; tests that need the same run share it.  With ``jobs`` > 1 the
+    planned runs are started ahead (at most ``jobs`` engines at a time, each bound to one CPU)."""
+
+    def __init__(self, models: dict[str, str], root: Path, jobs: int = 1, plan: list[Key] | None = None) -> None:
         self.models = models
         self.root = root
-        self.cache: dict[tuple[str, str], C.CaseRun] = {}
+        self.cache: dict[Key, C.CaseRun] = {}
+        self.plan = list(plan or [])
+        self.pending: dict[Key, Future[C.CaseRun]] = {}
+        cpus = sorted(os.sched_getaffinity(0))
+        self.jobs = max(1, min(jobs, len(cpus)))
+        self.pool = ThreadPoolExecutor(self.jobs, thread_name_prefix="e2e-engine") if self.jobs > 1 else None
+        self.cpus: queue.Queue[int] = queue.Queue()
+        for cpu in cpus[: self.jobs]:
+            self.cpus.put(cpu)
+
+    def _run(self, key: Key, cpu: int | None = None) -> C.CaseRun:
+        name, connector = key
+        case = ALL_CASES[name]
+        env = None
+        if cpu is not None:  # the engine's OpenMP threads (and the processes it starts) on this CPU alone
+            env = {**C.base_env([str(C.TRITON_CPU_SHIM)] if case.v2 else None), "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
+        return C.run_case(case, self.models[case.model_kind], self.root / f"{name}-{connector}", connector, env=env)
+
+    def _run_bound(self, key: Key) -> C.CaseRun:
+        cpu = self.cpus.get()
+        try:
+            return self._run(key, cpu)
+        finally:
+            self.cpus.put(cpu)
+
+    def _top_up(self, key: Key) -> None:
+        """Start ``key`` (if not started) and the planned runs after it, up to ``jobs`` engines in flight; stop at an
+        exclusive run (it starts alone, when asked for)."""
+        assert self.pool is not None
+        if key not in self.cache and key not in self.pending:  # asked for: started now (it queues for a CPU)
+            self.pending[key] = self.pool.submit(self._run_bound, key)
+        start = self.plan.index(key) if key in self.plan else len(self.plan)
+        for k in self.plan[start + 1 :]:
+            if len(self.pending) >= self.jobs or _exclusive(k):
+                break
+            if k not in self.cache and k not in self.pending:
+                self.pending[k] = self.pool.submit(self._run_bound, k)
 
     def get(self, name: str, connector: str = "ours") -> C.CaseRun:
         key = (name, connector)
         if key not in self.cache:
-            case = ALL_CASES[name]
-            self.cache[key] = C.run_case(
-                case, self.models[case.model_kind], self.root / f"{name}-{connector}", connector
-            )
+            if self.pool is None:
+                self.cache[key] = self._run(key)
+            elif _exclusive(key):
+                for k in list(self.pending):  # nothing runs beside it
+                    self.cache[k] = self.pending.pop(k).result()
+                self.cache[key] = self._run(key)
+            else:
+                self._top_up(key)
+                self.cache[key] = self.pending.pop(key).result()
+                nxt = self.plan.index(key) + 1 if key in self.plan else len(self.plan)
+                if nxt < len(self.plan) and not _exclusive(self.plan[nxt]):
+                    self._top_up(self.plan[nxt])
         return self.cache[key]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
-def runs(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def runs(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
     """Each run's directory (spec, engine log, result, records) lives under ``$HS_E2E_WORK`` when set (the nox
     sessions keep them in ``reports/`` for inspection), else in pytest's temporary directory."""
     work = os.environ.get("HS_E2E_WORK")
@@ -76,7 +167,10 @@ def runs(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Ru
         root.mkdir(parents=True)
     else:
         root = tmp_path_factory.mktemp("runs")
-    return Runs(models, root)
+    jobs = int(os.environ.get("HS_E2E_JOBS") or "1")
+    r = Runs(models, root, jobs, planned_runs(list(request.session.items)))
+    yield r
+    r.close()
 
 
 def _engine_ok(run: C.CaseRun) -> dict[str, Any]:

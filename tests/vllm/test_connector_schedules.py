@@ -17,7 +17,11 @@ Properties, per schedule:
 * the generated tokens are the model's greedy continuation, whatever the schedule.
 
 ``VLLM_HS_COMPAT_SCHEDULES`` sets the number of schedules per scheduler mode (default 200; ``nox -s vllm_long``
-runs 10,000).  Releases with Model Runner V2 (0.29+) run both modes: V1, and V2 with resumed requests handed back
+runs 10,000).  ``VLLM_HS_COMPAT_SCHEDULE_SEED`` (an integer) seeds hypothesis: the nox ``vllm``
+sessions set it from the commit under test, so every landing draws other schedules and a failure is replayed with
+the seed the session printed (``VLLM_HS_COMPAT_SCHEDULE_SEED=<seed> nox -s "vllm(release='0.29.0')"``).  Unset,
+the schedules are hypothesis' derandomized ones (the same every run); ``VLLM_HS_COMPAT_SCHEDULE_RANDOM`` draws
+fresh ones.  Releases with Model Runner V2 (0.29+) run both modes: V1, and V2 with resumed requests handed back
 as new requests.
 """
 
@@ -38,7 +42,7 @@ import harness as h
 import pytest
 import sched_harness as sh
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from vllm_hs_compat.core.capture import RecordFailure
@@ -51,6 +55,31 @@ SCHEDULES_RUN: Counter[str] = Counter()
 MODES = ["v1", "v2"] if sh.has_v2_runner() else ["v1"]
 MAX_MODEL_LEN = h.MAX_MODEL_LEN
 REPORTS = Path(__file__).resolve().parents[2] / "reports"
+_FRESH = "VLLM_HS_COMPAT_SCHEDULE_RANDOM" in os.environ
+_SEED_ENV = os.environ.get("VLLM_HS_COMPAT_SCHEDULE_SEED", "").strip()
+#: The hypothesis seed of every schedule test here (None: derandomized, or fresh with VLLM_HS_COMPAT_SCHEDULE_RANDOM).
+SCHEDULE_SEED: int | None = int(_SEED_ENV, 0) if _SEED_ENV and not _FRESH else None
+DERANDOMIZE = SCHEDULE_SEED is None and not _FRESH
+
+
+def _seeded(test: Callable[..., None]) -> Callable[..., None]:
+    """``test`` (a hypothesis test) under SCHEDULE_SEED when one is set."""
+    return seed(SCHEDULE_SEED)(test) if SCHEDULE_SEED is not None else test
+
+
+def seed_note() -> str:
+    if SCHEDULE_SEED is not None:
+        return f"schedule seed {SCHEDULE_SEED} (replay: VLLM_HS_COMPAT_SCHEDULE_SEED={SCHEDULE_SEED})"
+    return "schedule seed: " + ("derandomized" if DERANDOMIZE else "fresh (VLLM_HS_COMPAT_SCHEDULE_RANDOM)")
+
+
+def _announce_seed() -> None:
+    """The seed, in the test's output and once in the session's terminal summary (before any schedule runs, so
+    a failing session names it)."""
+    note = seed_note()
+    print(f"[vllm-hs-compat] {note}")
+    if note not in sh.SUMMARY:
+        sh.SUMMARY.insert(0, note)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,7 +341,7 @@ def test_random_schedules(mode: str, verifier: str, record_testsuite_property: C
     @settings(
         max_examples=count,
         deadline=None,
-        derandomize="VLLM_HS_COMPAT_SCHEDULE_RANDOM" not in os.environ,
+        derandomize=DERANDOMIZE,
         database=None,
         print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -321,6 +350,8 @@ def test_random_schedules(mode: str, verifier: str, record_testsuite_property: C
     def check(schedule: Schedule) -> None:
         run_and_check(schedule, coverage)
 
+    check = _seeded(check)
+    _announce_seed()
     t0 = time.perf_counter()
     check()
     elapsed = time.perf_counter() - t0
@@ -328,6 +359,7 @@ def test_random_schedules(mode: str, verifier: str, record_testsuite_property: C
     SCHEDULES_RUN[mode] += coverage["schedules"]
     # The compatibility report's "schedules" column (the last value written wins: the running totals).
     record_testsuite_property("schedules", ", ".join(f"{m.upper()} {n}" for m, n in sorted(SCHEDULES_RUN.items())))
+    record_testsuite_property("schedule_seed", seed_note())
     print(f"[vllm-hs-compat] schedules ({mode}, {verifier}): {dict(sorted(coverage.items()))}")
     c = coverage
     sh.SUMMARY.append(
@@ -359,7 +391,7 @@ def test_schedules_without_connector(mode: str) -> None:
     running request's rows equal to its prefix's hidden states, blocks return, tokens are the greedy ones."""
     coverage: Counter[str] = Counter()
 
-    @settings(max_examples=max(20, NUM_SCHEDULES // 10), deadline=None, derandomize=True, database=None)
+    @settings(max_examples=max(20, NUM_SCHEDULES // 10), deadline=None, derandomize=DERANDOMIZE, database=None)
     @given(schedules(v2=mode == "v2", least=floor("dense", False, mode == "v2")))
     def check(schedule: Schedule) -> None:
         spec = sh.EngineSpec(**{**schedule.spec.__dict__, "extra_config": None})
@@ -373,7 +405,8 @@ def test_schedules_without_connector(mode: str) -> None:
         coverage["cache_checks"] += trace.cache_checks
         coverage["preemptions"] += trace.preemptions
 
-    check()
+    _announce_seed()
+    _seeded(check)()
     assert coverage["cache_checks"] > 0, dict(coverage)
 
 
