@@ -1265,30 +1265,22 @@ class ExportConsumer:
             self.counters["read_failures"] += 1
             self.abandon([c])
             return e
-        meta, outcome = self._verify(c, buf, 0)
-        settled = self._settle([(c.lease, c.nonce, outcome)])
-        bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[0])
-        if isinstance(bad, E.LeaseExpiredError):
-            return bad
-        if isinstance(meta, HsCompatError):
-            return meta
-        if bad is not None:
-            return bad
-        self.counters["records"] += 1
-        self.counters["bytes"] += c.nbytes
-        return CaptureRecord(meta, buf[: c.nbytes].view(meta.torch_dtype).view(meta.shape))
+        return self._settle_owned(c, buf)
 
     def _read_given(self, c: Claim, data: bytes) -> CaptureRecord | HsCompatError:
-        """A record whose bytes came in its claim's answer: verified like a transferred one, then released with
-        its outcome (posted as :meth:`_release` decides for the trainer; a ticket holder waits for the verdict,
-        so a caller that exits right after its fetch leaves no lease behind).  The record owns its memory."""
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        """A record whose bytes came in its claim's answer: checked and released as :meth:`_settle_owned` does."""
+        got = self._settle_owned(c, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if isinstance(got, CaptureRecord):
+            self.counters["inline_records"] += 1
+        return got
+
+    def _settle_owned(self, c: Claim, buf: torch.Tensor) -> CaptureRecord | HsCompatError:
+        """Verify a record read whole into ``buf`` (memory the record will own), release its lease with the
+        outcome (posted as :meth:`_release` decides for the trainer; a ticket holder waits for the verdict, so one
+        that exits right after its fetch leaves no lease behind), and return the record or what failed it."""
         meta, outcome = self._verify(c, buf, 0)
         entry = [(c.lease, c.nonce, outcome)]
-        if self._ticket is None:
-            settled = self._release(entry, c.claimed_at, [c.record_id])
-        else:
-            settled = self._settle(entry)
+        settled = self._release(entry, c.claimed_at, [c.record_id]) if self._ticket is None else self._settle(entry)
         bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[0])
         if isinstance(bad, E.LeaseExpiredError):
             return bad
@@ -1297,7 +1289,6 @@ class ExportConsumer:
         if bad is not None:
             return bad
         self.counters["records"] += 1
-        self.counters["inline_records"] += 1
         self.counters["bytes"] += c.nbytes
         return CaptureRecord(meta, buf[: c.nbytes].view(meta.torch_dtype).view(meta.shape))
 
