@@ -129,6 +129,10 @@ def test_the_descriptor_goes_only_to_a_peer_that_presents_the_hello_key(shm_dir:
                 os.write(fd, b"x")
         finally:
             os.close(fd)
+        # counted after the descriptor was sent: the consumer may hold it a moment before the producer's count moves
+        deadline = time.monotonic() + 10
+        while p.stats()["shm_handoffs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert p.stats()["shm_handoffs"] == 1
 
 
