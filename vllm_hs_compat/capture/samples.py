@@ -37,6 +37,7 @@ __all__ = [
     "has_generation_markers",
     "read_samples",
     "resolve_template",
+    "without_nulls",
 ]
 
 #: Every reason a row can fail for (``RowError.reason``):
@@ -136,9 +137,20 @@ def canonical_json(row: Any) -> bytes:
     return json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
+def without_nulls(value: Any) -> Any:
+    """``value`` with every object member whose value is null left out, at any depth (Parquet and ``datasets``
+    give a row's absent fields as null: both then read the same)."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [without_nulls(v) for v in value]
+    return value
+
+
 def content_id(row: Any) -> str:
-    """A row's content id: ``"h:"`` + the XXH3-128 hex digest of :func:`canonical_json` of the row as read."""
-    return "h:" + xxhash.xxh3_128_hexdigest(canonical_json(row))
+    """A row's content id: ``"h:"`` + the XXH3-128 hex digest of :func:`canonical_json` of
+    :func:`without_nulls` of the row as read (before any ``fields`` mapping)."""
+    return "h:" + xxhash.xxh3_128_hexdigest(canonical_json(without_nulls(row)))
 
 
 # --- chat templates -----------------------------------------------------------------------------------------
@@ -417,11 +429,14 @@ class _Reader:
                         "bad_field",
                         f"{name!r}[{i}] has from={who!r}; expected one of {sorted(SHAREGPT_ROLES)} (ShareGPT)",
                     )
-                msg = {k: v for k, v in m.items() if k not in ("from", "value")}
+                msg = {k: v for k, v in m.items() if k not in ("from", "value") and v is not None}
                 msg["role"] = role
-                msg["content"] = m.get("value")
+                if m.get("value") is not None:
+                    msg["content"] = m["value"]
             else:
-                msg = dict(m)
+                # Null members are left out: a Parquet or datasets row has every struct field, absent ones null,
+                # and a template's `is defined` tests must see them absent.
+                msg = {k: v for k, v in m.items() if v is not None}
             if not isinstance(msg.get("role"), str):
                 keys = "'from'/'value'" if shape == "conversations" else "'role'/'content'"
                 raise _RowFail("bad_field", f"{name!r}[{i}] has keys {sorted(m)}; expected {keys}")
