@@ -23,7 +23,9 @@ from vllm_hs_compat.capture.samples import (
     Sample,
     canonical_json,
     check_template,
+    compare_ids,
     content_id,
+    mask_spans,
     read_samples,
 )
 from vllm_hs_compat.capture.sources import SourceRef
@@ -386,7 +388,7 @@ def drop_nulls(value: Any) -> Any:
     return [drop_nulls(v) for v in value] if isinstance(value, list) else value
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows_st, st.randoms(use_true_random=False))
 def test_content_id_is_stable_under_key_order_and_json_round_trip(row: dict[str, Any], rnd: Any) -> None:
     keys = list(row)
@@ -400,7 +402,7 @@ def test_content_id_is_stable_under_key_order_and_json_round_trip(row: dict[str,
     assert content_id(row) == "h:" + xxhash.xxh3_128(text.encode("utf-8")).hexdigest()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(rows_st, st.text(min_size=1, max_size=8), json_values)
 def test_content_id_changes_with_the_content(row: dict[str, Any], key: str, value: Any) -> None:
     other = {**row, key: value}
@@ -414,3 +416,38 @@ def test_content_id_is_pinned() -> None:
     assert canonical_json(row) == '{"a":[1,null,true],"b":1.5,"messages":[{"content":"héllo","role":"user"}]}'.encode()
     assert content_id(row) == "h:" + xxhash.xxh3_128_hexdigest(canonical_json(row))
     assert content_id(row) == "h:22ae984e2ceabd0abd55e1cde3faff01"
+
+
+# --- helpers for the capture command ----------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 1), max_size=40))
+def test_mask_spans_give_back_the_mask(mask: list[int]) -> None:
+    spans = mask_spans(mask)
+    rebuilt = [0] * len(mask)
+    for a, b in spans:
+        assert 0 <= a < b <= len(mask)
+        rebuilt[a:b] = [1] * (b - a)
+    assert rebuilt == mask
+    assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:], strict=False))  # disjoint, not touching
+
+
+def test_shipped_sample_spans_are_its_assistant_turns(tok: Any) -> None:
+    s = next(g for g in read_samples(CONVERSATIONS, tok) if isinstance(g, Sample) and g.sample_id == "conv-013")
+    spans = mask_spans(s.loss_mask or ())
+    assert [tok.decode(list(s.input_ids[a:b])) for a, b in spans] == [
+        "Air scatters blue light more than red light, so blue reaches us from every direction.</s>",
+        "The light travels through more air, and most of the blue is scattered away.</s>",
+        "You are welcome.</s>",
+    ]
+
+
+def test_compare_ids_names_the_first_difference(tok: Any) -> None:
+    s = only([next(iter(read_samples(CONVERSATIONS, tok)))])
+    ran = list(s.input_ids)
+    assert compare_ids(s, ran) is None
+    assert compare_ids(s, [*ran, 7, 8]) is None  # on-policy: the generated ids follow
+    ran[5] = (ran[5] + 1) % len(tok)
+    err = compare_ids(s, ran)
+    assert err is not None and err.reason == "tokenizer_mismatch" and "position 5" in err.message
+    short = compare_ids(s, ran[:3])
+    assert short is not None and "fewer than the sample's" in short.message
