@@ -59,10 +59,11 @@ def test_jsonl_rows_keep_line_numbers_and_bad_lines_do_not_stop_reading(
 
 def test_jsonl_line_that_is_not_utf8_is_unreadable(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_bytes(b'{"id": 1}\n{"t": "\xff\xfe"}\n{"id": 3}\n')
+    path.write_bytes(b'\xef\xbb\xbf{"id": 1}\r\n{"t": "\xff\xfe"}\n{"id": 3}\n')  # a BOM, CRLF, a bad line
     got = rows_of(path)
     assert [type(r).__name__ for r in got] == ["RawRow", "Unreadable", "RawRow"]
-    assert got[1].source == SourceRef(str(path), 1)
+    assert got[1].source == SourceRef(str(path), 1) and "not UTF-8" in got[1].message  # type: ignore[union-attr]
+    assert got[0].row == {"id": 1}  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["list", "data-object"])

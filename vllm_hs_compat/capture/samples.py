@@ -340,8 +340,8 @@ class _Reader:
         if value is None:
             return {}
         name = self.key("metadata")
-        if not isinstance(value, dict):
-            raise _RowFail("bad_field", f"field {name!r} must be a JSON object, found {_kind(value)}")
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _RowFail("bad_field", f"field {name!r} must be a JSON object (text keys), found {_kind(value)}")
         try:
             size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
         except (TypeError, ValueError) as e:

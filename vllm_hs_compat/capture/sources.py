@@ -28,6 +28,7 @@ HF_PREFIX = "hf:"
 #: Rows read from a Parquet file at a time.
 PARQUET_BATCH_ROWS = 1024
 
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark some editors write first: not part of the data
 _PIP_CAPTURE = "pip install 'vllm-hs-compat[capture]'"
 
 
@@ -209,6 +210,8 @@ def _iter_jsonl(path: str) -> Iterator[RawRow | Unreadable]:
     with handle:
         for i, line in enumerate(handle):
             ref = SourceRef(path, i)
+            if i == 0:
+                line = line.removeprefix(_BOM)
             if not line.strip():
                 continue  # blank lines (and a last newline) carry no row; line numbers still count them
             try:
@@ -228,7 +231,7 @@ def _iter_jsonl(path: str) -> Iterator[RawRow | Unreadable]:
 def _iter_json(path: str) -> Iterator[RawRow | Unreadable]:
     try:
         with open(path, "rb") as handle:
-            value = _loads(handle.read())
+            value = _loads(handle.read().removeprefix(_BOM))
     except (OSError, ValueError) as e:
         yield Unreadable(SourceRef(path, 0), f"the file is not valid JSON ({e}); none of its rows were read")
         return
