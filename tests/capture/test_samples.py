@@ -84,6 +84,7 @@ def errors(items: list[Sample | RowError]) -> list[tuple[int, str]]:
 
 # --- templates and masks -------------------------------------------------------------------------------------
 def test_rendered_text_is_the_documented_piece_model(tok: Any) -> None:
+    assert tok.chat_template == tiny_chat_template()  # make_tokenizer saved the shipped template with the vocabulary
     rendered = tok.apply_chat_template(TALK, tokenize=False)
     assert rendered == "".join(text for text, _ in pieces(TALK))
 
@@ -188,8 +189,11 @@ def test_bad_template_arguments_are_refused(tok: Any) -> None:
         check_template(tok, "no/such/template.jinja", "assistant")
     with pytest.raises(CaptureDataError, match="loss_mask must be one of"):
         check_template(tok, None, "assistants")
-    with pytest.raises(CaptureDataError, match="not a valid Jinja template"):
-        check_template(tok, "{% generation %}{% endgeneration %}{% if %}", "assistant")
+    for mode in ("assistant", "all"):
+        with pytest.raises(CaptureDataError, match="not a valid Jinja template"):
+            check_template(tok, "{% generation %}{% endgeneration %}{% if %}", mode)
+    # A template that refuses the test conversation itself is not refused up front: its rows say why.
+    check_template(tok, "{% generation %}{{ raise_exception('needs a system turn') }}{% endgeneration %}", "assistant")
 
 
 # --- on-policy --------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,16 +244,18 @@ def check_template(
     Raises :class:`~vllm_hs_compat.errors.CaptureDataError` when ``loss_mask`` is not one of :data:`LOSS_MASKS`,
     when ``chat_template`` cannot be read (see :func:`resolve_template`), and -- for ``loss_mask="assistant"``
     off-policy -- when the template (the given one, else the tokenizer's) has no ``{% generation %}`` markers, or
-    has them but marks no token of a two-turn test conversation.  The message names the template (file or
+    has them but marks no token of a two-turn test conversation; for any ``loss_mask``, when the template is not
+    valid Jinja or jinja2 is missing (a test conversation is rendered).  The message names the template (file or
     "the tokenizer's chat_template") and the fix.  A tokenizer without any chat template passes (rows that need
     one fail with reason ``template``; pre-tokenized and ``prompt`` rows do not need one).  On-policy samples take
     no assistant mask (their prompt's mask is all 0), so the markers are not needed there."""
     if loss_mask not in LOSS_MASKS:
         raise CaptureDataError(f"loss_mask must be one of {LOSS_MASKS}, found {loss_mask!r}")
     template, name = resolve_template(tokenizer, chat_template)
-    if template is None or loss_mask != "assistant" or on_policy:
+    if template is None:
         return
-    if not has_generation_markers(template):
+    want_mask = loss_mask == "assistant" and not on_policy
+    if want_mask and not has_generation_markers(template):
         raise CaptureDataError(
             f"{name} has no {{% generation %}} markers, so the assistant loss mask asked for (--loss-mask "
             f"assistant) would come back all zero: {_MARKERS_HOW}"
@@ -260,15 +263,16 @@ def check_template(
     probe = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
     try:
         out = tokenizer.apply_chat_template(
-            probe, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            probe, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=want_mask
         )
+    except ImportError as e:  # transformers renders templates with jinja2, an optional dependency of its own
+        raise CaptureDataError(f"rendering {name} needs jinja2: {e}; pip install 'vllm-hs-compat[capture]'") from e
     except Exception as e:  # a template may refuse this probe (e.g. it needs a system turn): only a syntax error ends
-        import jinja2
-
-        if isinstance(e, jinja2.TemplateSyntaxError):
+        jinja2 = sys.modules.get("jinja2")
+        if jinja2 is not None and isinstance(e, jinja2.TemplateSyntaxError):
             raise CaptureDataError(f"{name} is not a valid Jinja template: {e}") from e
         return
-    if not any(out.get("assistant_masks") or ()):
+    if want_mask and not any(out.get("assistant_masks") or ()):
         raise CaptureDataError(
             f"{name} has {{% generation %}} markers but marks no token of the conversation "
             f"[user 'hello', assistant 'hi there']: the markers must enclose the assistant's content; {_MARKERS_HOW}"
