@@ -392,7 +392,7 @@ def drop_nulls(value: Any) -> Any:
     return [drop_nulls(v) for v in value] if isinstance(value, list) else value
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(rows_st, st.randoms(use_true_random=False))
 def test_content_id_is_stable_under_key_order_and_json_round_trip(row: dict[str, Any], rnd: Any) -> None:
     keys = list(row)
@@ -406,7 +406,7 @@ def test_content_id_is_stable_under_key_order_and_json_round_trip(row: dict[str,
     assert content_id(row) == "h:" + xxhash.xxh3_128(text.encode("utf-8")).hexdigest()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(rows_st, st.text(min_size=1, max_size=8), json_values)
 def test_content_id_changes_with_the_content(row: dict[str, Any], key: str, value: Any) -> None:
     other = {**row, key: value}
@@ -423,7 +423,7 @@ def test_content_id_is_pinned() -> None:
 
 
 # --- helpers for the capture command ----------------------------------------------------------------------------
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(0, 1), max_size=40))
 def test_mask_spans_give_back_the_mask(mask: list[int]) -> None:
     spans = mask_spans(mask)
