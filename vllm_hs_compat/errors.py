@@ -227,3 +227,10 @@ class HfReferenceError(ToolError):
 
 class ModelConfigError(ToolError):
     """A model's config lacks what a tool needs (hidden size, layer count, heads, dtype) or cannot be read."""
+
+
+# --- capture: dataset to records ----------------------------------------------------------------------------
+class CaptureDataError(ToolError):
+    """The capture's input cannot be used as asked (a source that cannot be read, a chat template without
+    ``{% generation %}`` markers when the assistant loss mask is asked, a bad ``--field`` mapping); raised before
+    any engine starts.  A single bad row is a per-row error instead, never this."""

@@ -2,7 +2,8 @@
 alternate sliding-window and full attention (per-layer ``layer_types``).
 
 Both are saved with ``save_pretrained`` next to a byte-level BPE tokenizer trained with ``tokenizers`` and saved
-through ``PreTrainedTokenizerFast``, so vLLM loads them like any local checkpoint.  The e2e tests, the engine
+through ``PreTrainedTokenizerFast``, so vLLM loads them like any local checkpoint.  The tokenizer carries the chat
+template of :mod:`vllm_hs_compat.capture.data` (with ``{% generation %}`` markers).  The e2e tests, the engine
 benchmark and ``vllm-hs-compat demo`` share this module.
 """
 
@@ -14,6 +15,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vllm_hs_compat.capture.data import tiny_chat_template
 from vllm_hs_compat.errors import TinyModelError
 
 # Geometry.  CPU attention needs head_dim >= 32; 4 verifier layers so the capture layer is
@@ -78,6 +80,8 @@ def make_tokenizer(path: str, vocab: int = VOCAB, seed: int = 0) -> int:
     )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    # A chat template with {% generation %} markers (capture's assistant loss mask); the vocabulary is unchanged.
+    fast.chat_template = tiny_chat_template()
     fast.save_pretrained(path)
     return int(tok.get_vocab_size())
 

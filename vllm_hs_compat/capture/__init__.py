@@ -1,0 +1,8 @@
+"""``vllm-hs-compat capture``: from a dataset of conversations to sharded, indexed, resumable capture records.
+
+* :mod:`.sources` -- where rows come from (JSONL / JSON / Parquet files or folders, ``hf:NAME[:split]``);
+* :mod:`.samples` -- rows templated and tokenized into :class:`~.samples.Sample` (or a per-row
+  :class:`~.samples.RowError`), and :func:`~.samples.check_template`, run before any engine starts.
+
+See docs/capture.md.
+"""
