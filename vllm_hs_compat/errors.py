@@ -227,3 +227,19 @@ class HfReferenceError(ToolError):
 
 class ModelConfigError(ToolError):
     """A model's config lacks what a tool needs (hidden size, layer count, heads, dtype) or cannot be read."""
+
+
+# --- capture: the output tree ---------------------------------------------------------------------------------
+class CaptureStoreError(ToolError):
+    """The capture's output tree cannot be used as asked: a resume into a tree made with other settings, a sample
+    adopted twice or by a rank that does not own it, a damaged index part.  The message names what was found and
+    the fix."""
+
+
+class RunConfigMismatchError(CaptureStoreError):
+    """``--out`` holds a tree made with a different run configuration (model, layers, capture mode, template...);
+    the message names the keys that differ."""
+
+
+class CircuitOpenError(CaptureStoreError):
+    """The capture stopped after too many consecutive failures; the message names the last reasons."""
