@@ -364,12 +364,14 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
-    """Write ``data`` to ``path`` through a temporary name in the same folder (fsynced first when ``durable``)."""
+def _write_atomic(path: Path, data: bytes, *, tag: str, durable: bool = False) -> None:
+    """Write ``data`` to ``path`` through the temporary name ``.<name>.<tag>.tmp`` in the same folder (fsynced
+    first when ``durable``).  ``tag`` names the writer (``rank-R``): only that rank writes, and cleans, its
+    temporary files."""
     if _UNSAFE:
         path.write_bytes(data)
         return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{tag}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         if durable:
@@ -601,8 +603,8 @@ class CaptureStore:
 
         self.out.mkdir(parents=True, exist_ok=True)
         self._index_dir = self.out / "index"
-        self._index_dir.mkdir(exist_ok=True)
         self._check_run_json()
+        self._index_dir.mkdir(exist_ok=True)
         self._lock = _RankLock(self._index_dir / f"rank-{rank}.lock")
         if not self._lock.acquire():
             raise CaptureStoreError(
@@ -624,11 +626,22 @@ class CaptureStore:
         path = self.out / "run.json"
         doc = {"format": TREE_FORMAT, "version": TREE_VERSION, "run_config": self.run_config}
         if not path.exists():
-            tmp = self.out / f".run.json.{os.getpid()}.tmp"
+            # a tree is made in a new folder (other ranks starting at the same time may have made these already)
+            foreign = [
+                p.name
+                for p in self.out.iterdir()
+                if p.name not in ("index", ".staging", "run.json") and not p.name.startswith(".run.json.")
+            ]
+            if foreign:
+                raise CaptureStoreError(
+                    f"{self.out} is not empty ({', '.join(sorted(foreign)[:5])}) and is not a capture tree (no "
+                    "run.json): --out must be a new or empty folder, or a tree this command made"
+                )
+            tmp = self.out / f".run.json.rank-{self.rank}.{os.getpid()}.tmp"
             tmp.write_bytes(json.dumps(doc, indent=1, sort_keys=True).encode())
             try:
                 os.link(tmp, path)  # creates run.json only if no other rank did first
-            except FileExistsError:
+            except (FileExistsError, FileNotFoundError):
                 pass
             else:
                 _fsync_path(self.out, directory=True)
@@ -736,6 +749,12 @@ class CaptureStore:
         for p in self._index_dir.iterdir():
             if p.name.startswith(f".rank-{r}-part-") and p.name.endswith(".tmp"):
                 p.unlink()
+        for p in [*self.out.glob(f".*.rank-{r}.tmp"), *self.out.glob(f".run.json.rank-{r}.*.tmp")]:
+            p.unlink(missing_ok=True)
+        if r != self.rank:
+            with contextlib.suppress(OSError):
+                staging.rmdir()
+            (self.out / f"summary-rank-{r}.json").unlink(missing_ok=True)  # that rank is not in this job
         journal_path = self._index_dir / f"rank-{r}.journal"
         journal: dict[str, tuple[int, IndexRow]] = {}  # record or "@key" -> (part, row)
         failed_rows: list[tuple[int, IndexRow]] = []
@@ -900,7 +919,7 @@ class CaptureStore:
         os.replace(tensors_path, dest_tensors)
         _point("adopt.after_tensors")
         raw["tensors"] = dest_tensors.name
-        _write_atomic(dest_manifest, json.dumps(raw, indent=1).encode())
+        _write_atomic(dest_manifest, json.dumps(raw, indent=1).encode(), tag=f"rank-{self.rank}")
         _point("adopt.after_manifest")
         manifest_path.unlink(missing_ok=True)
         error_path.unlink(missing_ok=True)
@@ -920,6 +939,7 @@ class CaptureStore:
             time=time.time(),
         )
         self._append(row)
+        _point("adopt.after_journal")
         self._done.add(sample.key)
         s = self._summary
         s.captured += 1
@@ -977,7 +997,6 @@ class CaptureStore:
             self._journal_fd = os.open(self._journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         line = json.dumps({"part": self._part_no, "row": row.to_dict()}) + "\n"
         os.write(self._journal_fd, line.encode())
-        _point("adopt.after_journal" if row.status == "ok" else "fail.after_journal")
 
     def _write_part(self, r: int, n: int, rows: list[IndexRow]) -> None:
         """Index part ``n`` of rank ``r``: the record files it names are fsynced first, then the part is written
@@ -1039,7 +1058,7 @@ class CaptureStore:
 
     def _write_rank_summary(self) -> None:
         data = json.dumps(self._rank_summary().to_dict(), indent=1).encode()
-        _write_atomic(self.out / f"summary-rank-{self.rank}.json", data)
+        _write_atomic(self.out / f"summary-rank-{self.rank}.json", data, tag=f"rank-{self.rank}")
 
     def close(self) -> Summary:
         """Write the last index part and this rank's summary, then ``summary.json`` merged over the ranks whose
@@ -1053,7 +1072,12 @@ class CaptureStore:
             with contextlib.suppress(OSError):
                 self._staging.rmdir()
             merged = read_summary(self.out)
-            _write_atomic(self.out / "summary.json", json.dumps(merged.to_dict(), indent=1).encode(), durable=True)
+            _write_atomic(
+                self.out / "summary.json",
+                json.dumps(merged.to_dict(), indent=1).encode(),
+                tag=f"rank-{self.rank}",
+                durable=True,
+            )
             return merged
         finally:
             self._closed = True
