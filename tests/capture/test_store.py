@@ -174,11 +174,14 @@ def test_kill_again_during_resume_then_finish(tmp_path: Path) -> None:
 
 
 def test_kill_at_random_times(tmp_path: Path) -> None:
-    """SIGKILL from outside at random times (seeded) while a run adopts, three times, then a run to the end."""
+    """SIGKILL from outside at random times (seeded) while a run adopts, three times, then a run to the end.  The
+    killed runs go through the driver's command line (``store_driver.main``)."""
     rng = random.Random(19)
     kills = 0
+    argv = ["--out", str(tmp_path), "--samples", str(N), "--per-shard", "3", "--delay", "0.01", "--mismatch", "3"]
     for _ in range(3):
-        p = child(tmp_path, samples=N, mismatch=MISMATCH, per_shard=3, delay=0.01)
+        p = _CTX.Process(target=store_driver.main, args=(argv,))
+        p.start()
         time.sleep(rng.uniform(0.02, 0.2))
         if p.is_alive():
             os.kill(p.pid or 0, signal.SIGKILL)
@@ -355,3 +358,25 @@ def test_retry_bounds_attempts_and_skips_permanent_reasons() -> None:
     assert only.allow("c", "pool_full") and not only.allow("d", "timeout")
     with pytest.raises(CaptureStoreError):
         Retry(0)
+
+
+def test_summary_counts_runs_and_the_tree(tmp_path: Path) -> None:
+    first = run(str(tmp_path), samples=6, per_shard=4, mismatch=MISMATCH)
+    assert (first.rows_read, first.captured, first.skipped, first.failed) == (6, 5, 0, {"tokenizer_mismatch": 1})
+    assert first.closed and first.tree_records == 5 and first.tree_tokens == first.tokens > 0
+    assert first.tree_bytes == first.bytes == sum(p.stat().st_size for p in tmp_path.glob("shard-*/*"))
+    again = run(str(tmp_path), samples=6, per_shard=4, mismatch=MISMATCH)
+    assert (again.captured, again.skipped, again.failed, again.tree_records) == (0, 5, {"tokenizer_mismatch": 1}, 5)
+    assert json.loads((tmp_path / "summary.json").read_text()) == read_summary(tmp_path).to_dict() | {
+        "elapsed_s": again.elapsed_s,
+        "tokens_per_s": again.tokens_per_s,
+    }
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-0-00000", "shard-0-00001"]  # 4 + 1
+
+
+def test_a_foreign_folder_is_not_taken_over(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CaptureStoreError, match="is not empty"):
+        CaptureStore(tmp_path, run_config=RUN_CONFIG)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    CaptureStore(tmp_path / "new", run_config=RUN_CONFIG).close()  # control: a new folder is made a tree
