@@ -36,17 +36,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
 import re
 import signal
+import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Concatenate, Final, ParamSpec, TypeVar
 
 from vllm_hs_compat.errors import (
     CaptureStoreError,
@@ -104,6 +106,7 @@ NOT_RETRIED: Final = frozenset(
     {
         "tokenizer_mismatch",
         "partial_record",
+        "wrong_sample",
         "malformed",
         "unknown_shape",
         "empty",
@@ -540,6 +543,21 @@ def read_summary(out: str | os.PathLike[str]) -> Summary:
 
 
 # --- the store ----------------------------------------------------------------------------------------------------
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[CaptureStore, _P], _R]) -> Callable[Concatenate[CaptureStore, _P], _R]:
+    """One writer at a time per store (the command may adopt from more than one thread)."""
+
+    def wrapper(self: CaptureStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._mutex:
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, method)
+    return wrapper
+
+
 class _RankLock:
     """``index/rank-R.lock`` held with flock while a rank runs (or while another process recovers its leftovers).
     Where the file system has no flock, nothing is held and ``works`` is False."""
@@ -616,6 +634,7 @@ class CaptureStore:
         self._closed = False
         self._summary = Summary(ranks=[rank], world_size=world_size)
         self._failed: Counter[str] = Counter()
+        self._mutex = threading.RLock()
 
         self.out.mkdir(parents=True, exist_ok=True)
         self._index_dir = self.out / "index"
@@ -877,6 +896,7 @@ class CaptureStore:
                 f"sample {key!r} already has a verified record in {self.out}; ask store.done() before capturing"
             )
 
+    @_locked
     def adopt(self, sample: SampleInfo, manifest: str | os.PathLike[str]) -> IndexRow:
         """Verify the staged record at ``manifest`` (its ``.json``; an ``.error.json`` beside it is read as the
         connector's failure) and move it into this rank's current shard.
@@ -917,6 +937,15 @@ class CaptureStore:
                 "partial_record",
                 f"the record starts at position {meta.start}, not 0: it does not hold the whole sequence (prefix "
                 "caching shared the first positions?); capture with the connector's whole-sequence mode",
+                staged,
+            )
+        recorded_id = str(getattr(meta, "sample_id", "") or "")  # schema 2 records say which sample they are
+        if recorded_id and sample.sample_id and recorded_id != sample.sample_id:
+            return self._fail_files(
+                sample,
+                "wrong_sample",
+                f"the record at {manifest_path.name} was made for sample {recorded_id!r}, not {sample.sample_id!r}: "
+                "the request that made it carried another sample's id",
                 staged,
             )
         problem = _token_problem(meta.token_ids, meta.num_prompt_tokens, sample.input_ids)
@@ -967,6 +996,7 @@ class CaptureStore:
             self._flush()
         return row
 
+    @_locked
     def fail(self, sample: SampleInfo, reason: str, message: str) -> IndexRow:
         """Write a "failed" row for ``sample`` (counted by reason in the summary).  A failed sample is not done: a
         later run tries it again.  ``sample.sample_id`` may be empty (a row without an id; keyed by its
@@ -1000,6 +1030,7 @@ class CaptureStore:
             self._flush()
         return row
 
+    @_locked
     def note_rows(self, *, read: int = 0, skipped: int = 0) -> None:
         """Count rows read from the source and rows skipped because their sample was done (for the summary)."""
         self._summary.rows_read += read
@@ -1075,6 +1106,7 @@ class CaptureStore:
         data = json.dumps(self._rank_summary().to_dict(), indent=1).encode()
         _write_atomic(self.out / f"summary-rank-{self.rank}.json", data, tag=f"rank-{self.rank}")
 
+    @_locked
     def close(self) -> Summary:
         """Write the last index part and this rank's summary, then ``summary.json`` merged over the ranks whose
         summaries exist (see :func:`read_summary`); returns that merged summary.  Idempotent."""
