@@ -217,19 +217,7 @@ class ToolError(HsCompatError):
     """A command-line tool (``demo``, ``verify``, ``serve-args``) cannot go on; the message names the fix."""
 
 
-class TinyModelError(ToolError):
-    """A tiny model was asked for with an unknown kind or geometry."""
-
-
-class HfReferenceError(ToolError):
-    """The transformers reference could not be computed for a record (model structure, layer ids, shapes)."""
-
-
-class ModelConfigError(ToolError):
-    """A model's config lacks what a tool needs (hidden size, layer count, heads, dtype) or cannot be read."""
-
-
-# --- capture: the output tree ---------------------------------------------------------------------------------
+# capture: the output tree ---------------------------------------------------------------------------------
 class CaptureStoreError(ToolError):
     """The capture's output tree cannot be used as asked: a resume into a tree made with other settings, a sample
     adopted twice or by a rank that does not own it, a damaged index part.  The message names what was found and
@@ -243,3 +231,15 @@ class RunConfigMismatchError(CaptureStoreError):
 
 class CircuitOpenError(CaptureStoreError):
     """The capture stopped after too many consecutive failures; the message names the last reasons."""
+
+
+class TinyModelError(ToolError):
+    """A tiny model was asked for with an unknown kind or geometry."""
+
+
+class HfReferenceError(ToolError):
+    """The transformers reference could not be computed for a record (model structure, layer ids, shapes)."""
+
+
+class ModelConfigError(ToolError):
+    """A model's config lacks what a tool needs (hidden size, layer count, heads, dtype) or cannot be read."""
