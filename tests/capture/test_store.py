@@ -399,3 +399,29 @@ def test_a_record_made_for_another_sample_is_not_adopted(tmp_path: Path) -> None
             manifest = files.write_record(store.staging_dir(), CaptureRecord(meta, rec.hidden_states))
             row = store.adopt(info, manifest)
             assert (row.reason or row.status) == expect, row
+
+
+@pytest.mark.skipif(
+    not os.environ.get("VLLM_HS_COMPAT_STORE_KILLS"), reason="opt-in: VLLM_HS_COMPAT_STORE_KILLS=<rounds>"
+)
+def test_many_random_kills_of_two_ranks(tmp_path: Path) -> None:
+    """Opt-in soak: two ranks writing one tree, each killed at random times, round after round; then both run to
+    the end.  The tree must equal one rank's."""
+    rounds = int(os.environ["VLLM_HS_COMPAT_STORE_KILLS"])
+    rng = random.Random(rounds)
+    n = 60
+    tree, one = tmp_path / "tree", tmp_path / "one"
+    for _ in range(rounds):
+        ps = [child(tree, samples=n, rank=r, world_size=2, mismatch=MISMATCH, per_shard=4) for r in (0, 1)]
+        time.sleep(rng.uniform(0.0, 0.4))
+        for p in ps:
+            if rng.random() < 0.8 and p.is_alive():
+                os.kill(p.pid or 0, signal.SIGKILL)
+            time.sleep(rng.uniform(0.0, 0.05))
+        for p in ps:
+            p.join(60)
+    for r in (0, 1):
+        run(str(tree), samples=n, rank=r, world_size=2, mismatch=MISMATCH, per_shard=4)
+    assert check_tree(tree, samples=n) == []
+    run(str(one), samples=n, mismatch=MISMATCH)
+    assert _records(tree) == _records(one)
