@@ -425,3 +425,21 @@ def test_many_random_kills_of_two_ranks(tmp_path: Path) -> None:
     assert check_tree(tree, samples=n) == []
     run(str(one), samples=n, mismatch=MISMATCH)
     assert _records(tree) == _records(one)
+
+
+def test_a_row_without_an_id_is_keyed_by_its_source(tmp_path: Path) -> None:
+    """A malformed line has no sample id: its failed row is keyed by ``"@" + source``, owned by one rank, and a
+    re-run that fails it again leaves one row for it, not two."""
+    bad = SampleInfo(sample_id="", source="data.jsonl:7", num_tokens=0)
+    for _ in range(2):
+        stores = [CaptureStore(tmp_path, run_config=RUN_CONFIG, rank=r, world_size=2) for r in (0, 1)]
+        owners = [s for s in stores if s.owns("@data.jsonl:7")]
+        assert len(owners) == 1
+        owners[0].fail(bad, "malformed", "line 8 is not JSON")
+        for s in stores:
+            s.close()
+    rows = read_index(tmp_path).to_pylist()
+    assert [(r["sample_id"], r["source"], r["reason"]) for r in rows] == [("", "data.jsonl:7", "malformed")]
+    assert read_summary(tmp_path).tree_failed == {"malformed": 1}
+    parts = [pq.read_table(p).num_rows for p in (tmp_path / "index").glob("*.parquet")]
+    assert sum(parts) == 2  # control: both runs wrote a row; the merge keeps one
