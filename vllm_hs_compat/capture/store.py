@@ -643,8 +643,9 @@ class CaptureStore:
         self._lock = _RankLock(self._index_dir / f"rank-{rank}.lock")
         if not self._lock.acquire():
             raise CaptureStoreError(
-                f"rank {rank} of {self.out} is held by another running process (pid {self._lock.holder()}); "
-                "each rank runs once at a time: give this process another --rank, or stop the other one"
+                f"rank {rank} of {self.out} is held by another running process (pid {self._lock.holder()}, or a "
+                "process it started that still runs, such as an engine shutting down); each rank runs once at a "
+                "time: give this process another --rank, or stop the other one"
             )
         if not self._lock.works:
             log.warning(
