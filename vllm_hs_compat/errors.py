@@ -217,6 +217,22 @@ class ToolError(HsCompatError):
     """A command-line tool (``demo``, ``verify``, ``serve-args``) cannot go on; the message names the fix."""
 
 
+# capture: the output tree ---------------------------------------------------------------------------------
+class CaptureStoreError(ToolError):
+    """The capture's output tree cannot be used as asked: a resume into a tree made with other settings, a sample
+    adopted twice or by a rank that does not own it, a damaged index part.  The message names what was found and
+    the fix."""
+
+
+class RunConfigMismatchError(CaptureStoreError):
+    """``--out`` holds a tree made with a different run configuration (model, layers, capture mode, template...);
+    the message names the keys that differ."""
+
+
+class CircuitOpenError(CaptureStoreError):
+    """The capture stopped after too many consecutive failures; the message names the last reasons."""
+
+
 class TinyModelError(ToolError):
     """A tiny model was asked for with an unknown kind or geometry."""
 

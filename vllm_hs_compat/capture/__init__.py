@@ -2,7 +2,8 @@
 
 * :mod:`.sources` -- where rows come from (JSONL / JSON / Parquet files or folders, ``hf:NAME[:split]``);
 * :mod:`.samples` -- rows templated and tokenized into :class:`~.samples.Sample` (or a per-row
-  :class:`~.samples.RowError`), and :func:`~.samples.check_template`, run before any engine starts.
+  :class:`~.samples.RowError`), and :func:`~.samples.check_template`, run before any engine starts;
+* :mod:`.store` -- the output tree of one rank (shards, Parquet index parts, resume, rank split, summaries).
 
 See docs/capture.md.
 """
