@@ -1,0 +1,149 @@
+"""The record's sample fields (schema 2): validation, dict round trip, schema 1 compatibility, the loss mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_hs_compat.core.records import (
+    MAX_LOSS_MASK_SPANS,
+    MAX_METADATA_BYTES,
+    SCHEMA_VERSION,
+    RecordMeta,
+    RecordSample,
+    canonical_metadata,
+)
+from vllm_hs_compat.errors import RecordFormatError
+
+
+def meta(**kw: object) -> RecordMeta:
+    base: dict[str, object] = dict(
+        request_id="r",
+        token_ids=tuple(range(10)),
+        layer_ids=(3, 7),
+        pre_norm=True,
+        dtype="bfloat16",
+        shape=(10, 2, 8),
+        start=4,
+        num_prompt_tokens=8,
+    )
+    base.update(kw)
+    return RecordMeta(**base)  # type: ignore[arg-type]
+
+
+def test_schema_2_round_trips_through_a_plain_dict_and_json() -> None:
+    m = meta(
+        sample_id="row-17",
+        source="data/chat.jsonl:17",
+        loss_mask_spans=((5, 7), (8, 14)),
+        metadata_json=canonical_metadata({"lang": "de", "turns": [1, 2], "score": 0.5, "ok": None}),
+        checksum=123,
+    )
+    d = m.to_dict()
+    assert d["schema_version"] == SCHEMA_VERSION == 2
+    assert d["loss_mask_spans"] == [[5, 7], [8, 14]] and d["metadata"]["lang"] == "de"
+    back = RecordMeta.from_dict(json.loads(json.dumps(d)))
+    assert back == m and hash(back) == hash(m)
+    assert back.metadata == {"lang": "de", "turns": [1, 2], "score": 0.5, "ok": None}
+    assert back.sample == RecordSample("row-17", "data/chat.jsonl:17", ((5, 7), (8, 14)), m.metadata_json)
+    # the mask: rows are positions 4..13
+    assert back.loss_mask().tolist() == [0, 1, 1, 0, 1, 1, 1, 1, 1, 1]  # type: ignore[union-attr]
+    # defaults: no mask given / nothing trained are different things
+    assert meta().loss_mask() is None
+    assert meta(loss_mask_spans=()).loss_mask().tolist() == [0] * 10  # type: ignore[union-attr]
+    assert RecordMeta.from_dict(meta(loss_mask_spans=()).to_dict()).loss_mask_spans == ()
+
+
+def test_schema_1_dicts_still_read_and_cannot_carry_sample_fields() -> None:
+    d1 = meta().to_dict()
+    for k in ("sample_id", "source", "loss_mask_spans", "metadata"):
+        del d1[k]
+    d1["schema_version"] = 1
+    m1 = RecordMeta.from_dict(d1)
+    assert m1.schema_version == 1 and m1.loss_mask_spans is None and m1.metadata == {}
+    assert m1.to_dict() == d1  # written back as it was read
+    with pytest.raises(RecordFormatError, match=r"schema 1\) has unknown fields \['sample_id'\]"):
+        RecordMeta.from_dict({**d1, "sample_id": "x"})
+    with pytest.raises(RecordFormatError, match="schema 1 but carries sample fields"):
+        meta(schema_version=1, sample_id="x")
+    d2 = meta().to_dict()
+    del d2["metadata"]
+    with pytest.raises(RecordFormatError, match="lacks field 'metadata'"):  # schema 2 needs all four
+        RecordMeta.from_dict(d2)
+
+
+@pytest.mark.parametrize(
+    ("spans", "needle"),
+    [
+        (((3, 6),), r"before position 4"),  # rows start at position 4
+        (((5, 15),), r"runs past position 14"),  # the record's last row is position 13
+        (((6, 6),), r"empty or reversed"),
+        (((8, 6),), r"empty or reversed"),
+        (((8, 10), (5, 7)), r"sorted and not overlap"),
+        (((5, 9), (8, 10)), r"sorted and not overlap"),
+        (((5, 9, 1),), r"\[start, stop\] pair"),
+        (((5, True),), r"must be an int"),
+        ("5-9", r"list of \[start, stop\] pairs"),
+    ],
+)
+def test_bad_spans_are_refused_by_name(spans: object, needle: str) -> None:
+    with pytest.raises(RecordFormatError, match=needle):
+        meta(loss_mask_spans=spans)
+    d = meta().to_dict()
+    d["loss_mask_spans"] = spans if isinstance(spans, str) else [list(s) for s in spans]  # type: ignore[union-attr]
+    with pytest.raises(RecordFormatError, match=needle):
+        RecordMeta.from_dict(d)
+
+
+def test_adjacent_spans_are_fine_and_the_span_count_is_bounded() -> None:
+    assert meta(loss_mask_spans=((4, 6), (6, 14))).loss_mask().tolist() == [1] * 10  # type: ignore[union-attr]
+    many = tuple((i, i + 1) for i in range(MAX_LOSS_MASK_SPANS + 1))
+    with pytest.raises(RecordFormatError, match=f"at most {MAX_LOSS_MASK_SPANS}"):
+        meta(shape=(len(many), 2, 8), token_ids=(1,) * len(many), start=0, loss_mask_spans=many)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "needle"),
+    [
+        ([1, 2], "must be a JSON object"),
+        ({1: "a"}, "JSON keys are strings"),
+        ({"x": float("nan")}, "NaN"),
+        ({"x": (1, 2)}, "tuple"),
+        ({"x": b"a"}, "bytes"),
+        ({"x": "y" * MAX_METADATA_BYTES}, f"at most {MAX_METADATA_BYTES} allowed"),
+    ],
+)
+def test_bad_metadata_is_refused_by_name(metadata: object, needle: str) -> None:
+    with pytest.raises(RecordFormatError, match=needle):
+        canonical_metadata(metadata)
+    d = meta().to_dict()
+    d["metadata"] = metadata
+    with pytest.raises(RecordFormatError, match=needle):
+        RecordMeta.from_dict(d)
+
+
+def test_metadata_json_must_be_canonical() -> None:
+    with pytest.raises(RecordFormatError, match="canonical form"):
+        meta(metadata_json='{"b":1,"a":2}')
+    with pytest.raises(RecordFormatError, match="JSON object"):
+        meta(metadata_json="[]")
+    assert meta(metadata_json='{"a":2,"b":1}').metadata == {"a": 2, "b": 1}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=40), st.integers(0, 100))
+def test_spans_from_any_mask_give_that_mask_back(bits: list[bool], start: int) -> None:
+    spans, a = [], None
+    for i, b in enumerate([*bits, False]):
+        if b and a is None:
+            a = i
+        elif not b and a is not None:
+            spans.append((start + a, start + i))
+            a = None
+    m = meta(token_ids=(1,) * len(bits), shape=(len(bits), 2, 8), start=start, loss_mask_spans=tuple(spans))
+    back = RecordMeta.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert torch.equal(back.loss_mask(), torch.tensor(bits, dtype=torch.int64))  # type: ignore[arg-type]
