@@ -147,3 +147,35 @@ def test_spans_from_any_mask_give_that_mask_back(bits: list[bool], start: int) -
     m = meta(token_ids=(1,) * len(bits), shape=(len(bits), 2, 8), start=start, loss_mask_spans=tuple(spans))
     back = RecordMeta.from_dict(json.loads(json.dumps(m.to_dict())))
     assert torch.equal(back.loss_mask(), torch.tensor(bits, dtype=torch.int64))  # type: ignore[arg-type]
+
+
+# --- the request's entry (kv_transfer_params["hs_capture"]["sample"]) -------------------------------------------
+def test_request_entry_parses_clips_and_refuses_by_name() -> None:
+    from vllm_hs_compat.core.capture import CaptureSpec, RequestSample, parse_request
+    from vllm_hs_compat.errors import CaptureConfigError
+
+    raw = {"capture": "all", "sample": {"id": "a", "loss_mask_spans": [[2, 5], [9, None]], "metadata": {"k": 1}}}
+    spec, sample = parse_request(raw, base=CaptureSpec(), what="r")
+    assert spec.mode == "all" and sample is not None and sample.spans == ((2, 5), (9, None))
+    rs = sample.for_record(4, 12, 13, what="r")  # rows 4..11 of a 13-token request
+    assert rs.loss_mask_spans == ((4, 5), (9, 12)) and rs.metadata == {"k": 1} and rs.sample_id == "a"
+    assert sample.for_record(5, 9, 13, what="r").loss_mask_spans == ()  # nothing of the mask in these rows
+    assert parse_request({"capture": "prompt"}, base=CaptureSpec(), what="r")[1] is None
+    no_mask = RequestSample.parse({"id": "b"}, what="r").for_record(0, 3, 3, what="r")
+    assert no_mask.loss_mask_spans is None
+    for bad, needle in [
+        ({"loss_mask_spans": [[0, None], [3, 4]]}, "only the last one may have a null stop"),
+        ({"loss_mask_spans": [[-1, 2]]}, r"start\) must be an int >= 0"),
+        ({"loss_mask_spans": [[0, "3"]]}, "int or null"),
+        ({"id": 7}, r"r.id must be a string"),
+        ({"source": "x" * 2000}, "at most 1024"),
+        ({"metadata": {"a": {1, 2}}}, "set"),
+        ({"loss_mask_spans": [[0, 1]] * 2000}, "at most 1024"),
+        ("row-1", "must be a map"),
+    ]:
+        with pytest.raises(CaptureConfigError, match=needle):
+            RequestSample.parse(bad, what="r")
+    with pytest.raises(CaptureConfigError, match="runs past the request's 13 tokens"):
+        RequestSample.parse({"loss_mask_spans": [[0, 14]]}, what="r").for_record(0, 13, 13, what="r")
+    with pytest.raises(CaptureConfigError, match="unknown keys"):  # the config's own map takes no sample entry
+        CaptureSpec.parse({"sample": {}}, what="config")

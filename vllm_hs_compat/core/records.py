@@ -263,13 +263,33 @@ def _int_seq(value: Any, what: str, lo: int, hi: int, max_len: int) -> tuple[int
     return _check_ints(value, what, lo, hi)
 
 
-def _json_value(value: Any, what: str, depth: int) -> None:
+class _Budget:
+    """A lower bound of the compact JSON's size, kept while walking a client's metadata: the walk stops as soon as
+    the bound passes :data:`MAX_METADATA_BYTES` (so a huge object costs O(limit), not O(its size))."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def spend(self, n: int, what: str) -> None:
+        self.used += n
+        if self.used > MAX_METADATA_BYTES:
+            raise RecordFormatError(
+                f"{what} is more than {MAX_METADATA_BYTES} bytes as compact JSON, at most {MAX_METADATA_BYTES} "
+                "allowed; keep large data in your dataset and join it by sample_id"
+            )
+
+
+def _json_value(value: Any, what: str, depth: int, budget: _Budget) -> None:
     """Refuse what JSON cannot carry exactly (non-str keys, NaN/inf, tuples/sets/bytes/objects, deep nesting)."""
     if depth > _METADATA_DEPTH:
         raise RecordFormatError(f"{what} nests deeper than {_METADATA_DEPTH} levels")
-    if value is None or isinstance(value, bool | str):
+    if isinstance(value, str):
+        budget.spend(len(value) + 2, "metadata")
         return
-    if isinstance(value, int):
+    budget.spend(1, "metadata")
+    if value is None or isinstance(value, bool | int):
         return
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -277,13 +297,14 @@ def _json_value(value: Any, what: str, depth: int) -> None:
         return
     if isinstance(value, list):
         for i, v in enumerate(value):
-            _json_value(v, f"{what}[{i}]", depth + 1)
+            _json_value(v, f"{what}[{i}]", depth + 1, budget)
         return
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise RecordFormatError(f"{what} has key {k!r} of type {type(k).__name__}; JSON keys are strings")
-            _json_value(v, f"{what}[{k!r}]", depth + 1)
+                raise RecordFormatError(f"{what} has key {k!r:.60} of type {type(k).__name__}; JSON keys are strings")
+            budget.spend(len(k) + 3, "metadata")
+            _json_value(v, f"{what}[{k!r}]", depth + 1, budget)
         return
     raise RecordFormatError(
         f"{what} holds a {type(value).__name__} ({value!r:.60}); metadata takes JSON values only (null, bool, int, "
@@ -301,7 +322,7 @@ def canonical_metadata(metadata: Any, what: str = "metadata") -> str:
         raise RecordFormatError(
             f"{what} must be a JSON object (a mapping with str keys), found {type(metadata).__name__}"
         )
-    _json_value(metadata, what, 0)
+    _json_value(metadata, what, 0, _Budget())
     text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     if len(text) > MAX_METADATA_BYTES:
         raise RecordFormatError(
