@@ -384,6 +384,44 @@ class RecordSample:
 _NO_SAMPLE: Final = RecordSample()
 
 
+def check_sample(sample: RecordSample, *, start: int, tokens: int, schema_version: int, what: str) -> RecordSample:
+    """``sample`` validated for a record of rows ``[start, start + tokens)`` (spans as tuples); raises
+    :class:`RecordFormatError` naming record ``what`` and the bad field.  A schema-1 record carries none."""
+    if schema_version < 2:
+        if sample != _NO_SAMPLE:
+            raise RecordFormatError(
+                f"record {what!r} is schema {schema_version} but carries sample fields (schema 2: sample_id, source, "
+                "loss_mask_spans, metadata); write it as schema 2"
+            )
+        return sample
+    _str(sample.sample_id, "sample_id", MAX_SAMPLE_ID_CHARS, allow_empty=True)
+    _str(sample.source, "source", MAX_SOURCE_CHARS, allow_empty=True)
+    spans = sample.loss_mask_spans
+    if spans is not None:
+        spans = check_spans(spans, f"record {what!r}: loss_mask_spans", start, start + tokens)
+    text = sample.metadata_json
+    if not isinstance(text, str):
+        raise RecordFormatError(f"record {what!r}: metadata_json must be a str, found {type(text).__name__}")
+    if len(text) > MAX_METADATA_BYTES or text[:1] != "{":
+        raise RecordFormatError(
+            f"record {what!r}: metadata_json must be a JSON object of at most {MAX_METADATA_BYTES} bytes, found "
+            f"{len(text)} characters starting {text[:20]!r}"
+        )
+    if text != EMPTY_METADATA:
+        try:
+            parsed = json.loads(text)
+        except ValueError as e:
+            raise RecordFormatError(f"record {what!r}: metadata_json is not JSON ({e})") from None
+        if canonical_metadata(parsed, f"record {what!r}: metadata") != text:
+            raise RecordFormatError(
+                f"record {what!r}: metadata_json is not in canonical form (sorted keys, compact, ASCII); build it "
+                "with canonical_metadata()"
+            )
+    if spans is sample.loss_mask_spans:
+        return sample
+    return RecordSample(sample.sample_id, sample.source, spans, text)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RecordMeta:
     """Metadata of one record.  ``shape`` is ``(tokens, planes, hidden)``; ``layer_ids[i]`` is plane ``i``.
@@ -516,38 +554,11 @@ class RecordMeta:
         self._validate_sample(tokens)
 
     def _validate_sample(self, tokens: int) -> None:
-        if self.schema_version < 2:
-            if self.sample != _NO_SAMPLE:
-                raise RecordFormatError(
-                    f"record {self.request_id!r} is schema {self.schema_version} but carries sample fields (schema 2: "
-                    "sample_id, source, loss_mask_spans, metadata); write it as schema 2"
-                )
-            return
-        _str(self.sample_id, "sample_id", MAX_SAMPLE_ID_CHARS, allow_empty=True)
-        _str(self.source, "source", MAX_SOURCE_CHARS, allow_empty=True)
-        if self.loss_mask_spans is not None:
-            spans = check_spans(
-                self.loss_mask_spans, f"record {self.request_id!r}: loss_mask_spans", self.start, self.start + tokens
-            )
-            if spans != self.loss_mask_spans:  # lists instead of tuples: keep the frozen value hashable
-                object.__setattr__(self, "loss_mask_spans", spans)
-        if not isinstance(self.metadata_json, str):
-            raise RecordFormatError(f"metadata_json must be a str, found {type(self.metadata_json).__name__}")
-        if len(self.metadata_json) > MAX_METADATA_BYTES or self.metadata_json[:1] != "{":
-            raise RecordFormatError(
-                f"record {self.request_id!r}: metadata_json must be a JSON object of at most {MAX_METADATA_BYTES} "
-                f"bytes, found {len(self.metadata_json)} characters starting {self.metadata_json[:20]!r}"
-            )
-        if self.metadata_json != EMPTY_METADATA:
-            try:
-                parsed = json.loads(self.metadata_json)
-            except ValueError as e:
-                raise RecordFormatError(f"record {self.request_id!r}: metadata_json is not JSON ({e})") from None
-            if canonical_metadata(parsed, f"record {self.request_id!r}: metadata") != self.metadata_json:
-                raise RecordFormatError(
-                    f"record {self.request_id!r}: metadata_json is not in canonical form (sorted keys, compact, "
-                    "ASCII); build it with canonical_metadata()"
-                )
+        checked = check_sample(
+            self.sample, start=self.start, tokens=tokens, schema_version=self.schema_version, what=self.request_id
+        )
+        if checked.loss_mask_spans != self.loss_mask_spans:  # lists instead of tuples: keep the value hashable
+            object.__setattr__(self, "loss_mask_spans", checked.loss_mask_spans)
 
     def with_checksum(self, checksum: int, algorithm: str | None = None) -> RecordMeta:
         """A copy carrying ``checksum`` (only the changed fields are re-validated: this runs per record)."""
