@@ -114,5 +114,5 @@ def test_negative_control_a_scheduler_that_drops_the_sample_is_caught(monkeypatc
         return real(self, dataclasses.replace(save, sample=None), rows)
 
     monkeypatch.setattr(worker.CaptureWorker, "_record", forgetful)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="row-0"):
         test_request_sample_fields_reach_the_record_and_bad_ones_fail_only_their_own()
