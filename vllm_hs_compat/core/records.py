@@ -554,6 +554,16 @@ class RecordMeta:
         self._validate_sample(tokens)
 
     def _validate_sample(self, tokens: int) -> None:
+        if (  # the common record (no spans, no metadata): no RecordSample built (this runs per record)
+            self.loss_mask_spans is None
+            and self.metadata_json == EMPTY_METADATA
+            and (self.schema_version >= 2 or not (self.sample_id or self.source))
+            and isinstance(self.sample_id, str)
+            and isinstance(self.source, str)
+            and len(self.sample_id) <= MAX_SAMPLE_ID_CHARS
+            and len(self.source) <= MAX_SOURCE_CHARS
+        ):
+            return
         checked = check_sample(
             self.sample, start=self.start, tokens=tokens, schema_version=self.schema_version, what=self.request_id
         )
