@@ -179,3 +179,17 @@ def test_request_entry_parses_clips_and_refuses_by_name() -> None:
         RequestSample.parse({"loss_mask_spans": [[0, 14]]}, what="r").for_record(0, 13, 13, what="r")
     with pytest.raises(CaptureConfigError, match="unknown keys"):  # the config's own map takes no sample entry
         CaptureSpec.parse({"sample": {}}, what="config")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from([0, 1]), min_size=1, max_size=30), st.integers(0, 6), st.booleans())
+def test_sample_entry_gives_the_record_the_mask_it_was_built_from(prompt: list[int], gen: int, on_policy: bool) -> None:
+    """``sample_entry`` (what a capture client sends) -> the connector's parsing -> the record's ``loss_mask()``."""
+    from vllm_hs_compat.core.capture import RequestSample, sample_entry
+
+    entry = sample_entry(sample_id="x", loss_mask=prompt, generated=on_policy, metadata={"n": len(prompt)})
+    total = len(prompt) + gen  # a capture of everything: prompt then generated rows
+    rs = RequestSample.parse(json.loads(json.dumps(entry)), what="r").for_record(0, total, total, what="r")
+    m = meta(token_ids=(1,) * total, shape=(total, 2, 8), start=0, loss_mask_spans=rs.loss_mask_spans)
+    assert m.loss_mask().tolist() == prompt + [int(on_policy)] * gen  # type: ignore[union-attr]
+    assert rs.metadata == {"n": len(prompt)} and rs.sample_id == "x"

@@ -233,6 +233,58 @@ def _request_spans(raw: object, what: str) -> tuple[tuple[int, int | None], ...]
     return tuple(out)
 
 
+def mask_spans(mask: Sequence[int | bool], start: int = 0) -> list[list[int]]:
+    """The sorted ``[start, stop)`` spans of the 1s of a per-position 0/1 ``mask`` whose entry 0 is position
+    ``start`` (the inverse of :meth:`RecordMeta.loss_mask <vllm_hs_compat.core.records.RecordMeta.loss_mask>`)."""
+    spans: list[list[int]] = []
+    run: int | None = None
+    for i, v in enumerate(mask):
+        if v not in (0, 1):
+            raise CaptureConfigError(f"a loss mask holds 0/1 values only, found {v!r} at index {i}")
+        if v and run is None:
+            run = i
+        elif not v and run is not None:
+            spans.append([start + run, start + i])
+            run = None
+    if run is not None:
+        spans.append([start + run, start + len(mask)])
+    return spans
+
+
+def sample_entry(
+    *,
+    sample_id: str = "",
+    source: str = "",
+    loss_mask: Sequence[int | bool] | None = None,
+    generated: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A request's ``hs_capture["sample"]`` entry (see :class:`RequestSample`), validated as the connector will.
+
+    ``loss_mask``: per prompt position 0/1 (position 0 = the first prompt token; None = no mask unless
+    ``generated``).  ``generated``: the generated part is trained too (a last span ``[len(loss_mask), null)``;
+    ``loss_mask`` is then required, all zeros for "the generated part only").  Use it as
+    ``{"kv_transfer_params": {"hs_capture": {"capture": "all", "sample": sample_entry(...)}}}``."""
+    entry: dict[str, Any] = {"id": sample_id, "source": source}
+    if generated and loss_mask is None:
+        raise CaptureConfigError(
+            "sample_entry(generated=True) needs the prompt's loss_mask (all zeros: prompt untrained)"
+        )
+    if loss_mask is not None:
+        spans: list[list[int | None]] = [list(s) for s in mask_spans(loss_mask)]
+        if generated:
+            n = len(loss_mask)
+            if spans and spans[-1][1] == n:
+                spans[-1][1] = None  # the prompt's last span runs on into the generated part
+            else:
+                spans.append([n, None])
+        entry["loss_mask_spans"] = spans
+    if metadata is not None:
+        entry["metadata"] = dict(metadata)
+    RequestSample.parse(entry, what="sample_entry()")
+    return entry
+
+
 def parse_request(raw: object, *, base: CaptureSpec, what: str) -> tuple[CaptureSpec, RequestSample | None]:
     """A request's ``hs_capture`` entry: its capture settings over ``base`` and its ``sample`` entry (None when
     absent).  Raises :class:`CaptureConfigError` naming the bad key."""
