@@ -97,7 +97,8 @@ def test_meta_round_trips_through_a_plain_dict() -> None:
         ({"request_id": ""}, "request_id"),
         ({"token_ids": (1, -5)}, "token_ids"),
         ({"pre_norm": 1}, "pre_norm"),
-        ({"schema_version": 2}, "schema"),
+        ({"schema_version": 3}, "schema"),
+        ({"schema_version": 0}, "schema"),
     ],
 )
 def test_meta_validation_names_the_problem(kw: dict[str, object], needle: str) -> None:

@@ -44,7 +44,13 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--verifier", default=None, help="the verifier's local model folder (config.json, safetensors)")
     p.add_argument("--num-hidden-layers", type=int, default=None, help="instead of --verifier (formats without norm)")
-    p.add_argument("--loss-mask", choices=("all", "generated"), default="all", help="rows in the loss (default all)")
+    p.add_argument(
+        "--loss-mask",
+        choices=("auto", "record", "all", "generated"),
+        default="auto",
+        help="rows in the loss: auto (default) = the record's own mask (loss_mask_spans) when it has one, else all; "
+        "record = refuse records without one; hs_format.json counts which mask each record got",
+    )
     p.add_argument("--drafter-config", default=None, help="a drafter config JSON whose layer ids are checked")
     p.add_argument("--final-norm", choices=("rmsnorm",), default=None, help="the norm type of an unlisted model_type")
     p.add_argument("--compress", action="store_true", help="specforge: .ckpt.gz")

@@ -8,7 +8,8 @@ Fetching through the export *takes* the record: the producer hands each record o
 streaming the same producer will not see it.
 
 Statistics per plane (layer id): mean, std (population), min, max, absmax over the finite values, and the NaN
-and Inf counts; plus the token count, layer ids and whether the checksum matches.
+and Inf counts; plus the token count, layer ids, whether the checksum matches, and what the record was made for
+(schema 2: sample id, source, loss-mask spans with the number of trained rows, user metadata).
 
 Exit codes: 0 the record was read and its checksum matches (or it carries none); 1 the checksum does not match,
 or the record cannot be read (damaged, failed at the server, not found); 2 a usage error.
@@ -181,7 +182,8 @@ def plane_stats(hidden_states: torch.Tensor, layer_ids: tuple[int, ...]) -> list
 def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
     """The JSON report of ``record``: ``manifest`` (its metadata), ``tokens``, ``layer_ids``, ``checksum``
     (``algorithm``, ``expected``, ``computed``, ``ok``: None when the record carries none), ``planes``
-    (:func:`plane_stats`), ``ok``."""
+    (:func:`plane_stats`), ``loss_mask_tokens`` (rows in the record's own loss mask; None when it carries none),
+    ``ok``."""
     import torch
 
     from vllm_hs_compat.core.records import compute_checksum
@@ -204,6 +206,7 @@ def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
         "layer_ids": list(meta.layer_ids),
         "checksum": checksum,
         "nonfinite": sum(p["nan"] + p["inf"] for p in planes),
+        "loss_mask_tokens": None if meta.loss_mask_spans is None else sum(b - a for a, b in meta.loss_mask_spans),
         "planes": planes,
         "ok": checksum["ok"] is not False,
     }
@@ -211,6 +214,27 @@ def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
+
+
+def _sample_lines(report: dict[str, Any]) -> list[str]:
+    """What the record was made for (schema 2's sample fields), in words."""
+    m = report["manifest"]
+    if m["schema_version"] < 2:
+        return [f"  sample: none (a schema-{m['schema_version']} record carries no sample fields)"]
+    who = f"{m['sample_id']!r}" if m["sample_id"] else "(no id given)"
+    lines = [f"  sample {who}  source {m['source'] or '(not given)'}"]
+    spans = m["loss_mask_spans"]
+    if spans is None:
+        lines.append("  loss mask: none given (trainers use their default: all rows under loss_mask='auto')")
+    else:
+        shown = ", ".join(f"[{a}, {b})" for a, b in spans[:8]) + (
+            f", ... ({len(spans)} spans)" if len(spans) > 8 else ""
+        )
+        lines.append(f"  loss mask: {report['loss_mask_tokens']} of {report['tokens']} rows trained: {shown or 'none'}")
+    if m["metadata"]:
+        text = json.dumps(m["metadata"], sort_keys=True, ensure_ascii=False)
+        lines.append(f"  metadata {text if len(text) <= 200 else text[:200] + ' ...'}")
+    return lines
 
 
 def text_lines(report: dict[str, Any], show_tokens: int = 16) -> list[str]:
@@ -236,6 +260,7 @@ def text_lines(report: dict[str, Any], show_tokens: int = 16) -> list[str]:
         f"  layer ids {report['layer_ids']} (plane i = i-th smallest; the last is the base hidden)",
         f"  vLLM {m['vllm_version'] or '?'}  adapter {m['adapter'] or '?'}  schema {m['schema_version']}",
         f"  checksum {ck_line}",
+        *_sample_lines(report),
         f"  token ids [{shown}]",
         f"  {'plane':>5} {'layer':>5} {'mean':>11} {'std':>11} {'min':>11} {'max':>11} {'absmax':>11} {'nan':>6} "
         f"{'inf':>6}",

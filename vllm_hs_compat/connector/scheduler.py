@@ -27,9 +27,11 @@ from vllm_hs_compat.core.capture import (
     CaptureSpec,
     FinishedRequest,
     NoRecord,
+    RequestSample,
     SaveRequest,
     SlotCheck,
     StepPlan,
+    parse_request,
 )
 from vllm_hs_compat.core.choices import Choices, Sibling
 from vllm_hs_compat.errors import CaptureConfigError
@@ -141,11 +143,12 @@ class CaptureScheduler:
         return plan
 
     # --- request end ------------------------------------------------------------------------------------
-    def _spec_for(self, fr: FinishedRequest) -> CaptureSpec:
+    def _spec_for(self, fr: FinishedRequest) -> tuple[CaptureSpec, RequestSample | None]:
+        """The request's capture settings and ``sample`` entry (its ``hs_capture`` over the config's)."""
         override = (fr.params or {}).get(REQUEST_KEY)
         if override is None:
-            return self.config.capture
-        return CaptureSpec.parse(override, base=self.config.capture, what=f"request {fr.req_id!r} {REQUEST_KEY}")
+            return self.config.capture, None
+        return parse_request(override, base=self.config.capture, what=f"request {fr.req_id!r} {REQUEST_KEY}")
 
     def _params(self, fr: FinishedRequest, status: str, **fields: Any) -> dict[str, Any]:
         entry = {"v": 1, "record_id": fr.req_id, "status": status, "sink": self.config.sink, **fields}
@@ -184,13 +187,18 @@ class CaptureScheduler:
         if fr.aborted:
             return self._refuse(fr, REASON_ABORTED, f"the request did not finish normally ({fr.status})")
         try:
-            spec = self._spec_for(fr)
+            spec, sample = self._spec_for(fr)
         except CaptureConfigError as e:
             return self._refuse(fr, REASON_BAD_PARAMS, str(e))
         try:
             start, stop = spec.positions(num_prompt_tokens=fr.num_prompt_tokens, num_valid=fr.num_valid)
         except NoRecord as e:
             return self._refuse(fr, e.reason, e.message)
+        try:
+            what = f"request {fr.req_id!r} {REQUEST_KEY}.sample"
+            record_sample = None if sample is None else sample.for_record(start, stop, len(fr.token_ids), what=what)
+        except CaptureConfigError as e:
+            return self._refuse(fr, REASON_BAD_PARAMS, str(e))
         in_prompt = sib is not None and stop <= fr.num_prompt_tokens
         if sib is not None and in_prompt:
             shared = self._choices.shared_record(sib, start, stop)
@@ -244,6 +252,7 @@ class CaptureScheduler:
             token_ids=fr.token_ids[start:stop],
             num_prompt_tokens=fr.num_prompt_tokens,
             publication=publication,
+            sample=record_sample,
         )
         self._pending.append(save)
         self._held.add(fr.req_id)

@@ -303,6 +303,7 @@ class CaptureWorker:
             adapter=self.adapter.name,
             start=save.start,
             num_prompt_tokens=save.num_prompt_tokens,
+            sample=save.sample,
         )
         return CaptureRecord(meta, rows)
 

@@ -14,12 +14,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from ..errors import CaptureConfigError
+from ..errors import CaptureConfigError, RecordFormatError
+from .records import (
+    MAX_LOSS_MASK_SPANS,
+    MAX_SAMPLE_ID_CHARS,
+    MAX_SOURCE_CHARS,
+    RecordSample,
+    canonical_metadata,
+)
 
 CaptureMode = Literal["prompt", "all", "output"]
 MODES: Final[tuple[CaptureMode, ...]] = ("prompt", "all", "output")
 #: Key of a request's own ``kv_transfer_params`` entry that overrides the capture settings.
 REQUEST_KEY: Final = "hs_capture"
+#: Key, inside a request's ``hs_capture`` entry, of what the record is made for (see :class:`RequestSample`).
+SAMPLE_KEY: Final = "sample"
+#: Keys of a ``sample`` entry.
+SAMPLE_FIELDS: Final = ("id", "source", "loss_mask_spans", "metadata")
 #: Key of the returned ``kv_transfer_params`` entry saying what became of the request's record (a different key,
 #: so params fed back into a new request are not mistaken for settings).
 RESULT_KEY: Final = "hs_record"
@@ -127,6 +138,163 @@ class CaptureSpec:
         return lo, hi
 
 
+@dataclass(frozen=True)
+class RequestSample:
+    """What a request's record is made for, from its ``kv_transfer_params``::
+
+        {"hs_capture": {"sample": {"id": "row-17", "source": "chat.jsonl:17",
+                                   "loss_mask_spans": [[12, 40], [55, null]], "metadata": {"lang": "de"}}}}
+
+    Every key is optional.  ``loss_mask_spans``: ``[start, stop)`` ranges of positions of the request's token
+    sequence (prompt then generated tokens, position 0 = the first prompt token; the numbering of
+    ``RecordMeta.start``), sorted and not overlapping; the last span's stop may be null = through the record's
+    last position (the generated part of an on-policy request).  The record keeps the spans' intersection with its
+    own rows (a window or ``capture: "prompt"`` narrows it); absent or null = no mask, ``[]`` = nothing trained.
+    Bounded (a client sets it): id <= 512 characters, source <= 1024, <= 1024 spans, metadata <= 4 KiB of compact
+    JSON."""
+
+    sample_id: str = ""
+    source: str = ""
+    spans: tuple[tuple[int, int | None], ...] | None = None
+    metadata_json: str = "{}"
+
+    @classmethod
+    def parse(cls, raw: object, *, what: str) -> RequestSample:
+        """A ``sample`` entry, validated; :class:`CaptureConfigError` naming ``what`` and the bad field."""
+        if not isinstance(raw, Mapping):
+            raise CaptureConfigError(f"{what} must be a map of {list(SAMPLE_FIELDS)}, found {type(raw).__name__}")
+        extra = sorted(str(k)[:40] for k in raw if k not in SAMPLE_FIELDS)
+        if extra:
+            raise CaptureConfigError(f"{what} has unknown keys {extra[:8]}; expected any of {list(SAMPLE_FIELDS)}")
+        sample_id = _bounded_str(raw.get("id", ""), f"{what}.id", MAX_SAMPLE_ID_CHARS)
+        source = _bounded_str(raw.get("source", ""), f"{what}.source", MAX_SOURCE_CHARS)
+        try:
+            metadata_json = canonical_metadata(raw.get("metadata"), f"{what}.metadata")
+        except RecordFormatError as e:
+            raise CaptureConfigError(str(e)) from None
+        spans = _request_spans(raw.get("loss_mask_spans"), f"{what}.loss_mask_spans")
+        return cls(sample_id, source, spans, metadata_json)
+
+    def for_record(self, start: int, stop: int, seq_len: int, *, what: str) -> RecordSample:
+        """The record's sample fields for rows ``[start, stop)`` of a request of ``seq_len`` tokens: the spans
+        clipped to the rows (a null stop is ``stop``).  A span that runs past the request's sequence is refused
+        (:class:`CaptureConfigError`): the client numbered it against something else."""
+        clipped: tuple[tuple[int, int], ...] | None = None
+        if self.spans is not None:
+            out: list[tuple[int, int]] = []
+            for i, (a, b) in enumerate(self.spans):
+                end = stop if b is None else b
+                if end > seq_len or (b is None and a > seq_len):
+                    raise CaptureConfigError(
+                        f"{what}.loss_mask_spans[{i}] = [{a}, {b}] runs past the request's {seq_len} tokens "
+                        "(positions are numbered over prompt then generated tokens, from 0)"
+                    )
+                lo, hi = max(a, start), min(end, stop)
+                if lo < hi:
+                    out.append((lo, hi))
+            clipped = tuple(out)
+        return RecordSample(self.sample_id, self.source, clipped, self.metadata_json)
+
+
+def _bounded_str(value: object, what: str, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise CaptureConfigError(f"{what} must be a string, found {type(value).__name__}")
+    if len(value) > max_chars:
+        raise CaptureConfigError(f"{what} has {len(value)} characters, at most {max_chars} allowed")
+    return value
+
+
+def _request_spans(raw: object, what: str) -> tuple[tuple[int, int | None], ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list | tuple):
+        raise CaptureConfigError(f"{what} must be a list of [start, stop] pairs, found {type(raw).__name__}")
+    if len(raw) > MAX_LOSS_MASK_SPANS:
+        raise CaptureConfigError(f"{what} has {len(raw)} spans, at most {MAX_LOSS_MASK_SPANS} allowed")
+    out: list[tuple[int, int | None]] = []
+    prev: int | None = 0
+    for i, span in enumerate(raw):
+        if not isinstance(span, list | tuple) or len(span) != 2:
+            raise CaptureConfigError(f"{what}[{i}] must be a [start, stop] pair, found {span!r:.60}")
+        a, b = span
+        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+            raise CaptureConfigError(f"{what}[{i}][0] (start) must be an int >= 0, found {a!r:.40}")
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int)):
+            raise CaptureConfigError(f"{what}[{i}][1] (stop) must be an int or null, found {b!r:.40}")
+        if prev is None or a < prev:
+            raise CaptureConfigError(
+                f"{what}[{i}] = [{a}, {b}] overlaps or precedes the span before it; spans must be sorted and not "
+                "overlap, and only the last one may have a null stop"
+            )
+        if b is not None and b <= a:
+            raise CaptureConfigError(f"{what}[{i}] = [{a}, {b}] is empty or reversed; a span is [start, stop)")
+        out.append((a, b))
+        prev = b
+    return tuple(out)
+
+
+def mask_spans(mask: Sequence[int | bool], start: int = 0) -> list[list[int]]:
+    """The sorted ``[start, stop)`` spans of the 1s of a per-position 0/1 ``mask`` whose entry 0 is position
+    ``start`` (the inverse of :meth:`RecordMeta.loss_mask <vllm_hs_compat.core.records.RecordMeta.loss_mask>`)."""
+    spans: list[list[int]] = []
+    run: int | None = None
+    for i, v in enumerate(mask):
+        if v not in (0, 1):
+            raise CaptureConfigError(f"a loss mask holds 0/1 values only, found {v!r} at index {i}")
+        if v and run is None:
+            run = i
+        elif not v and run is not None:
+            spans.append([start + run, start + i])
+            run = None
+    if run is not None:
+        spans.append([start + run, start + len(mask)])
+    return spans
+
+
+def sample_entry(
+    *,
+    sample_id: str = "",
+    source: str = "",
+    loss_mask: Sequence[int | bool] | None = None,
+    generated: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A request's ``hs_capture["sample"]`` entry (see :class:`RequestSample`), validated as the connector will.
+
+    ``loss_mask``: per prompt position 0/1 (position 0 = the first prompt token; None = no mask unless
+    ``generated``).  ``generated``: the generated part is trained too (a last span ``[len(loss_mask), null)``;
+    ``loss_mask`` is then required, all zeros for "the generated part only").  Use it as
+    ``{"kv_transfer_params": {"hs_capture": {"capture": "all", "sample": sample_entry(...)}}}``."""
+    entry: dict[str, Any] = {"id": sample_id, "source": source}
+    if generated and loss_mask is None:
+        raise CaptureConfigError(
+            "sample_entry(generated=True) needs the prompt's loss_mask (all zeros: prompt untrained)"
+        )
+    if loss_mask is not None:
+        spans: list[list[int | None]] = [list(s) for s in mask_spans(loss_mask)]
+        if generated:
+            n = len(loss_mask)
+            if spans and spans[-1][1] == n:
+                spans[-1][1] = None  # the prompt's last span runs on into the generated part
+            else:
+                spans.append([n, None])
+        entry["loss_mask_spans"] = spans
+    if metadata is not None:
+        entry["metadata"] = dict(metadata)
+    RequestSample.parse(entry, what="sample_entry()")
+    return entry
+
+
+def parse_request(raw: object, *, base: CaptureSpec, what: str) -> tuple[CaptureSpec, RequestSample | None]:
+    """A request's ``hs_capture`` entry: its capture settings over ``base`` and its ``sample`` entry (None when
+    absent).  Raises :class:`CaptureConfigError` naming the bad key."""
+    if not isinstance(raw, Mapping):
+        raise CaptureConfigError(f"{what} must be a map, found {type(raw).__name__}")
+    sample = RequestSample.parse(raw[SAMPLE_KEY], what=f"{what}.{SAMPLE_KEY}") if SAMPLE_KEY in raw else None
+    settings = {k: v for k, v in raw.items() if k != SAMPLE_KEY}
+    return CaptureSpec.parse(settings, base=base, what=what), sample
+
+
 # --- neutral views of vLLM's objects (filled by the adapters) --------------------------------------------------
 @dataclass(frozen=True)
 class ScheduledNew:
@@ -198,6 +366,8 @@ class SaveRequest:
     publication: str | None = None
     """The publication nonce the record's ticket capability is bound to (drawn by the scheduler half with the
     ticket, kept by the export producer with the record); None for sinks without tickets."""
+    sample: RecordSample | None = None
+    """What the record is made for (the request's ``hs_capture.sample``, spans clipped to ``[start, stop)``)."""
 
     @property
     def num_tokens(self) -> int:

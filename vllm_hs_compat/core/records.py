@@ -2,7 +2,8 @@
 
 A record is the hidden states one finished request produced: a tensor ``[tokens, planes, hidden]`` whose
 planes are stored in ascending layer-id order, plus the metadata a trainer needs to use it without trusting
-anything else (layer ids, pre-norm flag, dtype, shape, token ids, checksum, provenance).
+anything else (layer ids, pre-norm flag, dtype, shape, token ids, checksum, provenance), and what it was made for
+(schema 2: the sample id, its source, the loss-mask spans and free user metadata, see :class:`RecordMeta`).
 
 Pure: imports torch, xxhash and the standard library only, never vLLM.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import array
 import ctypes
 import dataclasses
+import json
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +30,10 @@ import torch
 
 from ..errors import ChecksumMismatchError, RecordFormatError
 
-SCHEMA_VERSION: Final = 1
+#: The schema writers write.  2 added the sample fields (``sample_id``, ``source``, ``loss_mask_spans``,
+#: ``metadata``); readers accept every version in :data:`SCHEMA_VERSIONS`.
+SCHEMA_VERSION: Final = 2
+SCHEMA_VERSIONS: Final = (1, 2)
 CHECKSUM_ALGORITHMS: Final = ("xxh3_64", "crc32")
 DEFAULT_CHECKSUM: Final = "xxh3_64"
 _MAX_CHECKSUM: Final = (1 << 64) - 1
@@ -38,6 +43,15 @@ _MAX_PLANES: Final = 4096
 _MAX_HIDDEN: Final = 1 << 20
 _MAX_LAYER_ID: Final = 1 << 20
 _MAX_VOCAB_ID: Final = (1 << 32) - 1
+#: Bounds of the sample fields (a client sets them per request: they travel in every descriptor and manifest).
+MAX_SAMPLE_ID_CHARS: Final = 512
+MAX_SOURCE_CHARS: Final = 1024
+MAX_LOSS_MASK_SPANS: Final = 1024
+#: Bytes of the canonical JSON of ``metadata`` (ASCII: ``ensure_ascii``, so characters = bytes).
+MAX_METADATA_BYTES: Final = 4096
+#: ``metadata_json`` of a record without metadata (the canonical JSON of an empty object).
+EMPTY_METADATA: Final = "{}"
+_METADATA_DEPTH: Final = 16
 
 #: dtype name on the wire -> torch dtype.  Names are ``str(torch.dtype)`` without the ``torch.`` prefix.
 DTYPES: Final[Mapping[str, torch.dtype]] = {
@@ -249,9 +263,177 @@ def _int_seq(value: Any, what: str, lo: int, hi: int, max_len: int) -> tuple[int
     return _check_ints(value, what, lo, hi)
 
 
+class _Budget:
+    """A lower bound of the compact JSON's size, kept while walking a client's metadata: the walk stops as soon as
+    the bound passes :data:`MAX_METADATA_BYTES` (so a huge object costs O(limit), not O(its size))."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def spend(self, n: int, what: str) -> None:
+        self.used += n
+        if self.used > MAX_METADATA_BYTES:
+            raise RecordFormatError(
+                f"{what} is more than {MAX_METADATA_BYTES} bytes as compact JSON, at most {MAX_METADATA_BYTES} "
+                "allowed; keep large data in your dataset and join it by sample_id"
+            )
+
+
+def _json_value(value: Any, what: str, depth: int, budget: _Budget) -> None:
+    """Refuse what JSON cannot carry exactly (non-str keys, NaN/inf, tuples/sets/bytes/objects, deep nesting)."""
+    if depth > _METADATA_DEPTH:
+        raise RecordFormatError(f"{what} nests deeper than {_METADATA_DEPTH} levels")
+    if isinstance(value, str):
+        budget.spend(len(value) + 2, "metadata")
+        return
+    budget.spend(1, "metadata")
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise RecordFormatError(f"{what} = {value!r}: JSON has no NaN or infinity")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _json_value(v, f"{what}[{i}]", depth + 1, budget)
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise RecordFormatError(f"{what} has key {k!r:.60} of type {type(k).__name__}; JSON keys are strings")
+            budget.spend(len(k) + 3, "metadata")
+            _json_value(v, f"{what}[{k!r}]", depth + 1, budget)
+        return
+    raise RecordFormatError(
+        f"{what} holds a {type(value).__name__} ({value!r:.60}); metadata takes JSON values only (null, bool, int, "
+        "float, str, list, object with str keys)"
+    )
+
+
+def canonical_metadata(metadata: Any, what: str = "metadata") -> str:
+    """The canonical JSON (sorted keys, compact, ASCII) of a record's free user ``metadata``: a JSON object of at
+    most :data:`MAX_METADATA_BYTES` bytes.  ``None`` is no metadata (``"{}"``).  Raises
+    :class:`RecordFormatError` naming what cannot be carried."""
+    if metadata is None:
+        return EMPTY_METADATA
+    if not isinstance(metadata, Mapping):
+        raise RecordFormatError(
+            f"{what} must be a JSON object (a mapping with str keys), found {type(metadata).__name__}"
+        )
+    _json_value(metadata, what, 0, _Budget())
+    text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    if len(text) > MAX_METADATA_BYTES:
+        raise RecordFormatError(
+            f"{what} is {len(text)} bytes as compact JSON, at most {MAX_METADATA_BYTES} allowed; keep large data "
+            "in your dataset and join it by sample_id"
+        )
+    return text
+
+
+def check_spans(spans: Any, what: str, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+    """``spans`` as a tuple of ``(start, stop)`` pairs, each non-empty (``start < stop``), sorted, not
+    overlapping (adjacent is fine) and inside ``[lo, hi]``; at most :data:`MAX_LOSS_MASK_SPANS`.  Raises
+    :class:`RecordFormatError` naming the first bad span."""
+    if not isinstance(spans, list | tuple):
+        raise RecordFormatError(f"{what} must be a list of [start, stop] pairs, found {type(spans).__name__}")
+    if len(spans) > MAX_LOSS_MASK_SPANS:
+        raise RecordFormatError(f"{what} has {len(spans)} spans, at most {MAX_LOSS_MASK_SPANS} allowed")
+    out: list[tuple[int, int]] = []
+    prev = lo
+    for i, span in enumerate(spans):
+        if not isinstance(span, list | tuple) or len(span) != 2:
+            raise RecordFormatError(f"{what}[{i}] must be a [start, stop] pair, found {span!r:.60}")
+        a = _int(span[0], f"{what}[{i}][0] (start)", 0, _MAX_TOKENS)
+        b = _int(span[1], f"{what}[{i}][1] (stop)", 0, _MAX_TOKENS)
+        if a >= b:
+            raise RecordFormatError(
+                f"{what}[{i}] = [{a}, {b}] is empty or reversed; a span is [start, stop), start < stop"
+            )
+        if a < prev:
+            where = f"before position {lo}" if prev == lo else f"overlaps or precedes the span ending at {prev}"
+            raise RecordFormatError(f"{what}[{i}] = [{a}, {b}] {where}; spans must be sorted and not overlap")
+        if b > hi:
+            raise RecordFormatError(f"{what}[{i}] = [{a}, {b}] runs past position {hi}")
+        out.append((a, b))
+        prev = b
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecordSample:
+    """What a record was made for (the sample fields of :class:`RecordMeta`, as one value)."""
+
+    sample_id: str = ""
+    source: str = ""
+    loss_mask_spans: tuple[tuple[int, int], ...] | None = None
+    metadata_json: str = EMPTY_METADATA
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The metadata (a fresh dict from the canonical JSON)."""
+        out: dict[str, Any] = json.loads(self.metadata_json)
+        return out
+
+    @property
+    def empty(self) -> bool:
+        return self == _NO_SAMPLE
+
+
+_NO_SAMPLE: Final = RecordSample()
+
+
+def check_sample(sample: RecordSample, *, start: int, tokens: int, schema_version: int, what: str) -> RecordSample:
+    """``sample`` validated for a record of rows ``[start, start + tokens)`` (spans as tuples); raises
+    :class:`RecordFormatError` naming record ``what`` and the bad field.  A schema-1 record carries none."""
+    if schema_version < 2:
+        if sample != _NO_SAMPLE:
+            raise RecordFormatError(
+                f"record {what!r} is schema {schema_version} but carries sample fields (schema 2: sample_id, source, "
+                "loss_mask_spans, metadata); write it as schema 2"
+            )
+        return sample
+    _str(sample.sample_id, "sample_id", MAX_SAMPLE_ID_CHARS, allow_empty=True)
+    _str(sample.source, "source", MAX_SOURCE_CHARS, allow_empty=True)
+    spans = sample.loss_mask_spans
+    if spans is not None:
+        spans = check_spans(spans, f"record {what!r}: loss_mask_spans", start, start + tokens)
+    text = sample.metadata_json
+    if not isinstance(text, str):
+        raise RecordFormatError(f"record {what!r}: metadata_json must be a str, found {type(text).__name__}")
+    if len(text) > MAX_METADATA_BYTES or text[:1] != "{":
+        raise RecordFormatError(
+            f"record {what!r}: metadata_json must be a JSON object of at most {MAX_METADATA_BYTES} bytes, found "
+            f"{len(text)} characters starting {text[:20]!r}"
+        )
+    if text != EMPTY_METADATA:
+        try:
+            parsed = json.loads(text)
+        except ValueError as e:
+            raise RecordFormatError(f"record {what!r}: metadata_json is not JSON ({e})") from None
+        if canonical_metadata(parsed, f"record {what!r}: metadata") != text:
+            raise RecordFormatError(
+                f"record {what!r}: metadata_json is not in canonical form (sorted keys, compact, ASCII); build it "
+                "with canonical_metadata()"
+            )
+    if spans is sample.loss_mask_spans:
+        return sample
+    return RecordSample(sample.sample_id, sample.source, spans, text)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RecordMeta:
-    """Metadata of one record.  ``shape`` is ``(tokens, planes, hidden)``; ``layer_ids[i]`` is plane ``i``."""
+    """Metadata of one record.  ``shape`` is ``(tokens, planes, hidden)``; ``layer_ids[i]`` is plane ``i``.
+
+    Sample fields (schema 2; a schema-1 record has their defaults): ``sample_id`` and ``source`` say which
+    dataset row the record was made for (``""``: not given); ``loss_mask_spans`` are the ``[start, stop)``
+    position ranges whose rows are trained, numbered like ``start`` (positions of the request's sequence) and
+    lying within the record's own rows ``[start, start + tokens)`` (``None``: no mask was given; ``()``: no row is
+    trained); ``metadata_json`` is the free user metadata as canonical JSON (sorted keys, compact, ASCII, at most
+    :data:`MAX_METADATA_BYTES` bytes; ``"{}"`` when none), read as a dict through :attr:`metadata`.  Stored as a
+    string so the frozen metadata stays hashable and cannot be changed behind the checksum's back; ``to_dict``
+    writes it as the JSON object ``metadata``."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -267,6 +449,15 @@ class RecordMeta:
     """Position of row 0 in the request's sequence (rows are positions ``start .. start + tokens``)."""
     num_prompt_tokens: int = 0
     """Prompt length of the request (positions at or past it are generated tokens); 0 when unknown."""
+    sample_id: str = ""
+    """The dataset sample the record was made for (``""``: not given)."""
+    source: str = ""
+    """Where the sample came from, e.g. ``file:row`` (``""``: not given)."""
+    loss_mask_spans: tuple[tuple[int, int], ...] | None = None
+    """Trained positions: sorted, non-overlapping ``[start, stop)`` ranges inside ``[start, start + tokens)``;
+    ``None`` = no mask was given, ``()`` = no row is trained.  See :meth:`loss_mask`."""
+    metadata_json: str = EMPTY_METADATA
+    """Free user metadata, canonical JSON of an object (see :func:`canonical_metadata`); :attr:`metadata` reads it."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -285,14 +476,45 @@ class RecordMeta:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The free user metadata (a fresh dict parsed from :attr:`metadata_json`)."""
+        out: dict[str, Any] = json.loads(self.metadata_json)
+        return out
+
+    @property
+    def sample(self) -> RecordSample:
+        """The sample fields as one value."""
+        return RecordSample(self.sample_id, self.source, self.loss_mask_spans, self.metadata_json)
+
+    def loss_mask(self) -> torch.Tensor | None:
+        """The record's per-row loss mask from :attr:`loss_mask_spans`: a ``[tokens]`` int64 tensor of 0/1
+        (row ``i`` is position ``start + i``), or ``None`` when the record carries no mask."""
+        if self.loss_mask_spans is None:
+            return None
+        mask = torch.zeros(self.shape[0], dtype=torch.int64)
+        for a, b in self.loss_mask_spans:
+            mask[a - self.start : b - self.start] = 1
+        return mask
+
+    def with_sample(self, sample: RecordSample) -> RecordMeta:
+        """A copy carrying ``sample``'s fields (validated)."""
+        return dataclasses.replace(
+            self,
+            sample_id=sample.sample_id,
+            source=sample.source,
+            loss_mask_spans=sample.loss_mask_spans,
+            metadata_json=sample.metadata_json,
+        )
+
     # --- validation ----------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise :class:`RecordFormatError` naming the first inconsistency."""
         _str(self.request_id, "request_id")
-        if self.schema_version != SCHEMA_VERSION:
+        if self.schema_version not in SCHEMA_VERSIONS:
             raise RecordFormatError(
                 f"record schema version {self.schema_version} is not supported (this build reads "
-                f"{SCHEMA_VERSION}); upgrade vllm-hs-compat on the side that reads it"
+                f"{list(SCHEMA_VERSIONS)}); upgrade vllm-hs-compat on the side that reads it"
             )
         torch_dtype(self.dtype)
         if not isinstance(self.pre_norm, bool):
@@ -329,6 +551,24 @@ class RecordMeta:
         _str(self.adapter, "adapter", 128, allow_empty=True)
         _int(self.start, "start", 0, _MAX_TOKENS)
         _int(self.num_prompt_tokens, "num_prompt_tokens", 0, _MAX_TOKENS)
+        self._validate_sample(tokens)
+
+    def _validate_sample(self, tokens: int) -> None:
+        if (  # the common record (no spans, no metadata): no RecordSample built (this runs per record)
+            self.loss_mask_spans is None
+            and self.metadata_json == EMPTY_METADATA
+            and (self.schema_version >= 2 or not (self.sample_id or self.source))
+            and isinstance(self.sample_id, str)
+            and isinstance(self.source, str)
+            and len(self.sample_id) <= MAX_SAMPLE_ID_CHARS
+            and len(self.source) <= MAX_SOURCE_CHARS
+        ):
+            return
+        checked = check_sample(
+            self.sample, start=self.start, tokens=tokens, schema_version=self.schema_version, what=self.request_id
+        )
+        if checked.loss_mask_spans != self.loss_mask_spans:  # lists instead of tuples: keep the value hashable
+            object.__setattr__(self, "loss_mask_spans", checked.loss_mask_spans)
 
     def with_checksum(self, checksum: int, algorithm: str | None = None) -> RecordMeta:
         """A copy carrying ``checksum`` (only the changed fields are re-validated: this runs per record)."""
@@ -345,8 +585,9 @@ class RecordMeta:
 
     # --- wire ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of str/int/bool/list values, safe for JSON and msgpack."""
-        return {
+        """Plain dict of str/int/bool/list values (and, schema 2, the ``metadata`` object), safe for JSON and
+        msgpack."""
+        d = {
             "schema_version": self.schema_version,
             "request_id": self.request_id,
             "token_ids": list(self.token_ids),
@@ -361,17 +602,36 @@ class RecordMeta:
             "start": self.start,
             "num_prompt_tokens": self.num_prompt_tokens,
         }
+        if self.schema_version >= 2:
+            d["sample_id"] = self.sample_id
+            d["source"] = self.source
+            spans = self.loss_mask_spans
+            d["loss_mask_spans"] = None if spans is None else [[a, b] for a, b in spans]
+            d["metadata"] = self.metadata
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> RecordMeta:
-        """Strictly validated inverse of :meth:`to_dict`; unknown fields are refused."""
+        """Strictly validated inverse of :meth:`to_dict`; unknown fields are refused (a schema-1 dict has no sample
+        fields; a schema-2 dict must have all four)."""
         if not isinstance(d, Mapping):
             raise RecordFormatError(f"record metadata must be a mapping, found {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        version = _int(_field(d, "schema_version"), "schema_version", 0, 1 << 16)
+        known = _DICT_FIELDS_V1 | (_SAMPLE_DICT_FIELDS if version >= 2 else frozenset())
         extra = set(d) - known
         if extra:
             raise RecordFormatError(
-                f"record metadata has unknown fields {sorted(map(str, extra))}; expected only {sorted(known)}"
+                f"record metadata (schema {version}) has unknown fields {sorted(map(str, extra))}; expected only "
+                f"{sorted(known)}"
+            )
+        sample = _NO_SAMPLE
+        if version >= 2:
+            spans = _field(d, "loss_mask_spans")
+            sample = RecordSample(
+                sample_id=_str(_field(d, "sample_id"), "sample_id", MAX_SAMPLE_ID_CHARS, allow_empty=True),
+                source=_str(_field(d, "source"), "source", MAX_SOURCE_CHARS, allow_empty=True),
+                loss_mask_spans=None if spans is None else check_spans(spans, "loss_mask_spans", 0, _MAX_TOKENS),
+                metadata_json=canonical_metadata(_field(d, "metadata")),
             )
         shape = _int_seq(_field(d, "shape"), "shape", 0, 1 << 40, 3)
         if len(shape) != 3:
@@ -390,7 +650,11 @@ class RecordMeta:
             adapter=_str(d.get("adapter", ""), "adapter", 128, allow_empty=True),
             start=_int(d.get("start", 0), "start", 0, _MAX_TOKENS),
             num_prompt_tokens=_int(d.get("num_prompt_tokens", 0), "num_prompt_tokens", 0, _MAX_TOKENS),
-            schema_version=_int(_field(d, "schema_version"), "schema_version", 0, 1 << 16),
+            sample_id=sample.sample_id,
+            source=sample.source,
+            loss_mask_spans=sample.loss_mask_spans,
+            metadata_json=sample.metadata_json,
+            schema_version=version,
         )
 
     @classmethod
@@ -406,9 +670,11 @@ class RecordMeta:
         checksum_algorithm: str = DEFAULT_CHECKSUM,
         start: int = 0,
         num_prompt_tokens: int = 0,
+        sample: RecordSample | None = None,
     ) -> RecordMeta:
         """Metadata describing ``rows`` (``[tokens, planes, hidden]``); the checksum is left for the
-        producer."""
+        producer.  ``sample``: what the record was made for (its spans must lie within the record's rows)."""
+        sample = sample or _NO_SAMPLE
         if rows.dim() != 3:
             raise RecordFormatError(
                 f"record {request_id!r}: rows must be [tokens, planes, hidden], found shape {tuple(rows.shape)}"
@@ -425,7 +691,19 @@ class RecordMeta:
             adapter=adapter,
             start=start,
             num_prompt_tokens=num_prompt_tokens,
+            sample_id=sample.sample_id,
+            source=sample.source,
+            loss_mask_spans=sample.loss_mask_spans,
+            metadata_json=sample.metadata_json,
         )
+
+
+_SAMPLE_DICT_FIELDS: Final = frozenset({"sample_id", "source", "loss_mask_spans", "metadata"})
+_DICT_FIELDS_V1: Final = frozenset(
+    f.name
+    for f in dataclasses.fields(RecordMeta)
+    if f.name not in {"sample_id", "source", "loss_mask_spans", "metadata_json"}
+)
 
 
 @dataclasses.dataclass(slots=True)

@@ -26,10 +26,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from vllm_hs_compat.core.records import SCHEMA_VERSION, CaptureRecord, RecordMeta, torch_dtype
+from vllm_hs_compat.core.records import SCHEMA_VERSION, CaptureRecord, RecordMeta, RecordSample, torch_dtype
 from vllm_hs_compat.errors import RecordFormatError
 
 __all__ = ["BatchSchema", "RecordBatch"]
+
+_NONE = RecordSample()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,7 +62,9 @@ class RecordBatch(Sequence[CaptureRecord]):
     * ``token_ids``: ``[total_tokens]`` int64, the token id of every row;
     * ``cu_tokens``: ``[len + 1]`` int64 cumulative row counts (the ``cu_seqlens`` of varlen attention);
     * ``start``, ``num_prompt_tokens``: ``[len]`` int64, per record (see :class:`RecordMeta`);
-    * ``record_ids`` and ``checksums``: per record.
+    * ``record_ids`` and ``checksums``: per record;
+    * ``samples``: per record, what it was made for (:class:`RecordSample`: sample id, source, loss-mask spans,
+      metadata), or ``None`` when no record of the batch carries any (:meth:`sample` answers either way).
 
     Indexing or iterating gives :class:`CaptureRecord` views (their metadata is built and validated on access:
     the convenient path, not the fast one).  With ``copy=False`` the tensors view the consumer's landing buffer
@@ -72,6 +76,7 @@ class RecordBatch(Sequence[CaptureRecord]):
         "hidden_states",
         "num_prompt_tokens",
         "record_ids",
+        "samples",
         "schema",
         "start",
         "token_ids",
@@ -87,6 +92,7 @@ class RecordBatch(Sequence[CaptureRecord]):
         start: torch.Tensor,
         num_prompt_tokens: torch.Tensor,
         checksums: tuple[int, ...],
+        samples: tuple[RecordSample, ...] | None = None,
     ) -> None:
         n = len(record_ids)
         rows = int(cu_tokens[-1]) if cu_tokens.numel() else -1
@@ -97,6 +103,7 @@ class RecordBatch(Sequence[CaptureRecord]):
             or start.shape != (n,)
             or num_prompt_tokens.shape != (n,)
             or len(checksums) != n
+            or (samples is not None and len(samples) != n)
         ):
             raise RecordFormatError(
                 f"record batch of {n} records is inconsistent: cu_tokens {tuple(cu_tokens.shape)}, hidden states "
@@ -111,6 +118,11 @@ class RecordBatch(Sequence[CaptureRecord]):
         self.start = start
         self.num_prompt_tokens = num_prompt_tokens
         self.checksums = checksums
+        self.samples = samples
+
+    def sample(self, i: int) -> RecordSample:
+        """Record ``i``'s sample fields (the defaults when the batch carries none)."""
+        return _NONE if self.samples is None else self.samples[i]
 
     def __len__(self) -> int:
         return len(self.record_ids)
@@ -133,6 +145,7 @@ class RecordBatch(Sequence[CaptureRecord]):
         """Record ``i``'s full metadata (validated)."""
         s = self.schema
         a, b = int(self.cu_tokens[i]), int(self.cu_tokens[i + 1])
+        sample = self.sample(i)
         return RecordMeta(
             request_id=self.record_ids[i],
             token_ids=tuple(self.token_ids[a:b].tolist()),
@@ -146,6 +159,10 @@ class RecordBatch(Sequence[CaptureRecord]):
             adapter=s.adapter,
             start=int(self.start[i]),
             num_prompt_tokens=int(self.num_prompt_tokens[i]),
+            sample_id=sample.sample_id,
+            source=sample.source,
+            loss_mask_spans=sample.loss_mask_spans,
+            metadata_json=sample.metadata_json,
             schema_version=s.schema_version,
         )
 
@@ -171,9 +188,11 @@ class RecordBatch(Sequence[CaptureRecord]):
         start = self.start.tolist()
         prompt = self.num_prompt_tokens.tolist()
         hs = self.hidden_states
+        samples = self.samples or (_NONE,) * len(self.record_ids)
         out: list[CaptureRecord] = []
         for k, rid in enumerate(self.record_ids):
             lo, hi = cu[k], cu[k + 1]
+            sample = samples[k]
             meta = RecordMeta(
                 request_id=rid,
                 token_ids=tuple(ids[lo:hi]),
@@ -187,6 +206,10 @@ class RecordBatch(Sequence[CaptureRecord]):
                 adapter=s.adapter,
                 start=start[k],
                 num_prompt_tokens=prompt[k],
+                sample_id=sample.sample_id,
+                source=sample.source,
+                loss_mask_spans=sample.loss_mask_spans,
+                metadata_json=sample.metadata_json,
                 schema_version=s.schema_version,
             )
             out.append(CaptureRecord(meta, hs[lo:hi]))

@@ -52,11 +52,12 @@ import torch
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import (
     CHECKSUM_ALGORITHMS,
-    SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
     CaptureRecord,
     ChecksumState,
     RecordMeta,
     byte_view,
+    check_sample,
     checksum_bytes,
     checksum_function,
     dtype_itemsize,
@@ -160,6 +161,10 @@ class Claim:
         if len(m.layer_ids) != m.shape[1] or any(a >= b for a, b in zip(m.layer_ids, m.layer_ids[1:], strict=False)):
             raise E.RecordFormatError(
                 f"record {d.record_id!r}: layer ids {list(m.layer_ids)[:8]}... are not {m.shape[1]} ascending ids"
+            )
+        if not m.plain or (m.schema_version < 2 and (m.sample_id or m.source)):
+            check_sample(
+                m.sample(), start=m.start, tokens=m.shape[0], schema_version=m.schema_version, what=d.record_id
             )
         return cls(
             record_id=d.record_id,
@@ -1541,9 +1546,10 @@ class ExportConsumer:
                 f"unknown checksum algorithm {m.checksum_algorithm!r}; expected one of {CHECKSUM_ALGORITHMS} "
                 "(producer and consumer run different vllm-hs-compat releases?)"
             )
-        if m.schema_version != SCHEMA_VERSION:
+        if m.schema_version not in SCHEMA_VERSIONS:
             raise E.RecordFormatError(
-                f"record schema version {m.schema_version} is not supported (this build reads {SCHEMA_VERSION}); "
+                f"record schema version {m.schema_version} is not supported (this build reads "
+                f"{list(SCHEMA_VERSIONS)}); "
                 "upgrade vllm-hs-compat on the side that reads it"
             )
         if len(m.layer_ids) != m.shape[1] or any(a >= b for a, b in zip(m.layer_ids, m.layer_ids[1:], strict=False)):
@@ -1590,7 +1596,7 @@ class ExportConsumer:
             m, nb = d.meta, d.nbytes
             t = m.shape[0]
             ids_at = (nb + 7) // 8 * 8
-            if (
+            fits = (
                 d.producer == producer
                 and m.request_id == d.record_id
                 and (all_hex or is_nonce(d.nonce))
@@ -1598,12 +1604,16 @@ class ExportConsumer:
                 and d.ids_offset == ids_at
                 and d.extent == ids_at + 4 * t
                 and d.offset + d.extent <= pool
-            ):
+            )
+            if fits and m.plain and (m.schema_version >= 2 or not (m.sample_id or m.source)):
                 good.append(d)
                 continue
-            try:  # name what is wrong: the per-record checks of fetch()
+            try:  # name what is wrong: the per-record checks of fetch() (the sample fields' among them)
                 c = Claim.from_desc(d)
                 self._check(c)
+                if fits:  # only its sample fields needed checking against the record, and they passed
+                    good.append(d)
+                    continue
                 raise E.RecordFormatError(f"record {d.record_id!r}: descriptor disagrees with its batch schema")
             except E.StaleMetadataError as e:
                 errors.append(e)  # a lease of another producer instance: nothing to give back
@@ -1773,6 +1783,9 @@ class ExportConsumer:
             torch.tensor([d.meta.start for d in keep], dtype=torch.int64),
             torch.tensor([d.meta.num_prompt_tokens for d in keep], dtype=torch.int64),
             tuple(d.meta.checksum for d in keep),
+            samples=None
+            if all(d.meta.plain and not (d.meta.sample_id or d.meta.source) for d in keep)
+            else tuple(d.meta.sample() for d in keep),
         )
         self.counters["records"] += len(keep)
         self.counters["bytes"] += sum(d.nbytes for d in keep)

@@ -27,7 +27,15 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from vllm_hs_compat.core.records import RecordMeta
+from vllm_hs_compat.core.records import (
+    EMPTY_METADATA,
+    MAX_LOSS_MASK_SPANS,
+    MAX_METADATA_BYTES,
+    MAX_SAMPLE_ID_CHARS,
+    MAX_SOURCE_CHARS,
+    RecordMeta,
+    RecordSample,
+)
 from vllm_hs_compat.errors import (
     ExportConfigError,
     ProtocolError,
@@ -195,8 +203,15 @@ TransportInfo = ShmInfo | NixlInfo
 
 
 # --- record descriptors -----------------------------------------------------------------------------------------
-class MetaWire(msgspec.Struct, forbid_unknown_fields=True):
-    """:class:`RecordMeta` without the token ids (those travel in the pool, after the hidden states)."""
+Position = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
+
+
+class MetaWire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """:class:`RecordMeta` without the token ids (those travel in the pool, after the hidden states).
+
+    Fields at their defaults are left out of the encoding (a record without sample fields costs no bytes for
+    them; a reader of an older release then refuses it by its schema version, 2, with the fix).  The sample fields'
+    bounds are the record's; their order and ranges are checked against the record when it is read."""
 
     schema_version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
     request_id: RecordId
@@ -214,6 +229,22 @@ class MetaWire(msgspec.Struct, forbid_unknown_fields=True):
     adapter: Annotated[str, msgspec.Meta(max_length=128)] = ""
     start: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
     num_prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    sample_id: Annotated[str, msgspec.Meta(max_length=MAX_SAMPLE_ID_CHARS)] = ""
+    source: Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_CHARS)] = ""
+    loss_mask_spans: Annotated[list[tuple[Position, Position]], msgspec.Meta(max_length=MAX_LOSS_MASK_SPANS)] | None = (
+        None
+    )
+    metadata_json: Annotated[str, msgspec.Meta(max_length=MAX_METADATA_BYTES)] = EMPTY_METADATA
+
+    def sample(self) -> RecordSample:
+        """The sample fields as one value (not validated: see :func:`~vllm_hs_compat.core.records.check_sample`)."""
+        spans = self.loss_mask_spans
+        return RecordSample(self.sample_id, self.source, None if spans is None else tuple(spans), self.metadata_json)
+
+    @property
+    def plain(self) -> bool:
+        """No spans and no metadata: nothing of the sample fields needs checking against the record."""
+        return self.loss_mask_spans is None and self.metadata_json == EMPTY_METADATA
 
 
 class RecordDesc(msgspec.Struct, forbid_unknown_fields=True):
@@ -520,6 +551,10 @@ def meta_to_wire(meta: RecordMeta) -> MetaWire:
         adapter=meta.adapter,
         start=meta.start,
         num_prompt_tokens=meta.num_prompt_tokens,
+        sample_id=meta.sample_id,
+        source=meta.source,
+        loss_mask_spans=None if meta.loss_mask_spans is None else list(meta.loss_mask_spans),
+        metadata_json=meta.metadata_json,
     )
 
 
@@ -538,6 +573,10 @@ def meta_from_wire(w: MetaWire, token_ids: tuple[int, ...]) -> RecordMeta:
         adapter=w.adapter,
         start=w.start,
         num_prompt_tokens=w.num_prompt_tokens,
+        sample_id=w.sample_id,
+        source=w.source,
+        loss_mask_spans=None if w.loss_mask_spans is None else tuple(w.loss_mask_spans),
+        metadata_json=w.metadata_json,
         schema_version=w.schema_version,
     )
 

@@ -18,7 +18,7 @@ See docs/trainer.md for the layouts, workers, resume and errors, and docs/traine
 from vllm_hs_compat.trainer.collate import collate_padded
 from vllm_hs_compat.trainer.dataset import COUNTERS, STATE_VERSION, HiddenStatesDataset
 from vllm_hs_compat.trainer.formats import FORMATS, FormatWriter, check_drafter_config, check_output, trainer_layer_ids
-from vllm_hs_compat.trainer.layouts import LAYOUTS, LOSS_MASKS, make_loss_mask, to_item
+from vllm_hs_compat.trainer.layouts import LAYOUTS, LOSS_MASKS, make_loss_mask, resolve_loss_mask, to_item
 from vllm_hs_compat.trainer.mapped import RecordFileDataset, RecordShard
 
 __all__ = [
@@ -36,5 +36,6 @@ __all__ = [
     "HiddenStatesDataset",
     "collate_padded",
     "make_loss_mask",
+    "resolve_loss_mask",
     "to_item",
 ]

@@ -26,8 +26,8 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_token_id: int = 0) -> di
     Returns the item keys with a leading batch axis (``[B, T_max, ...]``; ``input_ids`` padded with
     ``pad_token_id``, everything else with 0, so ``loss_mask`` is 0 on padding), ``lengths`` ``[B]``,
     ``attention_mask`` ``[B, T_max]`` (1 on real tokens), and the per-record fields as lists (``record_id``,
-    ``num_prompt_tokens``, ``start``) or a list of tensors (``layer_ids``).  Use it as
-    ``DataLoader(ds, batch_size=8, collate_fn=collate_padded)``."""
+    ``sample_id``, ``loss_mask_from``, ``num_prompt_tokens``, ``start``) or a list of tensors (``layer_ids``).
+    Use it as ``DataLoader(ds, batch_size=8, collate_fn=collate_padded)``."""
     if not items:
         raise DatasetConfigError("collate_padded got an empty batch")
     keys = set(items[0])
@@ -53,7 +53,7 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_token_id: int = 0) -> di
         out[key] = batch
     out["lengths"] = torch.tensor(lengths, dtype=torch.int64)
     out["attention_mask"] = (torch.arange(t_max)[None, :] < out["lengths"][:, None]).to(torch.int64)
-    for key in ("record_id", "num_prompt_tokens", "start", "layer_ids"):
+    for key in ("record_id", "sample_id", "loss_mask_from", "num_prompt_tokens", "start", "layer_ids"):
         if key in keys:
             out[key] = [it[key] for it in items]
     return out

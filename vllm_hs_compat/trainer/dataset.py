@@ -108,8 +108,9 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
     """Capture records as training items (``dict``); build it with :meth:`from_export` or :meth:`from_files`.
 
     Item keys (every layout): ``input_ids`` LongTensor ``[T]``, ``hidden_states``, ``loss_mask`` LongTensor
-    ``[T]``, ``record_id`` str, ``layer_ids`` LongTensor ``[P]``, ``num_prompt_tokens`` int, ``start`` int; plus,
-    by ``layout``:
+    ``[T]``, ``loss_mask_from`` str (which mask: ``"record"``, ``"all"``, ``"generated"``, ``"callable"``),
+    ``record_id`` str, ``sample_id`` str (``""``: not given), ``layer_ids`` LongTensor ``[P]``,
+    ``num_prompt_tokens`` int, ``start`` int; plus, by ``layout``:
 
     * ``"eagle3"``: ``hidden_states`` ``[T, C]`` = the base hidden (the plane of the largest layer id, pre-norm),
       ``aux_hidden_states`` ``[T, (P-1)*C]`` = the other planes concatenated in ascending layer-id order;
@@ -117,6 +118,11 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
       ``lengths`` ``[1]``, ``position_ids`` ``[T]``;
     * ``"dflash"``: ``hidden_states`` ``[T, P*C]`` (every plane, ascending layer id);
     * ``"planes"``: ``hidden_states`` ``[T, P, C]``.
+
+    ``loss_mask`` (default ``"auto"``): the record's own mask when it carries one (``loss_mask_spans``, sent by
+    the request that made it: see docs/connector.md), else every row -- ``loss_mask_from`` says which; ``"record"``
+    refuses records without one; ``"all"``, ``"generated"`` or a function as in
+    :func:`~vllm_hs_compat.trainer.layouts.resolve_loss_mask`.
 
     Items vary in T: use ``DataLoader(batch_size=None)`` or a collate function that pads or packs.
     """
@@ -126,7 +132,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         source: _Source,
         *,
         layout: str = "eagle3",
-        loss_mask: str | LossMaskFn = "all",
+        loss_mask: str | LossMaskFn = "auto",
         dtype: torch.dtype | None = None,
         on_error: str = "raise",
         max_records: int | None = None,
@@ -159,7 +165,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         max_records: int | None = None,
         wait_s: float | None = 30.0,
         layout: str = "eagle3",
-        loss_mask: str | LossMaskFn = "all",
+        loss_mask: str | LossMaskFn = "auto",
         dtype: torch.dtype | None = None,
         on_error: str = "raise",
         batch: int = 1,
@@ -193,7 +199,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         path: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
         *,
         layout: str = "eagle3",
-        loss_mask: str | LossMaskFn = "all",
+        loss_mask: str | LossMaskFn = "auto",
         dtype: torch.dtype | None = None,
         on_error: str = "raise",
         max_records: int | None = None,

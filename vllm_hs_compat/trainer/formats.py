@@ -23,8 +23,11 @@ format                 what is written under ``out``
 =====================  ===========================================================================================
 
 Every output also holds ``hs_format.json``: the format, the base plane's norm state (``"pre"`` or ``"post"``,
-never implied), the layer ids in vLLM's numbering and in the trainer's, the drafter-config key they go in, and the
-final norm's provenance where one was applied.
+never implied), the layer ids in vLLM's numbering and in the trainer's, the drafter-config key they go in, the
+final norm's provenance where one was applied, and ``loss_mask``: the mask asked for and how many records got which
+(``{"asked": "auto", "used": {"record": 12, "all": 3}}``).  Every format with a ``loss_mask`` field writes the
+record's own mask (its ``loss_mask_spans``, e.g. the assistant turns the capture request named) under the default
+``"auto"``; a record without one gets all ones, counted ``"all"``.  ``native`` keeps the spans in the manifest.
 
 Layer numbering.  A record's ids are vLLM's (``eagle_aux_hidden_state_layer_ids``): id ``i`` is the residual
 stream *entering* decoder layer ``i`` (HF ``hidden_states[i]``), and ``num_hidden_layers`` is the last layer's
@@ -52,7 +55,7 @@ from vllm_hs_compat.core.records import CaptureRecord
 from vllm_hs_compat.errors import FinalNormError, FormatError, LayerNumberingError
 from vllm_hs_compat.trainer.final_norm import POST_NORM_TOL, FinalNorm, load_final_norm
 from vllm_hs_compat.trainer.final_norm import num_hidden_layers as model_num_layers
-from vllm_hs_compat.trainer.layouts import LossMaskFn, check_loss_mask, make_loss_mask
+from vllm_hs_compat.trainer.layouts import LossMaskFn, check_loss_mask, resolve_loss_mask
 
 FORMAT_FILE: Final = "hs_format.json"
 #: Files per ``rows_<k>`` folder of the SpecForge formats (as SpecForge's own capture shards them).
@@ -291,8 +294,10 @@ class FormatWriter:
 
     ``verifier``: the verifier's local model folder (its ``config.json`` gives ``num_hidden_layers``; its final norm
     is needed by ``specforge-eagle3``).  ``num_hidden_layers`` may be given instead for formats that need no norm.
-    ``loss_mask``: ``"all"``, ``"generated"`` or a function of the record (see :func:`make_loss_mask`); a mask
-    passed to :meth:`write` wins.  ``final_norm``: a :class:`FinalNorm` to use instead of the folder's;
+    ``loss_mask``: ``"auto"`` (the record's own mask when it carries one, else all ones), ``"record"``,
+    ``"all"``, ``"generated"`` or a function of the record (see :func:`resolve_loss_mask`); a mask passed to
+    :meth:`write` wins (counted ``"given"``).  Which mask each record got is counted in the summary.
+    ``final_norm``: a :class:`FinalNorm` to use instead of the folder's;
     ``final_norm_kind``: see :func:`load_final_norm`.  ``drafter_config``: a drafter config (path or dict) checked
     against the records' layer ids on the first record (:class:`LayerNumberingError`).  ``compress``: SpecForge
     ``.ckpt.gz``.
@@ -307,7 +312,7 @@ class FormatWriter:
         *,
         verifier: str | os.PathLike[str] | None = None,
         num_hidden_layers: int | None = None,
-        loss_mask: str | LossMaskFn = "all",
+        loss_mask: str | LossMaskFn = "auto",
         final_norm: FinalNorm | None = None,
         final_norm_kind: str | None = None,
         drafter_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
@@ -346,6 +351,8 @@ class FormatWriter:
         self.drafter_verdict: str | None = None
         self._rows: list[dict[str, Any]] = []
         self._freq: Counter[int] = Counter()
+        #: which loss mask each record written got (``loss_mask_from``, or ``"given"``)
+        self.mask_used: Counter[str] = Counter()
         self._closed = False
         self._previous: list[int] | None = None
         if fmt == "speculators":
@@ -430,12 +437,16 @@ class FormatWriter:
 
             self._check_same(record)
             self.count += 1
+            self.mask_used["spans in the manifest" if record.meta.loss_mask_spans is not None else "none"] += 1
             return write_record(self.out, record)
         record.check()
         self._check_same(record)
         meta = record.meta
         t, p, _c = meta.shape
-        mask = make_loss_mask(record, self.loss_mask) if loss_mask is None else torch.as_tensor(loss_mask)
+        if loss_mask is None:
+            mask, mask_from = resolve_loss_mask(record, self.loss_mask)
+        else:
+            mask, mask_from = torch.as_tensor(loss_mask), "given"
         if tuple(mask.shape) != (t,):
             raise FormatError(f"record {meta.request_id!r}: loss mask shape {tuple(mask.shape)}, expected ({t},)")
         mask = mask.to(torch.int64)
@@ -490,6 +501,7 @@ class FormatWriter:
         else:  # check_format guarantees one of the above
             raise FormatError(f"no writer for format {self.fmt!r}")
         self.count += 1
+        self.mask_used[mask_from] += 1
         return path
 
     def _write_speculators(self, i: int, record: CaptureRecord, input_ids: torch.Tensor, mask: torch.Tensor) -> Path:
@@ -545,6 +557,10 @@ class FormatWriter:
                 None: "no separate base plane: every plane as captured (pre-norm)",
             }[spec.base_norm],
             "reads": spec.reads,
+            "loss_mask": {
+                "asked": self.loss_mask if isinstance(self.loss_mask, str) else "callable",
+                "used": dict(sorted(self.mask_used.items())),
+            },
         }
         if self.fmt == "modelopt":
             out["flags"] = {"hidden_states_prenorm": True}

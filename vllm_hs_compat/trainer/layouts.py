@@ -6,7 +6,8 @@ verifier's ``hidden_size``, taken before the final norm.  With vLLM's ``eagle_au
 (the largest id, ``num_hidden_layers``) is the output of the last decoder layer: the *base* hidden state.
 
 Layouts (every item also carries ``record_id`` (str), ``layer_ids`` (LongTensor ``[P]``), ``num_prompt_tokens``
-and ``start`` (int)):
+and ``start`` (int), ``sample_id`` (str: the dataset sample the record was made for, ``""`` when not given) and
+``loss_mask_from`` (str: which mask ``loss_mask`` is, see :func:`resolve_loss_mask`)):
 
 ``"eagle3"`` (SpecForge's names)
     ``input_ids`` LongTensor ``[T]``; ``hidden_states`` ``[T, C]``: the last plane (the base hidden, pre-norm);
@@ -37,7 +38,9 @@ from vllm_hs_compat.core.records import CaptureRecord
 from vllm_hs_compat.errors import DatasetConfigError, LayoutError
 
 LAYOUTS: Final = ("eagle3", "speculators", "dflash", "planes")
-LOSS_MASKS: Final = ("all", "generated")
+LOSS_MASKS: Final = ("auto", "record", "all", "generated")
+#: ``loss_mask_from`` of a mask computed by a caller's function.
+FROM_CALLABLE: Final = "callable"
 
 #: ``loss_mask`` given as a function of the record: returns a ``[T]`` tensor (any dtype; converted to the
 #: dataset's mask dtype).
@@ -60,12 +63,16 @@ def check_loss_mask(loss_mask: str | LossMaskFn) -> str | LossMaskFn:
     return loss_mask
 
 
-def make_loss_mask(record: CaptureRecord, loss_mask: str | LossMaskFn) -> torch.Tensor:
-    """The ``[T]`` loss mask (int64 0/1) of ``record``.
+def resolve_loss_mask(record: CaptureRecord, loss_mask: str | LossMaskFn) -> tuple[torch.Tensor, str]:
+    """The ``[T]`` loss mask (int64 0/1) of ``record`` and which mask it is (``loss_mask_from``: ``"record"``,
+    ``"all"``, ``"generated"`` or ``"callable"``).
 
-    ``"all"``: every row.  ``"generated"``: rows at sequence positions ``>= num_prompt_tokens`` (records captured
-    with ``capture: "all"`` or ``"output"``); a record without a prompt length (0) counts as all generated.
-    A callable gets the record and returns ``[T]`` values."""
+    ``"auto"`` (the default): the record's own mask (its ``loss_mask_spans``, set by the request that made it,
+    e.g. the assistant turns) when it carries one, else ``"all"`` -- the answer says which.  ``"record"``: the
+    record's own mask; a record without one is refused (:class:`LayoutError`).  ``"all"``: every row.
+    ``"generated"``: rows at sequence positions ``>= num_prompt_tokens`` (records captured with ``capture: "all"``
+    or ``"output"``); a record without a prompt length (0) counts as all generated.  A callable gets the record and
+    returns ``[T]`` values."""
     meta = record.meta
     t = meta.shape[0]
     if callable(loss_mask):
@@ -75,17 +82,33 @@ def make_loss_mask(record: CaptureRecord, loss_mask: str | LossMaskFn) -> torch.
                 f"record {meta.request_id!r}: the loss_mask function returned shape {tuple(mask.shape)}, "
                 f"expected ({t},)"
             )
-        return mask.to(torch.int64)
+        return mask.to(torch.int64), FROM_CALLABLE
+    if loss_mask in ("auto", "record"):
+        own = meta.loss_mask()
+        if own is not None:
+            return own, "record"
+        if loss_mask == "record":
+            raise LayoutError(
+                f"record {meta.request_id!r} carries no loss mask (schema {meta.schema_version}, loss_mask_spans "
+                "None): capture it with kv_transfer_params hs_capture.sample.loss_mask_spans, or ask for "
+                "loss_mask='all', 'generated' or 'auto'"
+            )
+        return torch.ones(t, dtype=torch.int64), "all"
     if loss_mask == "all":
-        return torch.ones(t, dtype=torch.int64)
+        return torch.ones(t, dtype=torch.int64), "all"
     positions = torch.arange(meta.start, meta.start + t, dtype=torch.int64)
-    return (positions >= meta.num_prompt_tokens).to(torch.int64)
+    return (positions >= meta.num_prompt_tokens).to(torch.int64), "generated"
+
+
+def make_loss_mask(record: CaptureRecord, loss_mask: str | LossMaskFn) -> torch.Tensor:
+    """The ``[T]`` loss mask (int64 0/1) of ``record`` (:func:`resolve_loss_mask` without saying which)."""
+    return resolve_loss_mask(record, loss_mask)[0]
 
 
 def to_item(
     record: CaptureRecord,
     layout: str,
-    loss_mask: str | LossMaskFn = "all",
+    loss_mask: str | LossMaskFn = "auto",
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """One training item of ``record`` in ``layout`` (see the module docstring for the keys and shapes).
@@ -101,13 +124,16 @@ def to_item(
     t, p, c = meta.shape
     if dtype is not None:
         rows = rows.to(dtype)
+    mask, mask_from = resolve_loss_mask(record, loss_mask)
     item: dict[str, Any] = {
         "record_id": meta.request_id,
         "layer_ids": torch.tensor(meta.layer_ids, dtype=torch.int64),
         "num_prompt_tokens": meta.num_prompt_tokens,
         "start": meta.start,
+        "sample_id": meta.sample_id,
         "input_ids": torch.tensor(meta.token_ids, dtype=torch.int64),
-        "loss_mask": make_loss_mask(record, loss_mask),
+        "loss_mask": mask,
+        "loss_mask_from": mask_from,
     }
     if layout in ("eagle3", "speculators"):
         if p < 2:

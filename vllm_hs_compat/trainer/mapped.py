@@ -38,7 +38,7 @@ from vllm_hs_compat.trainer.layouts import LossMaskFn, check_layout, check_loss_
 
 UNEVEN: Final = ("pad", "drop")
 #: Item keys that are metadata (moved to :meth:`RecordFileDataset.metadata`).
-META_KEYS: Final = ("record_id", "layer_ids", "num_prompt_tokens", "start")
+META_KEYS: Final = ("record_id", "layer_ids", "num_prompt_tokens", "start", "sample_id", "loss_mask_from")
 
 
 def dist_rank_world() -> tuple[int, int]:
@@ -63,7 +63,7 @@ class RecordFileDataset(Dataset[dict[str, torch.Tensor]]):
         path: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
         *,
         layout: str = "eagle3",
-        loss_mask: str | LossMaskFn = "all",
+        loss_mask: str | LossMaskFn = "auto",
         dtype: torch.dtype | None = None,
         verify_checksum: bool = True,
     ) -> None:
@@ -115,9 +115,14 @@ class RecordFileDataset(Dataset[dict[str, torch.Tensor]]):
 
     def metadata(self, index: int) -> dict[str, Any]:
         """What describes item ``index``: ``record_id``, ``layer_ids`` (vLLM's numbering), ``pre_norm``,
-        ``num_prompt_tokens``, ``start``, ``length``, ``path``."""
+        ``num_prompt_tokens``, ``start``, ``length``, ``path``, and what the record was made for: ``sample_id``,
+        ``source``, ``loss_mask_spans`` (None: the record carries no mask) and ``metadata``."""
         m = self.metas[index]
         return {
+            "sample_id": m.sample_id,
+            "source": m.source,
+            "loss_mask_spans": None if m.loss_mask_spans is None else [list(s) for s in m.loss_mask_spans],
+            "metadata": m.metadata,
             "record_id": m.request_id,
             "layer_ids": list(m.layer_ids),
             "pre_norm": m.pre_norm,
