@@ -1,0 +1,196 @@
+"""``vllm-hs-compat capture`` on a real vLLM CPU engine, as a user runs it (the console script, a process of its own).
+
+The package's conversation set (24 multi-turn conversations) plus broken rows goes through the tiny model's own
+chat template; the capture is SIGKILLed mid-run (records adopted, a shard half full) and run again with the same
+command.  Then, independently of the package's own templating code:
+
+* every sample has exactly one record in the index, and no file in the tree is outside it;
+* each record's token ids are exactly ``tokenizer.apply_chat_template(messages)`` (transformers itself), its loss
+  mask exactly transformers' ``assistant_masks`` of the same call, its sample id and source the row's;
+* its hidden states equal a transformers forward of the same weights over those ids (every plane, every row);
+* the broken rows are counted failures with their named reasons, nothing else is lost.
+
+Negative controls: the same comparison fails for a record paired with another sample's ids, and with the planes
+of the neighbouring layer ids.  On-policy (0.32.0 session): the record covers prompt + generated tokens, its loss
+mask exactly the generated part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import e2e_report
+import pytest
+import torch
+
+from vllm_hs_compat.capture.data import CONVERSATIONS
+from vllm_hs_compat.capture.store import read_index, read_summary
+from vllm_hs_compat.demo import reference as R
+from vllm_hs_compat.demo.models import make_model
+from vllm_hs_compat.export.files import read_record
+
+pytestmark = pytest.mark.e2e
+
+CLI = [sys.executable, "-m", "vllm_hs_compat.cli"]
+LAYERS = (1, 3, 4)
+MAX_LEN = 200  # three of the 24 conversations are longer: counted as too_long
+BROKEN = [
+    "{not json",  # malformed
+    json.dumps({"id": "empty-1", "messages": []}),  # empty
+    json.dumps({"id": "odd-1", "text_only": "hello"}),  # unknown_shape
+]
+on_demo_session = pytest.mark.skipif(
+    os.environ.get("HS_E2E_DEMO") != "1", reason="runs in the e2e session of 0.32.0 (HS_E2E_DEMO=1)"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("capture-model") / "model"
+    make_model(str(d), "dense", seed=5)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return R.load_hf(model_dir), AutoTokenizer.from_pretrained(model_dir)
+
+
+def _rows() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in CONVERSATIONS.read_text().splitlines() if line.strip()]
+
+
+def _data(tmp: Path) -> Path:
+    path = tmp / "rows.jsonl"
+    lines = [json.dumps(r) for r in _rows()]
+    path.write_text("\n".join(lines[:5] + BROKEN + lines[5:]) + "\n")
+    return path
+
+
+def _cmd(model: str, data: Path, out: Path, *extra: str) -> list[str]:
+    layers = ",".join(map(str, LAYERS))
+    return [*CLI, "capture", "--model", model, "--layers", layers, "--data", str(data), "--out", str(out),
+            "--max-model-len", str(MAX_LEN), "--batch-size", "4", "--records-per-shard", "5", "--json",
+            *extra]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+
+
+def _adopted(out: Path) -> int:
+    return sum(1 for p in out.glob("shard-*/*.json") if not p.name.startswith("."))
+
+
+def _expected(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """transformers' own ids and assistant mask of a conversation (no code of this package involved)."""
+    enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return list(enc["input_ids"]), list(enc["assistant_masks"])
+
+
+def _max_err(model: Any, rows: torch.Tensor, ids: list[int], layers: tuple[int, ...]) -> float:
+    planes = R.hf_planes(model, ids)
+    ref = torch.stack([R.convention_plane(planes, k) for k in layers], dim=1)
+    return max(e.max_rel for e in R.record_errors(rows, ref))
+
+
+def test_capture_killed_mid_run_resumes_to_one_verified_record_per_sample(
+    tmp_path: Path, model_dir: str, hf: Any
+) -> None:
+    model, tok = hf
+    data, out = _data(tmp_path), tmp_path / "tree"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(_cmd(model_dir, data, out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 420
+    while _adopted(out) < 6 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed_at = _adopted(out)
+    assert proc.poll() is None, f"the capture ended before it could be killed: {proc.communicate()[1][-3000:]}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    first_s = time.monotonic() - t0
+    assert 6 <= killed_at < 21, f"killed after {killed_at} records: not mid-run"
+
+    t1 = time.monotonic()
+    again = subprocess.run(_cmd(model_dir, data, out), env=_env(), capture_output=True, text=True, timeout=480)
+    resume_s = time.monotonic() - t1
+    assert again.returncode == 1, again.stderr[-3000:]  # 1: some rows failed (the broken ones), the rest captured
+    summary = json.loads(again.stdout)
+
+    index = read_index(out).to_pylist()
+    ok = [r for r in index if r["status"] == "ok"]
+    failed = {r["reason"] for r in index if r["status"] == "failed"}
+    rows = _rows()
+    long_ids = {r["id"] for r in rows if len(_expected(tok, r["messages"])[0]) > MAX_LEN}
+    want_ids = {r["id"] for r in rows} - long_ids
+    assert len(long_ids) == 3
+    assert sorted(r["sample_id"] for r in ok) == sorted(want_ids)  # each sample exactly once
+    assert failed == {"malformed", "empty", "unknown_shape", "too_long"}
+    assert summary["tree_records"] == len(want_ids) and summary["skipped"] >= killed_at
+    on_disk = {p.relative_to(out).as_posix() for p in out.glob("shard-*/*.json")}
+    assert on_disk == {r["record"] for r in ok}  # nothing in the tree outside the index
+    assert not any((out / ".staging").rglob("*.json"))
+
+    by_id = {r["id"]: r for r in rows}
+    worst = 0.0
+    for r in ok:
+        rec = read_record(out / r["record"])  # checksum verified
+        ids, mask = _expected(tok, by_id[r["sample_id"]]["messages"])
+        assert list(rec.meta.token_ids) == ids, r["sample_id"]
+        assert rec.meta.sample_id == r["sample_id"] and rec.meta.source == r["source"]
+        got_mask = rec.meta.loss_mask()
+        assert got_mask is not None and got_mask.tolist() == mask, r["sample_id"]
+        assert rec.meta.layer_ids == LAYERS and rec.meta.pre_norm
+        err = _max_err(model, rec.hidden_states, ids, LAYERS)
+        assert err < R.ROW_TOL, (r["sample_id"], err)
+        worst = max(worst, err)
+
+    # negative controls: another sample's ids, the neighbouring layers
+    a, b = ok[0], ok[1]
+    rec_a = read_record(out / a["record"])
+    ids_b = _expected(tok, by_id[b["sample_id"]]["messages"])[0]
+    assert list(rec_a.meta.token_ids) != ids_b
+    n = min(len(ids_b), rec_a.meta.shape[0])
+    assert _max_err(model, rec_a.hidden_states[:n], ids_b[:n], LAYERS) > R.ROW_TOL
+    ids_a = list(rec_a.meta.token_ids)
+    assert _max_err(model, rec_a.hidden_states, ids_a, (0, 2, 3)) > R.ROW_TOL
+    e2e_report.add(
+        f"capture: killed after {killed_at} records ({first_s:.1f} s), resumed in {resume_s:.1f} s: "
+        f"{len(ok)} records, {summary['tree_tokens']} tokens, failed {sorted(failed)}, worst rel err {worst:.4f}"
+    )
+    assert read_summary(out).tree_records == len(want_ids)
+
+
+@on_demo_session
+def test_on_policy_capture_covers_prompt_and_generated_tokens(tmp_path: Path, model_dir: str, hf: Any) -> None:
+    model, tok = hf
+    data, out = tmp_path / "few.jsonl", tmp_path / "policy"
+    rows = [r for r in _rows() if len(_expected(tok, r["messages"])[0]) < 120][:4]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    proc = subprocess.run(_cmd(model_dir, data, out, "--on-policy", "--max-new-tokens", "8"), env=_env(),
+                          capture_output=True, text=True, timeout=480)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ok = [r for r in read_index(out).to_pylist() if r["status"] == "ok"]
+    assert sorted(r["sample_id"] for r in ok) == sorted(r["id"] for r in rows)
+    for r in ok:
+        rec = read_record(out / r["record"])
+        messages = next(x for x in rows if x["id"] == r["sample_id"])["messages"]
+        last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = tok.apply_chat_template(messages[:last_assistant], tokenize=True, add_generation_prompt=True)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        ids = list(rec.meta.token_ids)
+        assert ids[: len(prompt)] == prompt and rec.meta.num_prompt_tokens == len(prompt)
+        assert len(ids) > len(prompt), "no generated token in the record"
+        mask = rec.meta.loss_mask()
+        assert mask is not None and mask.tolist() == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+        assert _max_err(model, rec.hidden_states, ids, LAYERS) < R.ROW_TOL

@@ -1,0 +1,423 @@
+"""``vllm-hs-compat capture``: a dataset -> verified records in a sharded, indexed, resumable output tree.
+
+The rows (JSONL / JSON / Parquet files or folders, ``hf:NAME[:split]``; :mod:`vllm_hs_compat.capture.samples`) are
+templated with the model's own chat template into exactly the token ids the engine runs, with their loss mask and
+a stable sample id.  One in-process vLLM engine (``extract_hidden_states`` + the capture connector, file sink into
+the rank's staging folder) runs them in batches; each request carries its sample in ``hs_capture.sample``, so its
+record's manifest says what it was made for.  Every record is verified (checksum; token ids equal the sample's)
+before the store moves it into a shard and indexes it (:mod:`vllm_hs_compat.capture.store`).  Re-running the same
+command skips samples already indexed; ``--rank/--world-size`` split the rows between processes writing one tree.
+
+Everything that can be refused without the engine (arguments, the source, the chat template, the output tree's
+run settings) is refused before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_hs_compat.commands import progress
+from vllm_hs_compat.errors import CaptureConfigError, HsCompatError, ToolError
+
+#: Seconds to wait for a record's files after the engine stepped past its request (the file sink writes them from
+#: the connector's publisher thread).
+RECORD_WAIT_S = 120.0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="capture hidden states for every row of a dataset into a sharded, indexed, resumable output tree",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--model", required=True, help="the verifier: a local model folder (or a name vLLM can load)")
+    p.add_argument("--layers", required=True, help="layer ids to capture, comma-separated (e.g. 2,16,29,32)")
+    p.add_argument("--data", required=True, help="JSONL / JSON / Parquet file or folder, or hf:NAME[:split]")
+    p.add_argument("--out", required=True, help="output tree (created; a resume must use the same settings)")
+    p.add_argument("--rank", type=int, default=0, help="this process's share of the rows (default 0)")
+    p.add_argument("--world-size", type=int, default=1, help="processes sharing the rows (default 1)")
+    p.add_argument(
+        "--loss-mask",
+        choices=("assistant", "all", "none"),
+        default="assistant",
+        help="assistant: the chat template's {%% generation %%} spans (refused if it has none); all; none",
+    )
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file instead of the tokenizer's")
+    p.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="NAME=COLUMN",
+        help="read NAME (id, messages, conversations, prompt, input_ids, loss_mask, metadata) from COLUMN",
+    )
+    p.add_argument(
+        "--on-policy",
+        action="store_true",
+        help="regenerate the last assistant turn with the verifier; capture prompt + generated tokens, the loss "
+        "mask on the generated part",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256, help="--on-policy: tokens generated per row")
+    p.add_argument("--temperature", type=float, default=0.0, help="--on-policy: sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="--on-policy: sampling seed of each request")
+    p.add_argument("--records-per-shard", type=int, default=1000, help="records per shard folder (default 1000)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows given to the engine at once (default 64)")
+    p.add_argument("--max-model-len", type=int, default=None, help="the engine's context (default: the model's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism (default 1)")
+    p.add_argument("--retries", type=int, default=2, help="extra attempts of a row whose record failed (default 2)")
+    p.add_argument(
+        "--max-consecutive-failures",
+        type=int,
+        default=20,
+        help="stop (exit 3) after this many failed rows in a row (default 20)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="stop after this many rows of this rank's share")
+    p.add_argument("--engine-args", default=None, help="more vllm.LLM arguments as a JSON object")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.set_defaults(func=run)
+
+
+# --- arguments ---------------------------------------------------------------------------------------------------
+def parse_layers(text: str) -> list[int]:
+    """``"2,16,29"`` -> ``[2, 16, 29]`` (sorted, unique); :class:`CaptureConfigError` for anything else."""
+    try:
+        ids = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise CaptureConfigError(f"--layers {text!r}: expected comma-separated layer ids, e.g. 2,16,29") from None
+    if not ids or ids[0] < 0:
+        raise CaptureConfigError(f"--layers {text!r}: expected one or more layer ids >= 0")
+    return ids
+
+
+def parse_fields(items: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, column = item.partition("=")
+        if not sep or not name or not column:
+            raise CaptureConfigError(f"--field {item!r}: expected NAME=COLUMN, e.g. --field messages=dialog")
+        out[name] = column
+    return out
+
+
+def _positive(value: int | None, flag: str, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise CaptureConfigError(f"{flag} {value}: expected an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run does, settled before the engine starts."""
+
+    model: str
+    layers: list[int]
+    capture: str
+    max_model_len: int
+    run_config: dict[str, Any]
+    template_text: str | None
+
+
+def _model_len(model: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    config = Path(model) / "config.json"
+    if config.is_file():
+        raw = json.loads(config.read_text())
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            if isinstance(raw.get(key), int):
+                return int(raw[key])
+    return 2048
+
+
+def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
+    """Check the arguments and the chat template; the run settings a resume must match."""
+    from vllm_hs_compat.capture.samples import check_template, resolve_template
+
+    _positive(args.world_size, "--world-size")
+    if not 0 <= args.rank < args.world_size:
+        raise CaptureConfigError(f"--rank {args.rank}: expected 0 <= rank < --world-size ({args.world_size})")
+    for flag in ("records_per_shard", "batch_size", "max_new_tokens", "tensor_parallel_size", "limit"):
+        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    _positive(args.max_consecutive_failures, "--max-consecutive-failures")
+    _positive(args.retries, "--retries", 0)
+    layers = parse_layers(args.layers)
+    check_template(tokenizer, args.chat_template, args.loss_mask, on_policy=args.on_policy)
+    template_text, template_where = resolve_template(tokenizer, args.chat_template)
+    model_path = Path(args.model)
+    model = str(model_path.resolve()) if model_path.exists() else args.model
+    max_model_len = _model_len(args.model, args.max_model_len)
+    capture = "all" if args.on_policy else "prompt"
+    run_config: dict[str, Any] = {
+        "model": model,
+        "layers": layers,
+        "capture": capture,
+        "loss_mask": args.loss_mask,
+        "chat_template_sha256": (
+            hashlib.sha256(template_text.encode()).hexdigest() if template_text is not None else None
+        ),
+        "chat_template_from": template_where,
+        "fields": parse_fields(args.field),
+        "max_model_len": max_model_len,
+        "on_policy": (
+            {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+            if args.on_policy
+            else None
+        ),
+    }
+    return Plan(model, layers, capture, max_model_len, run_config, template_text)
+
+
+# --- the run -----------------------------------------------------------------------------------------------------
+def _batches(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _request_params(sample: Any, args: argparse.Namespace, capture: str) -> Any:
+    from vllm_hs_compat.adapters.engine_api import sampling_params
+    from vllm_hs_compat.core.capture import REQUEST_KEY, sample_entry
+
+    # on-policy: the prompt's mask (all zeros) plus the generated part, through the record's last position
+    generated = args.on_policy and sample.loss_mask is not None
+    entry = sample_entry(
+        sample_id=sample.sample_id,
+        source=str(sample.source),
+        loss_mask=sample.loss_mask,
+        generated=generated,
+        metadata=dict(sample.metadata) if sample.metadata else None,
+    )
+    kv = {"kv_transfer_params": {REQUEST_KEY: {"capture": capture, "sample": entry}}}
+    if args.on_policy:
+        return sampling_params(
+            max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, extra_args=kv
+        )
+    # prompt capture: one generated token is the least a request can ask for; it is not part of the record
+    return sampling_params(max_tokens=1, temperature=0.0, extra_args=kv)
+
+
+def _wait_files(ticket: Mapping[str, Any], deadline: float) -> Path | None:
+    """The record's manifest (or its error file) once the file sink wrote it; None past ``deadline``."""
+    manifest, error = Path(ticket["manifest"]), Path(ticket["error"])
+    while True:
+        if manifest.exists():
+            return manifest
+        if error.exists():
+            return error
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+
+
+class _Run:
+    def __init__(self, args: argparse.Namespace, plan_: Plan, store: Any, llm: Any) -> None:
+        from vllm_hs_compat.capture.store import Breaker, Retry
+
+        self.args, self.plan, self.store, self.llm = args, plan_, store, llm
+        self.retry = Retry(args.retries + 1)
+        self.breaker = Breaker(args.max_consecutive_failures)
+
+    def info(self, sample: Any) -> Any:
+        from vllm_hs_compat.capture.store import SampleInfo
+
+        return SampleInfo.of(sample)
+
+    def engine_batch(self, samples: list[Any]) -> list[Any]:
+        """Run ``samples`` through the engine; returns the samples to try again."""
+        from vllm_hs_compat.connector import flush
+        from vllm_hs_compat.core.capture import RESULT_KEY
+        from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
+
+        prompts = [{"prompt_token_ids": list(s.input_ids)} for s in samples]
+        params = [_request_params(s, self.args, self.plan.capture) for s in samples]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        flush(self.llm)
+        again: list[Any] = []
+        deadline = time.monotonic() + RECORD_WAIT_S
+        for sample, out in zip(samples, outs, strict=True):
+            kv = dict(out.kv_transfer_params or {})
+            result = kv.get(RESULT_KEY) or {}
+            ticket = kv.get(FILE_KEY)
+            info = self.info(sample)
+            if ticket is None or result.get("status") in ("failed", "skipped"):
+                reason = str(result.get("reason") or "not_captured")
+                message = str(result.get("message") or f"the engine returned no record for it ({result or kv})")
+                self.failed(sample, info, reason, message, again)
+                continue
+            path = _wait_files(ticket, deadline)
+            if path is None:
+                self.failed(sample, info, "missing_record", f"no record file within {RECORD_WAIT_S:.0f} s", again)
+                continue
+            row = self.store.adopt(info, path)
+            if row.status == "ok":
+                self.retry.forget(sample.sample_id)
+                self.breaker.success()
+            else:
+                self.failed(sample, info, row.reason, row.message, again, recorded=True)
+        return again
+
+    def failed(
+        self, sample: Any, info: Any, reason: str, message: str, again: list[Any], *, recorded: bool = False
+    ) -> None:
+        if self.retry.allow(sample.sample_id, reason):
+            again.append(sample)
+            return
+        if not recorded:
+            self.store.fail(info, reason, message)
+        self.breaker.failure(reason, message)
+
+
+def _rows(args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, counts: dict[str, int]) -> Iterator[Any]:
+    from vllm_hs_compat.capture.samples import RowError, read_samples
+    from vllm_hs_compat.capture.store import SampleInfo, sample_key
+
+    def select(sample_id: str) -> bool:
+        if not store.owns(sample_id):
+            return False
+        if store.done(sample_id):
+            counts["skipped"] += 1
+            return False
+        return True
+
+    taken = 0
+    for item in read_samples(
+        args.data,
+        tokenizer,
+        chat_template=args.chat_template,
+        loss_mask=args.loss_mask,
+        fields=plan_.run_config["fields"],
+        max_len=plan_.max_model_len,
+        on_policy=args.on_policy,
+        select=select,
+    ):
+        if isinstance(item, RowError):
+            if not store.owns_key(sample_key(item.sample_id or "", str(item.source))):
+                continue
+            counts["read"] += 1
+            store.fail(
+                SampleInfo(sample_id=item.sample_id or "", source=str(item.source), num_tokens=0),
+                item.reason,
+                item.message,
+            )
+            continue
+        counts["read"] += 1
+        yield item
+        taken += 1
+        if args.limit is not None and taken >= args.limit:
+            return
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        summary = capture(args)
+    except HsCompatError as exc:
+        print(f"vllm-hs-compat capture: {exc}", file=sys.stderr)
+        from vllm_hs_compat.errors import CircuitOpenError
+
+        return 3 if isinstance(exc, CircuitOpenError) else 2
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        _print_summary(summary, args.out)
+    return 0 if not summary.get("failed") else 1
+
+
+def capture(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's work; returns the merged summary (``summary.json``)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ToolError('capture needs transformers: pip install "vllm-hs-compat[capture]"') from None
+    from vllm_hs_compat.capture.store import CaptureStore
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        raise ToolError(f"cannot load the tokenizer of --model {args.model!r}: {exc}") from None
+    plan_ = plan(args, tokenizer)
+    store = CaptureStore(
+        args.out,
+        run_config=plan_.run_config,
+        rank=args.rank,
+        world_size=args.world_size,
+        records_per_shard=args.records_per_shard,
+    )
+    counts = {"read": 0, "skipped": 0}
+    try:
+        rows = _rows(args, tokenizer, store, plan_, counts)
+        first = list(_take(rows, args.batch_size))
+        if first:
+            llm = _engine(args, plan_, store)
+            try:
+                work = _Run(args, plan_, store, llm)
+                _drive(work, first, rows, args.batch_size)
+            finally:
+                from vllm_hs_compat.demo.engine import shutdown
+
+                shutdown(llm)
+        else:
+            progress("nothing to capture: every row of this rank's share is already in the index")
+    finally:
+        store.note_rows(read=counts["read"], skipped=counts["skipped"])
+        summary = store.close()
+    return summary.to_dict()
+
+
+def _take(it: Iterator[Any], n: int) -> Iterator[Any]:
+    for _, item in zip(range(n), it, strict=False):
+        yield item
+
+
+def _drive(work: _Run, first: list[Any], rows: Iterator[Any], size: int) -> None:
+    done = 0
+    t0 = time.monotonic()
+    pending = first
+    while pending:
+        again = work.engine_batch(pending)
+        done += len(pending) - len(again)
+        progress(f"captured or failed {done} rows ({time.monotonic() - t0:.1f} s)")
+        pending = again + list(_take(rows, size - len(again)))
+
+
+def _engine(args: argparse.Namespace, plan_: Plan, store: Any) -> Any:
+    from vllm_hs_compat.demo.engine import build_llm, prepare_env
+
+    prepare_env()
+    extra_args: dict[str, Any] = {}
+    if args.engine_args:
+        try:
+            extra_args = json.loads(args.engine_args)
+        except json.JSONDecodeError as exc:
+            raise CaptureConfigError(f"--engine-args is not a JSON object: {exc}") from None
+        if not isinstance(extra_args, dict):
+            raise CaptureConfigError(f"--engine-args must be a JSON object, found {type(extra_args).__name__}")
+    if args.tensor_parallel_size != 1:
+        extra_args["tensor_parallel_size"] = args.tensor_parallel_size
+    extra = {"capture": plan_.capture, "sink": "file", "file": {"path": str(store.staging_dir())}}
+    progress(f"starting the engine ({plan_.model}, layers {plan_.layers})")
+    return build_llm(plan_.model, plan_.layers, extra, max_model_len=plan_.max_model_len, **extra_args)
+
+
+def _print_summary(summary: Mapping[str, Any], out: str) -> None:
+    failed = summary.get("failed") or {}
+    lines = [
+        f"rows read {summary.get('rows_read', 0)}, captured {summary.get('captured', 0)}, "
+        f"skipped (already done) {summary.get('skipped', 0)}, failed {sum(failed.values())}"
+        + (f" ({', '.join(f'{k} {v}' for k, v in sorted(failed.items()))})" if failed else ""),
+        f"tokens {summary.get('tokens', 0)}, loss tokens {summary.get('loss_tokens', 0)}, "
+        f"bytes {summary.get('bytes', 0)}, {summary.get('tokens_per_s', 0.0):.0f} tokens/s",
+        f"tree: {summary.get('tree_records', 0)} records, {summary.get('tree_tokens', 0)} tokens in {out}",
+    ]
+    for line in lines:
+        print(line)
