@@ -211,6 +211,41 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         source = _FileSource(path, verify_checksum)
         return cls(source, layout=layout, loss_mask=loss_mask, dtype=dtype, on_error=on_error, max_records=max_records)
 
+    @classmethod
+    def from_capture(
+        cls,
+        out: str | os.PathLike[str],
+        *,
+        layout: str = "eagle3",
+        loss_mask: str | LossMaskFn = "auto",
+        dtype: torch.dtype | None = None,
+        on_error: str = "raise",
+        max_records: int | None = None,
+        verify_checksum: bool = True,
+    ) -> HiddenStatesDataset:
+        """Read the records a ``vllm-hs-compat capture`` tree's index names (status ``ok``; files the index does
+        not name, e.g. of a capture still running, are not read).  Items carry each record's own loss mask
+        (``loss_mask="auto"``) and ``sample_id``.  Needs ``pyarrow`` (the ``capture`` extra)."""
+        from vllm_hs_compat.capture.store import read_index
+
+        root = Path(out)
+        records = sorted(str(r["record"]) for r in read_index(root).to_pylist() if r["status"] == "ok")
+        if not records:
+            raise E.DatasetConfigError(
+                f"the capture tree {root} indexes no captured record (run `vllm-hs-compat capture --out {root}`, "
+                "or wait for its first shard)"
+            )
+        paths = [root / r for r in records]
+        return cls.from_files(
+            paths,
+            layout=layout,
+            loss_mask=loss_mask,
+            dtype=dtype,
+            on_error=on_error,
+            max_records=max_records,
+            verify_checksum=verify_checksum,
+        )
+
     # --- iteration ------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
