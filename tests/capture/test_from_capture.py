@@ -50,7 +50,8 @@ def test_from_capture_reads_the_indexed_records_with_their_masks(tmp_path: Path)
     stray = out / "shard-0-00009"
     stray.mkdir()
     ids = token_ids(7)
-    files.write_record(stray, CaptureRecord(RecordMeta.for_tensor("s7", hidden_states(7, len(ids)), ids, LAYERS, pre_norm=True), hidden_states(7, len(ids))))  # fmt: skip
+    rows = hidden_states(7, len(ids))
+    files.write_record(stray, CaptureRecord(RecordMeta.for_tensor("s7", rows, ids, LAYERS, pre_norm=True), rows))
     items = list(HiddenStatesDataset.from_capture(out, layout="planes"))
     assert sorted(it["sample_id"] for it in items) == [f"s{i}" for i in range(5)]
     for it in items:
