@@ -30,6 +30,8 @@ from vllm_hs_compat.errors import CaptureConfigError, HsCompatError, ToolError
 #: Seconds to wait for a record's files after the engine stepped past its request (the file sink writes them from
 #: the connector's publisher thread).
 RECORD_WAIT_S = 120.0
+#: Failure reason of a row whose request vLLM refused before running it (e.g. longer than the context); not retried.
+ENGINE_REFUSED = "engine_refused"
 
 
 def register(sub: Any) -> None:
@@ -239,11 +241,19 @@ class _Run:
         from vllm_hs_compat.core.capture import RESULT_KEY
         from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
 
+        again: list[Any] = []
         prompts = [{"prompt_token_ids": list(s.input_ids)} for s in samples]
         params = [_request_params(s, self.args, self.plan.capture) for s in samples]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        except (ValueError, TypeError) as exc:  # vLLM refused a request before running any: find it, fail it alone
+            if len(samples) == 1:
+                self.failed(samples[0], self.info(samples[0]), ENGINE_REFUSED, f"{type(exc).__name__}: {exc}", again)
+                return again
+            for one in samples:
+                again += self.engine_batch([one])
+            return again
         flush(self.llm)
-        again: list[Any] = []
         deadline = time.monotonic() + RECORD_WAIT_S
         for sample, out in zip(samples, outs, strict=True):
             kv = dict(out.kv_transfer_params or {})
@@ -270,7 +280,7 @@ class _Run:
     def failed(
         self, sample: Any, info: Any, reason: str, message: str, again: list[Any], *, recorded: bool = False
     ) -> None:
-        if self.retry.allow(sample.sample_id, reason):
+        if reason != ENGINE_REFUSED and self.retry.allow(sample.sample_id, reason):
             again.append(sample)
             return
         if not recorded:
@@ -297,7 +307,8 @@ def _rows(args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, cou
         chat_template=args.chat_template,
         loss_mask=args.loss_mask,
         fields=plan_.run_config["fields"],
-        max_len=plan_.max_model_len,
+        # a prompt capture still generates one token: the prompt must leave room for it in the context
+        max_len=plan_.max_model_len if args.on_policy else plan_.max_model_len - 1,
         on_policy=args.on_policy,
         select=select,
     ):
