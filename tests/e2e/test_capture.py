@@ -186,8 +186,10 @@ def test_on_policy_capture_covers_prompt_and_generated_tokens(tmp_path: Path, mo
         rec = read_record(out / r["record"])
         messages = next(x for x in rows if x["id"] == r["sample_id"])["messages"]
         last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompt = tok.apply_chat_template(messages[:last_assistant], tokenize=True, add_generation_prompt=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        enc = tok.apply_chat_template(
+            messages[:last_assistant], tokenize=True, add_generation_prompt=True, return_dict=True
+        )
+        prompt = list(enc["input_ids"])
         ids = list(rec.meta.token_ids)
         assert ids[: len(prompt)] == prompt and rec.meta.num_prompt_tokens == len(prompt)
         assert len(ids) > len(prompt), "no generated token in the record"

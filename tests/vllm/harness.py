@@ -72,6 +72,20 @@ def force_cpu_platform() -> None:
     platforms._current_platform = CpuPlatform()
     _torch_cpu_capability_shim()
     _refreeze_platform_facts()
+    _inspect_models_in_process()
+
+
+def _inspect_models_in_process() -> None:
+    """vLLM's model registry computes a model class's facts (``_ModelInfo.from_model_cls``) in a fresh Python
+    process, so that importing the model module cannot initialise CUDA in the caller; the file-hash cache of those
+    facts is shared by every release (~/.cache/vllm/modelinfos), so the release sessions running side by side keep
+    overwriting each other's entries and each session paid two cold subprocesses (a vLLM import each, 25-60 s on
+    2 cores).  On the CPU platform there is no CUDA to protect: the same function runs here, in this process."""
+    import importlib
+
+    registry = importlib.import_module("vllm.model_executor.models.registry")
+    if callable(getattr(registry, "_run_in_subprocess", None)):
+        registry._run_in_subprocess = lambda fn: fn()
 
 
 def _refreeze_platform_facts() -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hs_compat.commands import progress
+from vllm_hs_compat.commands import progress, stdout_to_stderr
 from vllm_hs_compat.errors import CaptureConfigError, HsCompatError, ToolError
 
 #: Seconds to wait for a record's files after the engine stepped past its request (the file sink writes them from
@@ -331,7 +331,8 @@ def _rows(args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, cou
 
 def run(args: argparse.Namespace) -> int:
     try:
-        summary = capture(args)
+        with stdout_to_stderr(args.json):  # vLLM logs to stdout: --json prints nothing but the summary there
+            summary = capture(args)
     except HsCompatError as exc:
         print(f"vllm-hs-compat capture: {exc}", file=sys.stderr)
         from vllm_hs_compat.errors import CircuitOpenError
