@@ -93,6 +93,12 @@ def test_formats_write_the_records_mask_and_count_which(tmp_path: Path) -> None:
         files = sorted(out.rglob("*.ckpt")) if fmt == "specforge-dflash" else [out / "a.pt", out / "b.pt"]
         masks = [torch.load(f, weights_only=True)["loss_mask"].tolist() for f in files]
         assert masks == [MASK, [1] * T]
+    sp = FormatWriter(tmp_path / "sp", "speculators", num_hidden_layers=12)  # rows.jsonl: its Arrow rows' source
+    sp.write(rec("a", 1, SPANS))
+    sp.write(rec("b", 2, None))
+    rows = [json.loads(line) for line in (tmp_path / "sp" / "rows.jsonl").read_text().splitlines()]
+    assert [r["loss_mask"] for r in rows] == [MASK, [1] * T]
+    assert sp.summary()["loss_mask"] == {"asked": "auto", "used": {"all": 1, "record": 1}}
     w = FormatWriter(tmp_path / "all", "modelopt", num_hidden_layers=12, loss_mask="all")
     w.write(rec("a", 1, SPANS))
     assert w.close()["loss_mask"] == {"asked": "all", "used": {"all": 1}}

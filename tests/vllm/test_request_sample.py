@@ -104,7 +104,7 @@ def test_request_sample_fields_reach_the_record_and_bad_ones_fail_only_their_own
     assert free_at_end == engine.initial_free_blocks  # the refused requests' blocks were never held
 
 
-def test_negative_control_a_scheduler_that_drops_the_sample_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_a_worker_that_drops_the_sample_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test above fails when the record does not carry what the request sent."""
     from vllm_hs_compat.connector import worker
 
