@@ -242,8 +242,18 @@ class _Run:
         from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
 
         again: list[Any] = []
+        ready: list[tuple[Any, Any]] = []
+        for s in samples:
+            try:
+                ready.append((s, _request_params(s, self.args, self.plan.capture)))
+            except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical
+                self.store.fail(self.info(s), "bad_field", str(exc))
+                self.breaker.failure("bad_field", str(exc))
+        if not ready:
+            return again
+        samples = [s for s, _ in ready]
         prompts = [{"prompt_token_ids": list(s.input_ids)} for s in samples]
-        params = [_request_params(s, self.args, self.plan.capture) for s in samples]
+        params = [p for _, p in ready]
         try:
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         except (ValueError, TypeError) as exc:  # vLLM refused a request before running any: find it, fail it alone
