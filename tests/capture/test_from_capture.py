@@ -32,7 +32,7 @@ def _stage(store: CaptureStore, i: int) -> tuple[SampleInfo, Path]:
         sample=RecordSample(sample_id=f"s{i}", source=f"rows.jsonl:{i}", loss_mask_spans=spans),
     )
     manifest = files.write_record(store.staging_dir(), CaptureRecord(meta, hidden_states(i, len(ids))))
-    info = SampleInfo(f"s{i}", f"rows.jsonl:{i}", len(ids), len(ids) - 1, input_ids=ids)
+    info = SampleInfo(f"s{i}", f"rows.jsonl:{i}", len(ids), None, input_ids=ids)  # the count must come from the record
     return info, manifest
 
 
@@ -52,6 +52,12 @@ def test_from_capture_reads_the_indexed_records_with_their_masks(tmp_path: Path)
     ids = token_ids(7)
     rows = hidden_states(7, len(ids))
     files.write_record(stray, CaptureRecord(RecordMeta.for_tensor("s7", rows, ids, LAYERS, pre_norm=True), rows))
+    # the index counts the rows the record's own mask trains
+    from vllm_hs_compat.capture.store import read_index
+
+    assert {r["sample_id"]: r["loss_tokens"] for r in read_index(out).to_pylist()} == {
+        f"s{i}": len(token_ids(i)) - 1 for i in range(5)
+    }
     items = list(HiddenStatesDataset.from_capture(out, layout="planes"))
     assert sorted(it["sample_id"] for it in items) == [f"s{i}" for i in range(5)]
     for it in items:

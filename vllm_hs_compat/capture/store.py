@@ -969,6 +969,10 @@ class CaptureStore:
         _point("adopt.after_manifest")
         manifest_path.unlink(missing_ok=True)
         error_path.unlink(missing_ok=True)
+        # the rows a trainer will train: the record's own mask when it carries one (an on-policy record's generated
+        # part is known only now), else what the sample said
+        record_mask = meta.loss_mask()
+        loss_tokens = int(record_mask.sum()) if record_mask is not None else sample.loss_tokens
         row = IndexRow(
             sample_id=sample.sample_id,
             source=sample.source,
@@ -977,7 +981,7 @@ class CaptureStore:
             message=None,
             record=f"{shard.name}/{dest_manifest.name}",
             tokens=meta.shape[0],
-            loss_tokens=sample.loss_tokens,
+            loss_tokens=loss_tokens,
             bytes=dest_tensors.stat().st_size + dest_manifest.stat().st_size,
             rank=self.rank,
             checksum=meta.checksum,
