@@ -23,7 +23,6 @@ from vllm_hs_compat.capture.samples import (
     Sample,
     canonical_json,
     check_template,
-    compare_ids,
     content_id,
     mask_spans,
     read_samples,
@@ -443,15 +442,3 @@ def test_shipped_sample_spans_are_its_assistant_turns(tok: Any) -> None:
         "The light travels through more air, and most of the blue is scattered away.</s>",
         "You are welcome.</s>",
     ]
-
-
-def test_compare_ids_names_the_first_difference(tok: Any) -> None:
-    s = only([next(iter(read_samples(CONVERSATIONS, tok)))])
-    ran = list(s.input_ids)
-    assert compare_ids(s, ran) is None
-    assert compare_ids(s, [*ran, 7, 8]) is None  # on-policy: the generated ids follow
-    ran[5] = (ran[5] + 1) % len(tok)
-    err = compare_ids(s, ran)
-    assert err is not None and err.reason == "tokenizer_mismatch" and "position 5" in err.message
-    short = compare_ids(s, ran[:3])
-    assert short is not None and "fewer than the sample's" in short.message

@@ -278,6 +278,7 @@ def test_token_id_mismatch_is_a_failure_not_an_adoption(tmp_path: Path) -> None:
         row = store.adopt(info, manifest)
         assert (row.status, row.reason, row.record) == ("failed", "tokenizer_mismatch", None)
         assert "differ from the sample's" in (row.message or "") and not store.done(info.sample_id)
+        assert "at position 0" in (row.message or "")  # the first position that differs is named
         assert list(store.staging_dir().iterdir()) == []  # the wrong record is gone, not adopted
         # control: the right ids are adopted
         info2, manifest2 = stage(store.staging_dir(), 6)

@@ -21,6 +21,7 @@ from typing import Any
 import xxhash
 
 from vllm_hs_compat.capture.sources import RawRow, SourceRef, Unreadable, open_source
+from vllm_hs_compat.core.capture import mask_spans  # a 0/1 mask as the request's loss_mask_spans (re-exported)
 from vllm_hs_compat.errors import CaptureDataError
 
 __all__ = [
@@ -34,7 +35,6 @@ __all__ = [
     "SourceRef",
     "canonical_json",
     "check_template",
-    "compare_ids",
     "content_id",
     "has_generation_markers",
     "mask_spans",
@@ -130,43 +130,6 @@ class RowError:
     source: SourceRef
     reason: str
     message: str
-
-
-def mask_spans(mask: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """The runs of 1s in a 0/1 mask as ``(start, stop)`` position pairs (stop exclusive), in order: the
-    ``loss_mask_spans`` a request carries for its record."""
-    spans: list[tuple[int, int]] = []
-    start: int | None = None
-    for i, m in enumerate(mask):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    if start is not None:
-        spans.append((start, len(mask)))
-    return tuple(spans)
-
-
-def compare_ids(sample: Sample, token_ids: Sequence[int]) -> RowError | None:
-    """``None`` when the engine ran exactly the sample's ids (its first ``len(sample.input_ids)`` token ids; an
-    on-policy record goes on with the generated ones), else a ``tokenizer_mismatch`` row error naming the first
-    position that differs."""
-    want = sample.input_ids
-    got = tuple(int(t) for t in token_ids[: len(want)])
-    if got == want:
-        return None
-    if len(got) < len(want):
-        where = f"the engine ran {len(token_ids)} token ids, fewer than the sample's {len(want)}"
-    else:
-        i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-        where = f"position {i}: the engine ran id {got[i]}, the sample has {want[i]}"
-    return RowError(
-        sample.sample_id,
-        sample.source,
-        "tokenizer_mismatch",
-        f"{where}; the engine tokenized or templated the row differently (is the capture's tokenizer the model's?)",
-    )
 
 
 # --- sample ids ---------------------------------------------------------------------------------------------

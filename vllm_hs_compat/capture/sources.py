@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,13 +192,18 @@ def _open_hf(text: str) -> Source:
     return Source(f"{HF_PREFIX}{name}:{split}", dataset=dataset)
 
 
-def _iter_dataset(name: str, dataset: Any) -> Iterator[RawRow | Unreadable]:
-    for i, row in enumerate(dataset):
+def _objects(name: str, items: Iterable[Any], expected: str) -> Iterator[RawRow | Unreadable]:
+    """Each item of ``items`` as a row when it is a mapping, else an unreadable row saying what was found."""
+    for i, item in enumerate(items):
         ref = SourceRef(name, i)
-        if isinstance(row, dict):
-            yield RawRow(ref, row)
+        if isinstance(item, dict):
+            yield RawRow(ref, item)
         else:
-            yield Unreadable(ref, f"expected a row as a mapping of column to value, found {_describe(row)}")
+            yield Unreadable(ref, f"expected {expected}, found {_describe(item)}")
+
+
+def _iter_dataset(name: str, dataset: Any) -> Iterator[RawRow | Unreadable]:
+    yield from _objects(name, dataset, "a row as a mapping of column to value")
 
 
 def _iter_jsonl(path: str) -> Iterator[RawRow | Unreadable]:
@@ -245,12 +250,7 @@ def _iter_json(path: str) -> Iterator[RawRow | Unreadable]:
             "none of its rows were read",
         )
         return
-    for i, item in enumerate(value):
-        ref = SourceRef(path, i)
-        if isinstance(item, dict):
-            yield RawRow(ref, item)
-        else:
-            yield Unreadable(ref, f"expected a JSON object per element, found {_describe(item)}")
+    yield from _objects(path, value, "a JSON object per element")
 
 
 def _iter_parquet(path: str) -> Iterator[RawRow | Unreadable]:

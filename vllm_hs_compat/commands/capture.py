@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import sys
 import time
@@ -87,17 +88,6 @@ def register(sub: Any) -> None:
 
 
 # --- arguments ---------------------------------------------------------------------------------------------------
-def parse_layers(text: str) -> list[int]:
-    """``"2,16,29"`` -> ``[2, 16, 29]`` (sorted, unique); :class:`CaptureConfigError` for anything else."""
-    try:
-        ids = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise CaptureConfigError(f"--layers {text!r}: expected comma-separated layer ids, e.g. 2,16,29") from None
-    if not ids or ids[0] < 0:
-        raise CaptureConfigError(f"--layers {text!r}: expected one or more layer ids >= 0")
-    return ids
-
-
 def parse_fields(items: Sequence[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
@@ -140,6 +130,7 @@ def _model_len(model: str, given: int | None) -> int:
 def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
     """Check the arguments and the chat template; the run settings a resume must match."""
     from vllm_hs_compat.capture.samples import check_template, resolve_template
+    from vllm_hs_compat.commands.verify import parse_layers
 
     _positive(args.world_size, "--world-size")
     if not 0 <= args.rank < args.world_size:
@@ -148,7 +139,7 @@ def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     _positive(args.max_consecutive_failures, "--max-consecutive-failures")
     _positive(args.retries, "--retries", 0)
-    layers = parse_layers(args.layers)
+    layers = sorted(parse_layers(args.layers))  # the record's planes are in ascending layer-id order
     check_template(tokenizer, args.chat_template, args.loss_mask, on_policy=args.on_policy)
     template_text, template_where = resolve_template(tokenizer, args.chat_template)
     model_path = Path(args.model)
@@ -176,17 +167,6 @@ def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
-def _batches(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
-    batch: list[Any] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def _request_params(sample: Any, args: argparse.Namespace, capture: str) -> Any:
     from vllm_hs_compat.adapters.engine_api import sampling_params
     from vllm_hs_compat.core.capture import REQUEST_KEY, sample_entry
@@ -230,13 +210,9 @@ class _Run:
         self.retry = Retry(args.retries + 1)
         self.breaker = Breaker(args.max_consecutive_failures)
 
-    def info(self, sample: Any) -> Any:
-        from vllm_hs_compat.capture.store import SampleInfo
-
-        return SampleInfo.of(sample)
-
     def engine_batch(self, samples: list[Any]) -> list[Any]:
         """Run ``samples`` through the engine; returns the samples to try again."""
+        from vllm_hs_compat.capture.store import SampleInfo
         from vllm_hs_compat.connector import flush
         from vllm_hs_compat.core.capture import RESULT_KEY
         from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
@@ -247,7 +223,7 @@ class _Run:
             try:
                 ready.append((s, _request_params(s, self.args, self.plan.capture)))
             except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical
-                self.store.fail(self.info(s), "bad_field", str(exc))
+                self.store.fail(SampleInfo.of(s), "bad_field", str(exc))
                 self.breaker.failure("bad_field", str(exc))
         if not ready:
             return again
@@ -258,7 +234,9 @@ class _Run:
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         except (ValueError, TypeError) as exc:  # vLLM refused a request before running any: find it, fail it alone
             if len(samples) == 1:
-                self.failed(samples[0], self.info(samples[0]), ENGINE_REFUSED, f"{type(exc).__name__}: {exc}", again)
+                self.failed(
+                    samples[0], SampleInfo.of(samples[0]), ENGINE_REFUSED, f"{type(exc).__name__}: {exc}", again
+                )
                 return again
             for one in samples:
                 again += self.engine_batch([one])
@@ -269,7 +247,7 @@ class _Run:
             kv = dict(out.kv_transfer_params or {})
             result = kv.get(RESULT_KEY) or {}
             ticket = kv.get(FILE_KEY)
-            info = self.info(sample)
+            info = SampleInfo.of(sample)
             if ticket is None or result.get("status") in ("failed", "skipped"):
                 reason = str(result.get("reason") or "not_captured")
                 message = str(result.get("message") or f"the engine returned no record for it ({result or kv})")
@@ -378,7 +356,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     counts = {"read": 0, "skipped": 0}
     try:
         rows = _rows(args, tokenizer, store, plan_, counts)
-        first = list(_take(rows, args.batch_size))
+        first = list(itertools.islice(rows, args.batch_size))
         if first:
             llm = _engine(args, plan_, store)
             try:
@@ -396,11 +374,6 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     return summary.to_dict()
 
 
-def _take(it: Iterator[Any], n: int) -> Iterator[Any]:
-    for _, item in zip(range(n), it, strict=False):
-        yield item
-
-
 def _drive(work: _Run, first: list[Any], rows: Iterator[Any], size: int) -> None:
     done = 0
     t0 = time.monotonic()
@@ -409,7 +382,7 @@ def _drive(work: _Run, first: list[Any], rows: Iterator[Any], size: int) -> None
         again = work.engine_batch(pending)
         done += len(pending) - len(again)
         progress(f"captured or failed {done} rows ({time.monotonic() - t0:.1f} s)")
-        pending = again + list(_take(rows, size - len(again)))
+        pending = again + list(itertools.islice(rows, size - len(again)))
 
 
 def _engine(args: argparse.Namespace, plan_: Plan, store: Any) -> Any:
