@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+import zmq.utils.monitor
 from hsx_harness import Peer, process_memory, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 
@@ -550,4 +551,37 @@ def test_a_trainers_burst_is_not_a_ticket_holders(make_producer: Callable[..., E
             else:
                 assert got < 200 and dropped >= 1, (got, dropped)  # again after each reconnect
         finally:
+            s.close(0)
+
+
+def _disconnected(mon: zmq.Socket[bytes], timeout_s: float) -> bool:
+    """Whether the monitored client saw its connection end (``EVENT_DISCONNECTED``) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if mon.poll(50) and zmq.utils.monitor.recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED:
+            return True
+    return False
+
+
+def test_the_gate_closes_the_dropped_connection_and_no_other(make_producer: Callable[..., ExportProducer]) -> None:
+    """A connection dropped for its bounds has its TCP stream shut down by the gate (libzmq frees its queues), and
+    a bystander on the same host, connected at the same time, keeps its connection: the gate tells connections
+    apart by their whole TCP peer address, never by the host alone."""
+    p = make_producer()
+    body = P.encode(P.PingReq())
+    bystander, attacker = holder(p), holder(p)
+    mons = [s.get_monitor_socket(zmq.EVENT_DISCONNECTED) for s in (bystander, attacker)]
+    try:
+        for s in (bystander, attacker):
+            assert isinstance(ask(s, body), P.PongReply)  # both connected
+        for _ in range(200):
+            attacker.send_multipart([P.HEADER, P.new_rid(), body])
+        assert _disconnected(mons[1], 10.0), "the gate dropped the attacker but left its TCP stream open"
+        wait_until(lambda: p.stats()["control_peers_dropped_inflight"] >= 1, 5.0, "the gate to count the drop")
+        assert not _disconnected(mons[0], 1.0), "the bystander's connection was closed too"
+        assert isinstance(ask(bystander, body), P.PongReply)
+    finally:
+        for s, mon in zip((bystander, attacker), mons, strict=True):
+            s.disable_monitor()  # before its reader goes: libzmq sends monitor events blocking
+            mon.close(0)
             s.close(0)

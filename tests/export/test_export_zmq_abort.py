@@ -105,6 +105,10 @@ def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, server_key: str)
                 elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     return s, fd
     finally:
+        # Stop the monitor before closing its reading end: libzmq's I/O thread sends monitor events blocking, so
+        # an event with no reader (a reconnect after the gate drops this connection) would wedge every socket of
+        # this context.
+        s.disable_monitor()
         mon.close(linger=0)
     raise TimeoutError(f"no CURVE handshake with {endpoint} within 10 s")
 
@@ -113,8 +117,14 @@ def _reset(s: zmq.Socket[bytes], fd: int) -> None:
     """Close ``s`` so that its peer sees a TCP RST: SO_LINGER 0 on the connection's fd (set through a dup, which
     shares the open file), then libzmq closes it."""
     try:
-        dup = socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError:  # libzmq already closed the connection (the server dropped it): there is nothing to reset
+        s.close(linger=0)
+        return
+    try:
+        dup = socket.socket(fileno=copy)
+    except OSError:  # the number now names something that is not a socket: nothing of ours to reset
+        os.close(copy)
         s.close(linger=0)
         return
     try:

@@ -117,11 +117,40 @@ def error_body(code: str, message: str) -> bytes:
     return b"\x83" + b"".join(_msgpack_str(x) for x in ("t", "error", "code", code, "message", message))
 
 
+def _socket_of(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of libzmq's descriptor ``fd`` (closing it closes the duplicate only), or
+    None when ``fd`` is closed or is not a socket any more."""
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        return None
+
+
+def _peer_name(fd: int) -> tuple[Any, ...] | None:
+    """The TCP peer (host, port[, ...]) of libzmq's descriptor ``fd``, or None when it cannot be read."""
+    s = _socket_of(fd)
+    if s is None:
+        return None
+    try:
+        return tuple(s.getpeername())
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
 class _Peer:
     __slots__ = ("addr", "backlog", "backlog_bytes", "backlog_limit", "fd", "inflight", "limit", "principal")
 
-    def __init__(self, fd: int, addr: str, principal: bytes, limit: int, backlog_limit: int) -> None:
+    def __init__(self, fd: int, addr: tuple[Any, ...] | None, principal: bytes, limit: int, backlog_limit: int) -> None:
         self.fd = fd
+        #: the connection's TCP peer (host, port): what tells this connection's descriptor from a later one that
+        #: reuses the number (the host alone does not: every client on one machine shares it)
         self.addr = addr
         self.inflight = 0
         self.principal = principal  # fixed by the handshake: the same for every message of a connection
@@ -248,8 +277,7 @@ class Gate:
             trainer = last.get("User-Id") == "trainer"
             limit = self.max_inflight_trainer if trainer else self.max_inflight
             backlog = self.backlog_bytes_trainer if trainer else self.backlog_bytes
-            addr = str(last.get("Peer-Address") or "")
-            peer = _Peer(fd, addr, b"trainer" if trainer else b"record", limit, backlog)
+            peer = _Peer(fd, _peer_name(fd), b"trainer" if trainer else b"record", limit, backlog)
             self.peers[conn] = peer
             self.by_fd[fd] = conn
         if len(frames) != 4 or len(frames[2]) != self.rid_bytes:
@@ -338,13 +366,12 @@ class Gate:
         if peer is None:
             return
         self.by_fd.pop(peer.fd, None)
-        try:
-            s = socket.socket(fileno=os.dup(peer.fd))
-        except OSError:
+        s = _socket_of(peer.fd)
+        if s is None:
             return
         try:
-            if peer.addr and s.getpeername()[0] != peer.addr:
-                return  # the descriptor now belongs to another connection: leave it
+            if peer.addr is None or s.getpeername() != peer.addr:
+                return  # the descriptor now belongs to another connection (or was never known): leave it
             s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
