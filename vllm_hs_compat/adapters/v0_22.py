@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from packaging.specifiers import SpecifierSet
 
+from vllm_hs_compat import releases
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.shims import (
     CrossLayerHooksOff,
@@ -24,7 +25,7 @@ from vllm_hs_compat.core.layout import ViewOrder
 
 class Adapter(VllmAdapter):
     name = "v0_22"
-    versions = SpecifierSet(">=0.22.0,<0.29.0")
+    versions = SpecifierSet(releases.era_range("v0_22"))
     capture_spec_types = frozenset({"HiddenStateCacheSpec"})
     # Split path (own group): an as_strided view whose block stride is the padded page.
     # 0.22.0: HiddenStateCacheSpec(MLAAttentionSpec) marks the capture layer.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from packaging.specifiers import SpecifierSet
 
+from vllm_hs_compat import releases
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.shims import NoKvDelivery, PpAwareHandshake, PreemptionsByMetadata, Shim
 from vllm_hs_compat.core.layout import ViewOrder
@@ -19,7 +20,7 @@ from vllm_hs_compat.core.layout import ViewOrder
 
 class Adapter(VllmAdapter):
     name = "v0_29"
-    versions = SpecifierSet(">=0.29.0,<0.34.0")
+    versions = SpecifierSet(releases.era_range("v0_29"))
     capture_spec_types = frozenset({"HiddenStateCacheSpec"})
     hidden_state_cache_spec = True
     # 0.29.0: the V2 model runner is the default (extract_hidden_states supported there from 0.29.0).
