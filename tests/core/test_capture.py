@@ -8,9 +8,6 @@ from hypothesis import strategies as st
 
 from vllm_hs_compat.connector.config import ConnectorConfig
 from vllm_hs_compat.core.capture import (
-    REASON_DISABLED,
-    REASON_EMPTY,
-    REASON_PROMPT_INCOMPLETE,
     BlockTracker,
     CaptureSpec,
     NoRecord,
@@ -18,6 +15,7 @@ from vllm_hs_compat.core.capture import (
     ScheduledNew,
     StepInfo,
 )
+from vllm_hs_compat.core.vocabulary import REASON_DISABLED, REASON_EMPTY, REASON_PROMPT_INCOMPLETE
 from vllm_hs_compat.errors import CaptureConfigError
 
 bounds = st.one_of(st.none(), st.integers(-300, 300))

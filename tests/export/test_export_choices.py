@@ -20,10 +20,11 @@ from vllm_hs_compat.adapters import adapter_for_version
 from vllm_hs_compat.connector.config import ConnectorConfig
 from vllm_hs_compat.connector.scheduler import CaptureScheduler
 from vllm_hs_compat.connector.sinks import ExportSink
-from vllm_hs_compat.core.capture import RESULT_KEY, BlockTracker, FinishedRequest
+from vllm_hs_compat.core.capture import BlockTracker, FinishedRequest
 from vllm_hs_compat.core.choices import CHOICES_KEY, Choices
 from vllm_hs_compat.core.groups import GroupInfo
 from vllm_hs_compat.core.records import RecordMeta
+from vllm_hs_compat.core.vocabulary import RESULT_KEY
 from vllm_hs_compat.export import ExportConsumer, ExportProducer
 from vllm_hs_compat.export.protocol import PARAMS_KEY
 

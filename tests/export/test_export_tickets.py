@@ -247,7 +247,7 @@ def test_a_failed_records_reason_reaches_its_own_ticket_only(shm_producer: Make)
     p.publish_nowait(make_meta("cmpl-d", rows, 4), rows, dup.publication)
     assert p.flush(5)
     with _holder(dup) as c:
-        assert _outcome(c, "cmpl-d").startswith("RecordFailedError: record 'cmpl-d' will not be published: Dupl")
+        assert _outcome(c, "cmpl-d").startswith("RecordFailedError: record 'cmpl-d' will not be published: sink: Dupl")
     with _holder(first) as c:
         assert _outcome(c, "cmpl-d") == digest(rows)
     assert p.stats()["failed_records"] == 2

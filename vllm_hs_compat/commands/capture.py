@@ -169,7 +169,8 @@ def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
 # --- the run -----------------------------------------------------------------------------------------------------
 def _request_params(sample: Any, args: argparse.Namespace, capture: str) -> Any:
     from vllm_hs_compat.adapters.engine_api import sampling_params
-    from vllm_hs_compat.core.capture import REQUEST_KEY, sample_entry
+    from vllm_hs_compat.core.capture import sample_entry
+    from vllm_hs_compat.core.vocabulary import REQUEST_KEY
 
     # on-policy: the prompt's mask (all zeros) plus the generated part, through the record's last position
     generated = args.on_policy and sample.loss_mask is not None
@@ -214,7 +215,7 @@ class _Run:
         """Run ``samples`` through the engine; returns the samples to try again."""
         from vllm_hs_compat.capture.store import SampleInfo
         from vllm_hs_compat.connector import flush
-        from vllm_hs_compat.core.capture import RESULT_KEY
+        from vllm_hs_compat.core.vocabulary import RESULT_KEY
         from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
 
         again: list[Any] = []

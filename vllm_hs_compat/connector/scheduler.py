@@ -16,13 +16,6 @@ from typing import TYPE_CHECKING, Any
 from vllm_hs_compat import api
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.core.capture import (
-    REASON_ABORTED,
-    REASON_BAD_PARAMS,
-    REASON_BLOCKS,
-    REQUEST_KEY,
-    RESULT_KEY,
-    STATUS_QUEUED,
-    STATUS_SHARED,
     BlockTracker,
     CaptureSpec,
     FinishedRequest,
@@ -34,6 +27,20 @@ from vllm_hs_compat.core.capture import (
     parse_request,
 )
 from vllm_hs_compat.core.choices import Choices, Sibling
+from vllm_hs_compat.core.vocabulary import (
+    REASON_ABORTED,
+    REASON_BAD_PARAMS,
+    REASON_BLOCKS,
+    REASON_DISABLED,
+    REASON_ENGINE_STOPPED,
+    REASON_PADDING,
+    REQUEST_KEY,
+    RESULT_KEY,
+    STATUS_FAILED,
+    STATUS_QUEUED,
+    STATUS_SHARED,
+    STATUS_SKIPPED,
+)
 from vllm_hs_compat.errors import CaptureConfigError
 from vllm_hs_compat.export.capabilities import new_publication
 
@@ -45,8 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.vllm_hs_compat.connector")
 
-REASON_PADDING = "padding_slot"
-REASON_ENGINE_STOPPED = "engine_stopped"
 
 #: Scheduler halves alive in this process (the in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 LIVE: weakref.WeakSet[CaptureScheduler] = weakref.WeakSet()
@@ -156,8 +161,8 @@ class CaptureScheduler:
 
     def _refuse(self, fr: FinishedRequest, reason: str, message: str) -> tuple[bool, dict[str, Any]]:
         self.counters["records_refused"] += 1
-        status = "skipped" if reason == "disabled" else "failed"
-        if status == "failed" and reason != REASON_ABORTED:
+        status = STATUS_SKIPPED if reason == REASON_DISABLED else STATUS_FAILED
+        if status == STATUS_FAILED and reason != REASON_ABORTED:
             log.warning("vllm-hs-compat: no record for request %r: %s: %s", fr.req_id, reason, message)
         return False, self._params(fr, status, reason=reason, message=message)
 

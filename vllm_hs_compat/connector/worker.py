@@ -17,16 +17,11 @@ import torch
 
 from vllm_hs_compat import api
 from vllm_hs_compat.adapters.base import VllmAdapter
-from vllm_hs_compat.core.capture import (
-    REASON_BLOCKS,
-    REASON_SINK,
-    RecordFailure,
-    SaveRequest,
-    StepPlan,
-)
+from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, StepPlan
 from vllm_hs_compat.core.layout import CaptureView
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.core.transfer import PendingRows, RowReader
+from vllm_hs_compat.core.vocabulary import REASON_BACKLOG, REASON_BLOCKS, REASON_SLOT_CHECK, reason_of
 from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatError
 
 from .config import ConnectorConfig
@@ -37,8 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.vllm_hs_compat.connector")
 
-REASON_SLOT_CHECK = "slot_check"
-REASON_BACKLOG = "backlog"
 #: Host bytes of records waiting for the sink beyond which new records fail (counted) instead of piling up.
 MAX_BACKLOG_BYTES = 4 << 30
 
@@ -327,7 +320,7 @@ class CaptureWorker:
                 self._count("records")
                 self._count("bytes", nbytes)
             except Exception as e:
-                self._fail(save, REASON_SINK, f"{type(e).__name__}: {e}")
+                self._fail(save, reason_of(e), f"{type(e).__name__}: {e}")
                 if not reported:  # exactly once: vLLM frees the blocks of each reported request
                     self._done(save.req_id)
             finally:

@@ -22,35 +22,13 @@ from .records import (
     RecordSample,
     canonical_metadata,
 )
+from .vocabulary import REASON_DISABLED, REASON_EMPTY, REASON_PROMPT_INCOMPLETE, SAMPLE_KEY
 
 CaptureMode = Literal["prompt", "all", "output"]
 MODES: Final[tuple[CaptureMode, ...]] = ("prompt", "all", "output")
-#: Key of a request's own ``kv_transfer_params`` entry that overrides the capture settings.
-REQUEST_KEY: Final = "hs_capture"
-#: Key, inside a request's ``hs_capture`` entry, of what the record is made for (see :class:`RequestSample`).
-SAMPLE_KEY: Final = "sample"
-#: Keys of a ``sample`` entry.
+#: The keys, statuses and reasons users read live in :mod:`vllm_hs_compat.core.vocabulary`; re-exported here.
+#: ``SAMPLE_FIELDS``: the keys of a request's ``sample`` entry.
 SAMPLE_FIELDS: Final = ("id", "source", "loss_mask_spans", "metadata")
-#: Key of the returned ``kv_transfer_params`` entry saying what became of the request's record (a different key,
-#: so params fed back into a new request are not mistaken for settings).
-RESULT_KEY: Final = "hs_record"
-#: ``hs_record.status`` of a record the scheduler accepted and queued for the worker.  Not a promise: the sink may
-#: still drop it (full pool, backlog, slot check); the drop is reported when the ticket is fetched, see
-#: docs/connector.md ("What the client gets back").
-STATUS_QUEUED: Final = "queued"
-#: ``hs_record.status`` of an ``n > 1`` choice whose prompt-only record is its sibling's (``same_as`` names it; see
-#: :mod:`vllm_hs_compat.core.choices`).
-STATUS_SHARED: Final = "shared"
-
-# Why a record will not exist (``kv_transfer_params["hs_record"]["reason"]``).
-REASON_ABORTED: Final = "aborted"
-REASON_PROMPT_INCOMPLETE: Final = "prompt_incomplete"
-REASON_EMPTY: Final = "empty_selection"
-REASON_DISABLED: Final = "disabled"
-REASON_BAD_PARAMS: Final = "bad_params"
-REASON_BLOCKS: Final = "blocks"
-REASON_NOT_CAPTURED: Final = "not_captured"
-REASON_SINK: Final = "sink"
 
 
 class NoRecord(Exception):  # noqa: N818 - a decision, not an error: the request simply has no record

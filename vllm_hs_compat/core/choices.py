@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-#: ``kv_transfer_params`` key: the entries of the request's choices, in choice order.
-CHOICES_KEY: Final = "hs_choices"
+from vllm_hs_compat.core.vocabulary import CHOICES_KEY  # the kv_transfer_params key of the choices
+
 #: Families remembered (the scheduler never learns when the last child of one has finished).
 MAX_FAMILIES: Final = 4096
 

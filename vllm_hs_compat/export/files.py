@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
+from vllm_hs_compat.core.vocabulary import FILE_KEY
 from vllm_hs_compat.errors import ExportConfigError, RecordFailedError, RecordFormatError
 
-PARAMS_KEY = "hs_file"
+PARAMS_KEY = FILE_KEY  # the kv_transfer_params key (core.vocabulary)
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 

@@ -49,6 +49,7 @@ from vllm_hs_compat.core.records import (
     checksum_bytes,
     compute_checksum,
 )
+from vllm_hs_compat.core.vocabulary import reason_of
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.capabilities import (
     CAP_PREFIX,
@@ -424,7 +425,7 @@ class ExportProducer:
             except Exception as e:  # named errors are counted where they are raised; fail the record alone
                 if not isinstance(e, E.HsCompatError):
                     log.exception("export writer: record %r failed", meta.request_id)
-                self.fail(meta.request_id, type(e).__name__, str(e), publication)
+                self.fail(meta.request_id, reason_of(e), f"{type(e).__name__}: {e}", publication)
             finally:
                 del item, rows
                 with self._written:

@@ -36,6 +36,7 @@ from vllm_hs_compat.core.records import (
     RecordMeta,
     RecordSample,
 )
+from vllm_hs_compat.core.vocabulary import EXPORT_KEY
 from vllm_hs_compat.errors import (
     ExportConfigError,
     ProtocolError,
@@ -600,7 +601,7 @@ def convert_transport(info: Mapping[str, Any] | ShmInfo | NixlInfo) -> ShmInfo |
 
 
 # --- the ticket (kv_transfer_params["hs_export"]) -------------------------------------------------------------
-PARAMS_KEY: Final = "hs_export"
+PARAMS_KEY: Final = EXPORT_KEY  # the kv_transfer_params key (core.vocabulary)
 #: 3: the capability is bound to one publication of the record (``c2.``); 2 carried ``c1.`` capabilities, which
 #: producers of this release refuse; 1 carried no capability (the trainer token opens it).
 TICKET_VERSION: Final = 3
