@@ -47,6 +47,10 @@ BAD: list[tuple[dict[str, Any], list[str]]] = [
     ({"callback": "no_colon"}, ["'no_colon'", "module:function"]),
     ({"check_requests": -2}, ["-2", "int >= 0"]),
     ({"window": "all of it"}, ["window", "--kv-transfer-config"]),
+    ({"read": {"path": "gpu"}}, ['"read".path', "'gpu'", "['staged', 'direct']", "--kv-transfer-config"]),
+    ({"read": {"lone_read": False}}, ["'lone_read'", "lone_reads", "--kv-transfer-config"]),
+    ({"read": {"lone_reads": "no"}}, ['"read".lone_reads', "true or false", "'no'"]),
+    ({"read": "direct"}, ['"read" must be a JSON object', "'direct'"]),
 ]
 
 
@@ -137,3 +141,39 @@ def test_a_malformed_token_in_the_environment_is_refused(monkeypatch: pytest.Mon
         check_kv_transfer_config(_kv({}))
     monkeypatch.setenv("VLLM_HS_COMPAT_EXPORT_TOKEN", "x" * 32)
     assert check_kv_transfer_config(_kv({})) is not None
+
+
+def test_read_options_come_from_the_config_over_the_environment_read_at_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"read"`` keys win; a key left out takes its variable's value when the config is parsed (never at import),
+    and no ``"read"`` at all leaves the choice to the worker's start (``None``)."""
+    from vllm_hs_compat.core.transfer import ReadOptions
+
+    config = check_kv_transfer_config(_kv({"read": {"path": "direct"}}))
+    assert config is not None and config.read == ReadOptions(path="direct", lone_reads=True, lone_chunks=True)
+    monkeypatch.setenv("VLLM_HS_COMPAT_LONE_READ", "0")
+    monkeypatch.setenv("VLLM_HS_COMPAT_CAPTURE_PATH", "direct")
+    config = check_kv_transfer_config(_kv({"read": {"lone_chunks": False}}))
+    assert config is not None and config.read == ReadOptions(path="direct", lone_reads=False, lone_chunks=False)
+    assert ReadOptions.from_env() == ReadOptions(path="direct", lone_reads=False, lone_chunks=True)
+    plain = check_kv_transfer_config(_kv({}))
+    assert plain is not None and plain.read is None
+    monkeypatch.setenv("VLLM_HS_COMPAT_CAPTURE_PATH", "dirct")
+    with pytest.raises(HsCompatError, match="VLLM_HS_COMPAT_CAPTURE_PATH='dirct'"):
+        ReadOptions.from_env()
+
+
+def test_a_row_reader_takes_its_options_when_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from vllm_hs_compat.core.layout import ViewOrder, describe_capture_view
+    from vllm_hs_compat.core.transfer import ReadOptions, RowReader
+
+    cache = torch.zeros(4, 16, 2, 8)
+    view = describe_capture_view(cache, num_planes=2, group_block_size=16, order=ViewOrder.BLOCK_TOKEN_PLANE)
+    monkeypatch.setenv("VLLM_HS_COMPAT_LONE_READ", "0")
+    assert RowReader(cache, view).options == ReadOptions(lone_reads=False)
+    monkeypatch.delenv("VLLM_HS_COMPAT_LONE_READ")
+    assert RowReader(cache, view).options == ReadOptions()
+    assert RowReader(cache, view, path="direct", options=ReadOptions(lone_chunks=False)).options == ReadOptions(
+        path="direct", lone_chunks=False
+    )

@@ -83,3 +83,50 @@ def test_a_full_pool_is_pool_full_and_other_sink_errors_are_sink() -> None:
     assert set(V.REASONS) >= {V.reason_of(PoolFullError("x")), V.reason_of(OSError())}
     assert V.describe_reason("pool_full").startswith("pool_full (worker): ")
     assert "does not know" in V.describe_reason("from_the_future")
+
+
+def test_the_environment_table_is_envs() -> None:
+    from vllm_hs_compat import envs
+
+    assert _table("Environment variables", "| variable |") == list(envs.VARIABLES)
+
+
+def _env_names_read_elsewhere(package: Path = PACKAGE) -> list[str]:
+    """``VLLM_HS_COMPAT_*`` names written as string literals in code outside envs.py (docstrings and comments
+    may name them; code reads them through :mod:`vllm_hs_compat.envs`)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "envs.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and id(node) not in docs
+                and re.fullmatch(r"VLLM_HS_COMPAT_[A-Z_]+", node.value)
+            ):
+                found.append(f"{path.relative_to(package.parent)}: {node.value}")
+    return found
+
+
+def test_no_module_reads_a_variable_by_its_own_spelling() -> None:
+    assert _env_names_read_elsewhere() == []
+
+
+def test_the_env_scan_finds_a_direct_read(tmp_path: Path) -> None:
+    """Negative control: ``os.environ.get("VLLM_HS_COMPAT_LONE_READ")`` in a module is found; its docstring is not."""
+    fake = tmp_path / "vllm_hs_compat"
+    (fake / "core").mkdir(parents=True)
+    (fake / "core" / "transfer.py").write_text(
+        '"""VLLM_HS_COMPAT_LONE_READ"""\nimport os\nLONE = os.environ.get("VLLM_HS_COMPAT_LONE_READ", "1")\n'
+    )
+    assert _env_names_read_elsewhere(fake) == ["vllm_hs_compat/core/transfer.py: VLLM_HS_COMPAT_LONE_READ"]

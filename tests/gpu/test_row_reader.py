@@ -29,9 +29,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def lone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Both lone-request paths: the general one (slots per token) and ``LoneReads`` (whole blocks, the default;
     ``VLLM_HS_COMPAT_LONE_READ=0`` turns it off)."""
-    from vllm_hs_compat.core import transfer
-
-    monkeypatch.setattr(transfer, "LONE_READS", bool(request.param))
+    # Read when each RowReader is built and at each api.copy_request_async (ReadOptions.from_env).
+    monkeypatch.setenv("VLLM_HS_COMPAT_LONE_READ", "1" if request.param else "0")
     return bool(request.param)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from vllm_hs_compat import releases
+from vllm_hs_compat import envs, releases
 from vllm_hs_compat.adapters import v0_17, v0_22, v0_29
 from vllm_hs_compat.adapters.base import CAPTURE_LAYER_PREFIX, ProbeResult, VllmAdapter
 from vllm_hs_compat.errors import (
@@ -33,7 +33,7 @@ from vllm_hs_compat.errors import (
 
 ADAPTERS: tuple[type[VllmAdapter], ...] = (v0_17.Adapter, v0_22.Adapter, v0_29.Adapter)
 SUPPORTED_VLLM = SpecifierSet(releases.SUPPORTED)
-OVERRIDE_ENV = "VLLM_HS_COMPAT_ADAPTER"
+OVERRIDE_ENV = envs.ADAPTER
 #: Releases proven by the nox matrix (docs/compatibility.md); the list lives in :mod:`vllm_hs_compat.releases`.
 TESTED_RELEASES = releases.TESTED
 

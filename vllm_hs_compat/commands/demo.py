@@ -148,7 +148,6 @@ class _Trainer:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env={**os.environ, "VLLM_HS_COMPAT_QUIET": "1"},
         )
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()

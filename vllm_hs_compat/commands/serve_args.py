@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_hs_compat import envs
 from vllm_hs_compat.errors import HsCompatError, ModelConfigError, ToolError
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "fp8": 1, "float8_e4m3fn": 1}
@@ -359,7 +360,7 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
         errors.append(str(exc))
     env: dict[str, str] = {}
     if args.sink == "export":
-        env["VLLM_HS_COMPAT_EXPORT_TOKEN"] = "$(openssl rand -hex 32)"
+        env[envs.EXPORT_TOKEN] = "$(openssl rand -hex 32)"
     return Plan(
         vllm=vllm_version,
         adapter=adapter.describe(),

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from vllm_hs_compat.core.capture import CaptureSpec
-from vllm_hs_compat.errors import CaptureConfigError
+from vllm_hs_compat.core.transfer import ReadOptions
+from vllm_hs_compat.errors import CaptureConfigError, TransferError
 
 SinkKind = Literal["export", "file", "callback"]
 SINKS: Final[tuple[SinkKind, ...]] = ("export", "file", "callback")
@@ -42,7 +43,7 @@ EXPORT_KEYS: Final = frozenset(
         "shm_handoff",
     }
 )
-KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests"})
+KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests", "read"})
 #: Keys of ``"file"``: the directory, and the trainer format written there (see vllm_hs_compat.trainer.formats).
 FILE_KEYS: Final = frozenset(
     {"path", "format", "verifier", "num_hidden_layers", "loss_mask", "drafter_config", "compress", "final_norm"}
@@ -144,6 +145,10 @@ class ConnectorConfig:
     """``"file"`` options besides ``path``: ``format`` (``native`` default, ``speculators``, ``specforge-eagle3``,
     ``specforge-dflash``, ``modelopt``), ``verifier`` (the model folder), ``num_hidden_layers``, ``loss_mask``,
     ``drafter_config``, ``compress``, ``final_norm`` (see :class:`~vllm_hs_compat.trainer.formats.FormatWriter`)."""
+    read: ReadOptions | None = None
+    """``"read"``: how the worker reads rows to host (``path``, ``lone_reads``, ``lone_chunks``; see
+    :class:`~vllm_hs_compat.core.transfer.ReadOptions`).  None: the environment's defaults, read when the worker
+    starts."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -207,7 +212,13 @@ class ConnectorConfig:
         checks = extra.get("check_requests", 8)
         if isinstance(checks, bool) or not isinstance(checks, int) or checks < 0:
             raise CaptureConfigError(f'{WHAT}: "check_requests" must be an int >= 0, found {checks!r}; {FIX}')
-        return cls(capture, sink, dict(export), file_path, callback, checks, file_options)
+        read = None
+        if "read" in extra:
+            try:
+                read = ReadOptions.parse(extra["read"], what=f'{WHAT}: "read"')
+            except TransferError as e:
+                raise CaptureConfigError(f"{e}; {FIX}") from None
+        return cls(capture, sink, dict(export), file_path, callback, checks, file_options, read)
 
 
 def names_this_connector(kv_transfer_config: Any) -> bool:

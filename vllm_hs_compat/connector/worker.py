@@ -103,7 +103,7 @@ class CaptureWorker:
                 hidden_size=self.hidden_size,
                 adapter=self.adapter,
             )
-            self.reader = RowReader(tensor, self.view)
+            self.reader = RowReader(tensor, self.view, options=self.config.read)
         if self.owner:
             self.sink = make_sink(self.config, ranks.dp_rank)
             self._thread = threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True)

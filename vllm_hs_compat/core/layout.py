@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import envs
 from ..errors import AmbiguousViewError, CaptureViewError
 
 
@@ -205,7 +205,7 @@ def _triton_rows() -> Any:
     global _triton
     if _triton is None:
         _triton = False
-        if os.environ.get("VLLM_HS_COMPAT_TRITON", "1") != "0":
+        if envs.flag(envs.TRITON):
             try:
                 from . import _triton_rows as module
             except ImportError:

@@ -17,15 +17,16 @@ On CPU the copy is synchronous and the handle is complete at once.
 from __future__ import annotations
 
 import ctypes
-import os
+import dataclasses
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import envs
 from ..errors import SlotError, TransferError
 from .layout import (
     CaptureView,
@@ -92,15 +93,64 @@ STAGE_BYTES = 256 << 20
 
 #: How rows reach host memory on CUDA: ``staged`` (gather into a device buffer, then one D2H copy per chunk) or
 #: ``direct`` (a Triton kernel gathers straight into the pinned host destination; falls back to ``staged`` where
-#: Triton is missing).  ``VLLM_HS_COMPAT_CAPTURE_PATH`` overrides the default.
+#: Triton is missing).
 CAPTURE_PATHS = ("staged", "direct")
+#: Keys of ``kv_connector_extra_config["read"]`` (the fields of :class:`ReadOptions`).
+READ_KEYS = ("path", "lone_reads", "lone_chunks")
 
 
 def _default_path() -> str:
-    path = os.environ.get("VLLM_HS_COMPAT_CAPTURE_PATH", "staged")
+    path = envs.get(envs.CAPTURE_PATH)
     if path not in CAPTURE_PATHS:
-        raise TransferError(f"VLLM_HS_COMPAT_CAPTURE_PATH={path!r}; expected one of {list(CAPTURE_PATHS)}")
+        raise TransferError(f"{envs.CAPTURE_PATH}={path!r}; expected one of {list(CAPTURE_PATHS)}")
     return path
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How the worker reads rows to host, chosen once per reader (never frozen at import).
+
+    ``path``: :data:`CAPTURE_PATHS`.  ``lone_reads``: a request read alone gathers whole blocks
+    (:class:`LoneReads`; False: the per-token path).  ``lone_chunks``: per-plane (LBHNC) lone reads gather
+    whole-block chunks with ``index_select`` (False: the Triton row kernel).  Defaults come from the environment
+    (:mod:`vllm_hs_compat.envs`); a deployment sets them in ``kv_connector_extra_config["read"]``."""
+
+    path: str = "staged"
+    lone_reads: bool = True
+    lone_chunks: bool = True
+
+    def __post_init__(self) -> None:
+        if self.path not in CAPTURE_PATHS:
+            raise TransferError(f"read path {self.path!r}; expected one of {list(CAPTURE_PATHS)}")
+
+    @classmethod
+    def from_env(cls) -> ReadOptions:
+        """The defaults as the environment sets them now (``VLLM_HS_COMPAT_CAPTURE_PATH``, ``_LONE_READ``,
+        ``_LONE_CHUNKS``)."""
+        return cls(path=_default_path(), lone_reads=envs.flag(envs.LONE_READ), lone_chunks=envs.flag(envs.LONE_CHUNKS))
+
+    @classmethod
+    def parse(cls, raw: Any, what: str) -> ReadOptions:
+        """Options from a config map over :meth:`from_env`; unknown keys and wrong types raise
+        :class:`~vllm_hs_compat.errors.TransferError` naming ``what``."""
+        base = cls.from_env()
+        if raw is None:
+            return base
+        if not isinstance(raw, Mapping):
+            raise TransferError(f"{what} must be a JSON object with keys {list(READ_KEYS)}, found {raw!r}")
+        unknown = sorted(str(k) for k in raw if k not in READ_KEYS)
+        if unknown:
+            raise TransferError(f"{what} has unknown keys {unknown}; expected any of {list(READ_KEYS)}")
+        path = raw.get("path", base.path)
+        if path not in CAPTURE_PATHS:
+            raise TransferError(f"{what}.path must be one of {list(CAPTURE_PATHS)}, found {path!r}")
+        flags = {}
+        for key in ("lone_reads", "lone_chunks"):
+            value = raw.get(key, getattr(base, key))
+            if not isinstance(value, bool):
+                raise TransferError(f"{what}.{key} must be true or false, found {value!r}")
+            flags[key] = value
+        return cls(path=str(path), **flags)
 
 
 class PinnedIndexPool:
@@ -318,12 +368,9 @@ _PY_INDEX_MAX = 512
 #: bytes or half the rows it keeps; else it takes the per-token path.
 _OVERREAD_BYTES = 4 << 20
 #: Per-plane (LBHNC) lone reads gather whole-block chunks with ``index_select`` (then one transposing copy) instead
-#: of the Triton row kernel, expected to cost the host less than its launch; not yet measured on the H200
-#: (``benchmarks/probe_lone_read.py`` times both).  ``VLLM_HS_COMPAT_LONE_CHUNKS=0`` takes the kernel path.
-#: The whole-block lone read (:class:`LoneReads`) is on by default (tests/gpu races and figures ran on an H200,
-#: docs/benchmarks.md); ``VLLM_HS_COMPAT_LONE_READ=0`` takes the general path.
-LONE_READS = os.environ.get("VLLM_HS_COMPAT_LONE_READ", "1") != "0"
-LONE_PER_PLANE_CHUNKS = os.environ.get("VLLM_HS_COMPAT_LONE_CHUNKS", "1") != "0"
+#: of the Triton row kernel, expected to cost the host less than its launch (``benchmarks/probe_lone_read.py`` times
+#: both; ``ReadOptions.lone_chunks``).  The whole-block lone read (:class:`LoneReads`) is on by default (tests/gpu
+#: races and figures ran on an H200, docs/benchmarks.md); ``ReadOptions.lone_reads`` False takes the general path.
 
 
 class LoneReads:
@@ -339,10 +386,10 @@ class LoneReads:
     current) return None: the caller takes the general path.  Thread-safe (the pinned pool is locked).
     """
 
-    def __init__(self, table: RowTable, view: CaptureView, device: torch.device) -> None:
+    def __init__(self, table: RowTable, view: CaptureView, device: torch.device, *, chunks: bool = True) -> None:
         self.view = view
         self.plan: ChunkPlan | None = chunk_plan(table, view)
-        if self.plan is not None and self.plan.rows_per_token > 1 and not LONE_PER_PLANE_CHUNKS:
+        if self.plan is not None and self.plan.rows_per_token > 1 and not chunks:
             self.plan = None
         self.device = device
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -446,21 +493,22 @@ def _current_stream(device_index: int) -> Any:
     return cur
 
 
-_LONE: dict[int, tuple[Any, CaptureView, LoneReads | None]] = {}
+_LONE: dict[tuple[int, bool], tuple[Any, CaptureView, LoneReads | None]] = {}
 _LONE_LOCK = threading.Lock()
 
 
-def lone_reads(cache: torch.Tensor, view: CaptureView) -> LoneReads | None:
-    """The :class:`LoneReads` of a CUDA capture tensor, made once per tensor object and view (the entry goes when
-    the tensor does); None on CPU or where the tensor has no row table."""
+def lone_reads(cache: torch.Tensor, view: CaptureView, chunks: bool = True) -> LoneReads | None:
+    """The :class:`LoneReads` of a CUDA capture tensor, made once per tensor object, view and ``chunks``
+    (:attr:`ReadOptions.lone_chunks`; the entry goes when the tensor does); None on CPU or where the tensor has no
+    row table."""
     if cache.device.type != "cuda":
         return None
-    key = id(cache)
+    key = (id(cache), chunks)
     hit = _LONE.get(key)
     if hit is not None and hit[0]() is cache and (hit[1] is view or hit[1] == view):
         return hit[2]
     table = cached_row_table(cache, view)
-    lone = LoneReads(table, view, cache.device) if table is not None else None
+    lone = LoneReads(table, view, cache.device, chunks=chunks) if table is not None else None
     with _LONE_LOCK:
         _LONE[key] = (weakref.ref(cache, lambda _, key=key: _LONE.pop(key, None)), view, lone)  # type: ignore[misc]
     return lone
@@ -475,10 +523,16 @@ def read_request_async(
     *,
     start: int = 0,
     out: torch.Tensor | None = None,
+    options: ReadOptions | None = None,
 ) -> PendingRows:
     """One request's rows to host (``api.copy_request_async``): the :class:`LoneReads` path where it fits, else
-    :func:`copy_rows_async` of its slots.  Ordered after everything queued so far on the current stream."""
-    lone = lone_reads(cache, view) if LONE_READS else None
+    :func:`copy_rows_async` of its slots.  Ordered after everything queued so far on the current stream.
+    ``options``: default :meth:`ReadOptions.from_env` (its lone-read switches; the path is always staged here)."""
+    if options is not None:
+        lone_on, chunks = options.lone_reads, options.lone_chunks
+    else:
+        lone_on, chunks = envs.flag(envs.LONE_READ), envs.flag(envs.LONE_CHUNKS)
+    lone = lone_reads(cache, view, chunks) if lone_on else None
     if lone is not None:
         pending = lone.read(req_id, block_ids, start, num_tokens, out, None)
         if pending is not None:
@@ -498,14 +552,23 @@ class RowReader:
     forward.
     """
 
-    def __init__(self, cache: torch.Tensor, view: CaptureView, *, path: str | None = None) -> None:
+    def __init__(
+        self, cache: torch.Tensor, view: CaptureView, *, path: str | None = None, options: ReadOptions | None = None
+    ) -> None:
+        """``options``: default :meth:`ReadOptions.from_env`, read now; ``path`` overrides its ``path``."""
+        opts = options if options is not None else ReadOptions.from_env()
+        if path is not None:
+            opts = dataclasses.replace(opts, path=path)
+        self.options = opts
         self.cache = cache
         self.view = view
-        self.path = path
+        self.path = opts.path
         self._written: Any = None
         self.pool = PinnedIndexPool()
         self.table = row_table(cache, view) if cache.device.type == "cuda" else None
-        self.lone = LoneReads(self.table, view, cache.device) if self.table is not None else None
+        self.lone = (
+            LoneReads(self.table, view, cache.device, chunks=opts.lone_chunks) if self.table is not None else None
+        )
 
     def mark_written(self) -> None:
         """Record the point after the latest capture write on the current (writing) stream (CUDA only)."""
@@ -525,7 +588,7 @@ class RowReader:
     ) -> PendingRows:
         """Copy positions ``[start, start + num_tokens)`` of ``req_id`` to host; raises the named
         :class:`~vllm_hs_compat.errors.SlotError` when its blocks cannot address them."""
-        if LONE_READS and self.lone is not None and (self.path or _default_path()) == "staged":
+        if self.lone is not None and self.options.lone_reads and self.path == "staged":
             pending = self.lone.read(req_id, block_ids, start, num_tokens, out, self._written)
             if pending is not None:
                 return pending

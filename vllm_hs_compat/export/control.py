@@ -55,6 +55,7 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
+from vllm_hs_compat import envs
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.gate import COUNTERS as GATE_COUNTERS
@@ -100,8 +101,8 @@ def new_token() -> str:
 
 
 #: The trainer credential: the token itself, or the file holding it.
-TOKEN_ENV = "VLLM_HS_COMPAT_EXPORT_TOKEN"
-TOKEN_FILE_ENV = "VLLM_HS_COMPAT_EXPORT_TOKEN_FILE"
+TOKEN_ENV = envs.EXPORT_TOKEN
+TOKEN_FILE_ENV = envs.EXPORT_TOKEN_FILE
 
 
 def default_token_file() -> Path:
