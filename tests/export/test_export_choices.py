@@ -18,11 +18,12 @@ from hsx_testdata import digest
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.adapters import adapter_for_version
 from vllm_hs_compat.connector.config import ConnectorConfig
-from vllm_hs_compat.connector.scheduler import CaptureScheduler
+from vllm_hs_compat.connector.scheduler import CaptureScheduler, SchedulerFacts
 from vllm_hs_compat.connector.sinks import ExportSink
-from vllm_hs_compat.core.capture import BlockTracker, FinishedRequest
-from vllm_hs_compat.core.choices import CHOICES_KEY, Choices
-from vllm_hs_compat.core.groups import GroupInfo
+from vllm_hs_compat.core.capture import FinishedRequest
+from vllm_hs_compat.core.choices import CHOICES_KEY
+from vllm_hs_compat.core.groups import CaptureGroup
+from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.core.vocabulary import RESULT_KEY
 from vllm_hs_compat.export import ExportConsumer, ExportProducer
@@ -43,28 +44,21 @@ def producer() -> Iterator[ExportProducer]:
 
 
 def _scheduler(capture: str, producer: ExportProducer) -> CaptureScheduler:
-    """The scheduler half without vLLM's configs (its __init__ resolves them from a live engine): the state its
-    request path reads, set as __init__ sets it."""
-    s = object.__new__(CaptureScheduler)
-    s.adapter = adapter_for_version("0.32.0")
-    s.config = ConnectorConfig.from_extra({"capture": capture})
-    s.group = GroupInfo(0, ("cache_only_layers.0",), "FullAttentionSpec", BLOCK)
-    s.num_blocks = 64
-    s.bytes_per_token = PLANES * HIDDEN * 2
-    s._clobbered = None
-    s._step = 0
-    s._pending = []
-    s._held = set()
-    s._tracker = BlockTracker(0)
-    s._checks_left = 0
-    s._choices = Choices()
-    s.counters = dict.fromkeys(
-        ("records_scheduled", "records_refused", "slot_checks_sent", "tracking_mismatch", "records_lost_at_shutdown"),
-        0,
+    """The scheduler half without vLLM (hand-written facts), its sink locator handed over as the capture owner's
+    handshake does."""
+    facts = SchedulerFacts(
+        group=CaptureGroup(0, BLOCK, "cache_only_layers.0", merged=False, view="scheduler", capture_spec_type=None),
+        labels=PlaneLabels((1, 2)),
+        num_blocks=64,
+        bytes_per_token=PLANES * HIDDEN * 2,
+    )
+    s = CaptureScheduler(
+        adapter_for_version("0.32.0"), ConnectorConfig.from_extra({"capture": capture, "check_requests": 0}), facts
     )
     sink = object.__new__(ExportSink)
     sink.producer = producer
-    s._locator = sink.locator()  # the export sink's own locator (endpoint, capability key, ...)
+    # the export sink's own locator (endpoint, capability key, ...), as the capture owner's handshake carries it
+    s.on_handshake([{"owner": True, "group_index": 0, "group_block_size": BLOCK, "locator": sink.locator()}])
     return s
 
 

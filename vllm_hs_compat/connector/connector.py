@@ -64,9 +64,9 @@ class HiddenStatesCaptureConnector(_Bases):  # type: ignore[misc]
         self._hs_worker: CaptureWorker | None = None
         name = _role_name(role)
         if name == "SCHEDULER":
-            self._hs_scheduler = CaptureScheduler(adapter, vllm_config, kv_cache_config, self._hs_config)
+            self._hs_scheduler = CaptureScheduler.from_vllm(adapter, vllm_config, kv_cache_config, self._hs_config)
         elif name == "WORKER":
-            self._hs_worker = CaptureWorker(
+            self._hs_worker = CaptureWorker.from_vllm(
                 adapter, vllm_config, kv_cache_config, self._hs_config, vllm_version=installed_vllm_version()
             )
         else:

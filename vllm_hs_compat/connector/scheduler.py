@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_hs_compat import api
@@ -27,6 +28,8 @@ from vllm_hs_compat.core.capture import (
     parse_request,
 )
 from vllm_hs_compat.core.choices import Choices, Sibling
+from vllm_hs_compat.core.groups import CaptureGroup
+from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.vocabulary import (
     REASON_ABORTED,
     REASON_BAD_PARAMS,
@@ -57,29 +60,56 @@ log = logging.getLogger("vllm.vllm_hs_compat.connector")
 LIVE: weakref.WeakSet[CaptureScheduler] = weakref.WeakSet()
 
 
-class CaptureScheduler:
-    """Scheduler-side state of the capture connector."""
+@dataclass(frozen=True)
+class SchedulerFacts:
+    """What the scheduler half needs to know about the engine, resolved once from vLLM's configs by the adapter
+    (:meth:`resolve`) -- or written by hand in a test, which then needs no vLLM at all."""
 
-    def __init__(
-        self,
-        adapter: VllmAdapter,
-        vllm_config: VllmConfig,
-        kv_cache_config: KVCacheConfig | None,
-        config: ConnectorConfig,
-    ) -> None:
-        self.adapter = adapter
-        self.config = config
-        self.group = api.resolve_capture_group(
-            kv_cache_config, view="scheduler", vllm_config=vllm_config, adapter=adapter
-        )
-        self.labels = api.plane_labels(vllm_config, adapter=adapter)
+    group: CaptureGroup
+    """The capture layer's KV-cache group as the scheduler sees it (its index and block size)."""
+    labels: PlaneLabels
+    num_blocks: int
+    """Blocks of the KV cache: a block id at or past it is refused (``blocks``)."""
+    bytes_per_token: int
+    clobbered_slot: int | None = None
+    """The manager slot CUDA-graph padding overwrites on this release (``padding_slot``), or None."""
+
+    @classmethod
+    def resolve(
+        cls, adapter: VllmAdapter, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+    ) -> SchedulerFacts:
+        group = api.resolve_capture_group(kv_cache_config, view="scheduler", vllm_config=vllm_config, adapter=adapter)
+        labels = api.plane_labels(vllm_config, adapter=adapter)
         if kv_cache_config is None:  # resolve_capture_group raised already; keep mypy and readers informed
             raise CaptureConfigError("no kv_cache_config")
-        self.num_blocks = adapter.num_blocks(kv_cache_config)
+        num_blocks = adapter.num_blocks(kv_cache_config)
         itemsize = adapter.model_dtype(vllm_config).itemsize
-        self.bytes_per_token = self.labels.num_planes * adapter.hidden_size(vllm_config) * itemsize
         padding = adapter.cuda_graph_padding(vllm_config)
-        self._clobbered = adapter.padding_clobbered_slot(self.num_blocks, self.group.block_size) if padding else None
+        return cls(
+            group=group,
+            labels=labels,
+            num_blocks=num_blocks,
+            bytes_per_token=labels.num_planes * adapter.hidden_size(vllm_config) * itemsize,
+            clobbered_slot=adapter.padding_clobbered_slot(num_blocks, group.block_size) if padding else None,
+        )
+
+
+class CaptureScheduler:
+    """Scheduler-side state of the capture connector.
+
+    Built from :class:`SchedulerFacts` (:meth:`from_vllm` resolves them from a live engine's configs); what it
+    decides per request and per step reads only those facts, the adapter's ``read_step``/``read_finished``, and
+    the package's own core types -- so tests/connector drive it with hand-built facts and requests."""
+
+    def __init__(self, adapter: VllmAdapter, config: ConnectorConfig, facts: SchedulerFacts) -> None:
+        self.adapter = adapter
+        self.config = config
+        self.facts = facts
+        self.group = facts.group
+        self.labels = facts.labels
+        self.num_blocks = facts.num_blocks
+        self.bytes_per_token = facts.bytes_per_token
+        self._clobbered = facts.clobbered_slot
         self._step = 0
         self._pending: list[SaveRequest] = []
         self._held: set[str] = set()
@@ -105,6 +135,17 @@ class CaptureScheduler:
             list(config.capture.window) if config.capture.window else None,
             config.sink,
         )
+
+    @classmethod
+    def from_vllm(
+        cls,
+        adapter: VllmAdapter,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        config: ConnectorConfig,
+    ) -> CaptureScheduler:
+        """The scheduler half of a live engine: its facts resolved from vLLM's configs."""
+        return cls(adapter, config, SchedulerFacts.resolve(adapter, vllm_config, kv_cache_config))
 
     # --- start-up ---------------------------------------------------------------------------------------
     def on_handshake(self, infos: Sequence[Mapping[str, Any]]) -> None:

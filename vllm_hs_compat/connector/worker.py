@@ -11,13 +11,17 @@ import logging
 import queue
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_hs_compat import api
 from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.adapters.reader import Ranks
 from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, StepPlan
+from vllm_hs_compat.core.groups import CaptureGroup
+from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.layout import CaptureView
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.core.transfer import PendingRows, RowReader
@@ -39,26 +43,50 @@ MAX_BACKLOG_BYTES = 4 << 30
 LIVE: weakref.WeakSet[CaptureWorker] = weakref.WeakSet()
 
 
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What the worker half needs to know about the engine, resolved once from vLLM's configs by the adapter
+    (:meth:`resolve`) -- or written by hand in a test, which then needs no vLLM at all."""
+
+    group: CaptureGroup
+    """The capture layer's KV-cache group as the worker sees it."""
+    labels: PlaneLabels
+    hidden_size: int
+    ranks: Ranks
+    layout: str | None = None
+    """vLLM's KV-cache layout name where the release has one (logged), else None."""
+
+    @classmethod
+    def resolve(
+        cls, adapter: VllmAdapter, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+    ) -> WorkerFacts:
+        return cls(
+            group=api.resolve_capture_group(kv_cache_config, view="worker", vllm_config=vllm_config, adapter=adapter),
+            labels=api.plane_labels(vllm_config, adapter=adapter),
+            hidden_size=adapter.hidden_size(vllm_config),
+            ranks=adapter.parallel_ranks(vllm_config),
+            layout=adapter.kv_cache_layout(vllm_config, kv_cache_config),
+        )
+
+
 class CaptureWorker:
-    """Worker-side state of the capture connector."""
+    """Worker-side state of the capture connector.
+
+    Built from :class:`WorkerFacts` (:meth:`from_vllm` resolves them from a live engine's configs); reading,
+    checking and publishing records uses only those facts, the capture tensor vLLM registers and the adapter's
+    ``capture_owner``/``layer_slot_mapping`` -- so tests/connector drive it with hand-built facts on CPU."""
 
     def __init__(
-        self,
-        adapter: VllmAdapter,
-        vllm_config: VllmConfig,
-        kv_cache_config: KVCacheConfig | None,
-        config: ConnectorConfig,
-        *,
-        vllm_version: str = "",
+        self, adapter: VllmAdapter, config: ConnectorConfig, facts: WorkerFacts, *, vllm_version: str = ""
     ) -> None:
         self.adapter = adapter
-        self.vllm_config = vllm_config
         self.config = config
+        self.facts = facts
         self.vllm_version = vllm_version
-        self.group = api.resolve_capture_group(kv_cache_config, view="worker", vllm_config=vllm_config, adapter=adapter)
-        self.labels = api.plane_labels(vllm_config, adapter=adapter)
-        self.hidden_size = adapter.hidden_size(vllm_config)
-        self.layout = adapter.kv_cache_layout(vllm_config, kv_cache_config)
+        self.group = facts.group
+        self.labels = facts.labels
+        self.hidden_size = facts.hidden_size
+        self.layout = facts.layout
         self.owner = False
         self.view: CaptureView | None = None
         self.reader: RowReader | None = None
@@ -85,6 +113,21 @@ class CaptureWorker:
         self._counter_lock = threading.Lock()
         LIVE.add(self)
 
+    @classmethod
+    def from_vllm(
+        cls,
+        adapter: VllmAdapter,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        config: ConnectorConfig,
+        *,
+        vllm_version: str = "",
+    ) -> CaptureWorker:
+        """The worker half of a live engine: its facts resolved from vLLM's configs."""
+        return cls(
+            adapter, config, WorkerFacts.resolve(adapter, vllm_config, kv_cache_config), vllm_version=vllm_version
+        )
+
     def _count(self, key: str, n: int = 1) -> None:
         with self._counter_lock:
             self.counters[key] += n
@@ -93,7 +136,7 @@ class CaptureWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Resolve and check the capture view; the owner starts its sink.  Logs once."""
         tensor = kv_caches.get(self.group.layer_name)
-        ranks = self.adapter.parallel_ranks(self.vllm_config)
+        ranks = self.facts.ranks
         self.owner = self.adapter.capture_owner(ranks, tensor is not None)
         if tensor is not None:
             self.view = api.describe_capture_view(
@@ -134,7 +177,7 @@ class CaptureWorker:
             return None
         return {
             "owner": True,
-            "ranks": self.adapter.parallel_ranks(self.vllm_config).describe(),
+            "ranks": self.facts.ranks.describe(),
             "group_index": self.group.index,
             "group_block_size": self.group.block_size,
             "sink": self.sink.kind,

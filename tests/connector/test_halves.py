@@ -1,0 +1,292 @@
+"""Both connector halves without vLLM: hand-written facts (what the adapter resolves from a live engine's configs),
+requests and steps in the package's own core types, a CPU capture tensor, and real sinks (the file sink, a real
+export producer).  The release matrix (tests/vllm) proves the version facts against vLLM's own code; these prove the
+logic in seconds: every refusal and its reason, block coverage, the padding slot, slot checks, the worker's backlog
+and its sink failures.  Each decision has its control: the same request with the one fact changed is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_hs_compat.adapters import adapter_for_version
+from vllm_hs_compat.adapters.base import VllmAdapter
+from vllm_hs_compat.adapters.reader import Ranks
+from vllm_hs_compat.connector import worker as worker_module
+from vllm_hs_compat.connector.config import ConnectorConfig
+from vllm_hs_compat.connector.scheduler import CaptureScheduler, SchedulerFacts
+from vllm_hs_compat.connector.worker import CaptureWorker, WorkerFacts
+from vllm_hs_compat.core import vocabulary as V
+from vllm_hs_compat.core.capture import FinishedRequest, ScheduledNew, StepInfo, StepPlan
+from vllm_hs_compat.core.groups import CaptureGroup
+from vllm_hs_compat.core.labels import PlaneLabels
+from vllm_hs_compat.errors import CaptureGroupError, RecordFailedError
+from vllm_hs_compat.export import files
+
+BLOCK = 4
+NUM_BLOCKS = 16
+PLANES, HIDDEN = 2, 8
+LAYER = "cache_only_layers.4"
+#: BLOCK_TOKEN_PLANE [blocks, tokens, planes, hidden] (the 0.22-0.28 era's view of a plain tensor)
+RELEASE = "0.27.1"
+
+
+def _group(view: str) -> CaptureGroup:
+    return CaptureGroup(0, BLOCK, LAYER, merged=True, view=view, capture_spec_type=None)  # type: ignore[arg-type]
+
+
+def _facts(clobbered: int | None = None) -> SchedulerFacts:
+    return SchedulerFacts(
+        group=_group("scheduler"),
+        labels=PlaneLabels((1, 3)),
+        num_blocks=NUM_BLOCKS,
+        bytes_per_token=PLANES * HIDDEN * 4,
+        clobbered_slot=clobbered,
+    )
+
+
+def _adapter(release: str = RELEASE) -> VllmAdapter:
+    """The release's real adapter; only ``read_step`` is replaced: the tests hand it the core ``StepInfo`` that it
+    would have read out of vLLM's ``SchedulerOutput``."""
+    adapter = adapter_for_version(release)
+    adapter.read_step = lambda step: step  # type: ignore[method-assign,assignment,return-value]
+    return adapter
+
+
+def _scheduler(extra: dict[str, Any] | None = None, clobbered: int | None = None) -> CaptureScheduler:
+    return CaptureScheduler(_adapter(), ConnectorConfig.from_extra(extra or {}), _facts(clobbered))
+
+
+def _request(
+    rid: str = "r1", prompt: int = 6, generated: int = 3, *, params: dict[str, Any] | None = None, **kw: Any
+) -> FinishedRequest:
+    tokens = tuple(range(100, 100 + prompt + generated))
+    fields: dict[str, Any] = dict(
+        req_id=rid,
+        num_computed_tokens=len(tokens) - 1,
+        num_prompt_tokens=prompt,
+        token_ids=tokens,
+        aborted=False,
+        status="FINISHED_LENGTH_CAPPED",
+        params=params,
+    )
+    fields.update(kw)
+    return FinishedRequest(**fields)
+
+
+def _entry(params: dict[str, Any]) -> dict[str, Any]:
+    entry = params[V.RESULT_KEY]
+    assert isinstance(entry, dict)
+    return entry
+
+
+# --- the scheduler half -----------------------------------------------------------------------------------------
+def test_a_finished_request_is_queued_with_its_positions_blocks_and_tokens() -> None:
+    s = _scheduler({"capture": "all"})
+    hold, params = s.finished(_request(), [3, 7, 9])
+    entry = _entry(params)
+    assert hold is True and entry["status"] == V.STATUS_QUEUED
+    assert (entry["start"], entry["num_tokens"], entry["num_prompt_tokens"]) == (0, 8, 6)  # 9 tokens, 8 computed
+    plan = s.build_plan(StepInfo((), (), {}))
+    (save,) = plan.saves
+    assert save.block_ids == (3, 7) and (save.start, save.stop) == (0, 8)
+    assert save.token_ids == tuple(range(100, 108)) and save.publication
+    assert s.held == 1 and s.build_plan(StepInfo((), (), {})).saves == []  # sent once
+
+
+@pytest.mark.parametrize(
+    ("request_kw", "blocks", "reason", "status"),
+    [
+        (dict(aborted=True, status="FINISHED_ABORTED"), [3, 7, 9], V.REASON_ABORTED, V.STATUS_FAILED),
+        (dict(params={"hs_capture": {"capture": "everything"}}), [3, 7, 9], V.REASON_BAD_PARAMS, V.STATUS_FAILED),
+        (dict(params={"hs_capture": {"enabled": False}}), [3, 7, 9], V.REASON_DISABLED, V.STATUS_SKIPPED),
+        (dict(params={"hs_capture": {"window": [3, 3]}}), [3, 7, 9], V.REASON_EMPTY, V.STATUS_FAILED),
+        (dict(num_computed_tokens=4), [3, 7, 9], V.REASON_PROMPT_INCOMPLETE, V.STATUS_FAILED),
+        ({}, [3], V.REASON_BLOCKS, V.STATUS_FAILED),  # 6 prompt positions need 2 blocks of 4
+        ({}, [3, NUM_BLOCKS], V.REASON_BLOCKS, V.STATUS_FAILED),  # past the cache
+        ({}, [3, -1], V.REASON_BLOCKS, V.STATUS_FAILED),
+    ],
+    ids=["aborted", "bad_params", "disabled", "empty", "prompt_incomplete", "too_few_blocks", "past_cache", "neg"],
+)
+def test_each_refusal_names_its_reason_holds_nothing_and_its_control_is_queued(
+    request_kw: dict[str, Any], blocks: list[int], reason: str, status: str
+) -> None:
+    s = _scheduler()
+    hold, params = s.finished(_request(**request_kw), blocks)
+    entry = _entry(params)
+    assert (hold, entry["status"], entry["reason"]) == (False, status, reason), entry
+    assert entry["message"] and s.held == 0 and s.build_plan(StepInfo((), (), {})).saves == []
+    assert reason in V.REASONS
+    # control: the plain request with enough blocks inside the cache is queued by the same scheduler
+    hold, params = s.finished(_request("control"), [3, 7, 9])
+    assert hold is True and _entry(params)["status"] == V.STATUS_QUEUED
+
+
+def test_the_clobbered_padding_slot_refuses_only_records_that_read_it() -> None:
+    clobbered = 7 * BLOCK + 3  # the last slot of block 7
+    s = _scheduler(clobbered=clobbered)
+    hold, params = s.finished(_request(), [3, 7, 9])  # positions 0-5: block 7 holds 4..7, position 7 unread
+    assert hold is True, _entry(params)  # control: block 7's last slot lies past the prompt
+    hold, params = s.finished(_request("long", prompt=8), [3, 7, 9])  # position 7 = block 7 slot 3
+    entry = _entry(params)
+    assert (hold, entry["reason"]) == (False, V.REASON_PADDING) and "position 7" in entry["message"]
+
+
+def test_slot_checks_follow_the_first_requests_through_their_steps() -> None:
+    s = _scheduler({"check_requests": 1})
+    first = ScheduledNew("a", ((3, 7),), 0)
+    second = ScheduledNew("b", ((5,),), 0)
+    plan = s.build_plan(StepInfo((first, second), (), {"a": 6, "b": 2}))
+    assert [(c.req_id, c.block_ids, c.start, c.num_tokens) for c in plan.checks] == [("a", (3, 7), 0, 6)]
+    assert s.counters["slot_checks_sent"] == 1
+    # the finished request's blocks differ from the ones followed: counted, the finish's blocks win
+    hold, _ = s.finished(_request("a"), [3, 8, 9])
+    assert hold and s.counters["tracking_mismatch"] == 1
+    assert s.build_plan(StepInfo((), (), {})).saves[0].block_ids == (3, 8)
+
+
+def test_a_shutdown_with_unsent_records_leaves_an_error_file_per_record(tmp_path: Path) -> None:
+    s = _scheduler({"sink": "file", "file": {"path": str(tmp_path)}})
+    assert s.finished(_request("lost"), [3, 7, 9])[0]
+    s.shutdown()
+    with pytest.raises(RecordFailedError, match=f"{V.REASON_ENGINE_STOPPED}: the engine stopped"):
+        files.read_record(files.record_paths(tmp_path, "lost")[2])
+    assert s.counters["records_lost_at_shutdown"] == 1
+
+
+# --- the worker half --------------------------------------------------------------------------------------------
+def _cache() -> torch.Tensor:
+    """[blocks, tokens, planes, hidden], each row's values naming its slot and plane."""
+    slots = torch.arange(NUM_BLOCKS * BLOCK, dtype=torch.float32).view(NUM_BLOCKS, BLOCK, 1, 1)
+    planes = torch.arange(PLANES, dtype=torch.float32).view(1, 1, PLANES, 1) / 10
+    return (slots + planes).expand(NUM_BLOCKS, BLOCK, PLANES, HIDDEN).contiguous()
+
+
+@pytest.fixture
+def make_worker() -> Iterator[Any]:
+    made: list[CaptureWorker] = []
+
+    def make(extra: dict[str, Any], *, owner_tp_rank: int = 0) -> CaptureWorker:
+        facts = WorkerFacts(
+            group=_group("worker"), labels=PlaneLabels((1, 3)), hidden_size=HIDDEN, ranks=Ranks(tp_rank=owner_tp_rank)
+        )
+        w = CaptureWorker(adapter_for_version(RELEASE), ConnectorConfig.from_extra(extra), facts)
+        w.register_kv_caches({LAYER: _cache()})
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.shutdown(10)
+
+
+def _save(s: CaptureScheduler, rid: str, blocks: list[int], **kw: Any) -> StepPlan:
+    assert s.finished(_request(rid, **kw), blocks)[0]
+    return s.build_plan(StepInfo((), (), {}))
+
+
+def _drain(w: CaptureWorker) -> set[str]:
+    assert w.drain(10)
+    return w.finished()
+
+
+def test_the_worker_reads_each_saved_record_exactly_into_the_file_sink(make_worker: Any, tmp_path: Path) -> None:
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
+    s = _scheduler({"capture": "all"})
+    w.on_step(_save(s, "r1", [3, 7, 9]))
+    assert _drain(w) == {"r1"}
+    record = files.read_record(files.record_paths(tmp_path, "r1")[1])
+    slots = [3 * BLOCK + i for i in range(4)] + [7 * BLOCK + i for i in range(4)]
+    want = torch.tensor([[slot + p / 10 for p in range(PLANES)] for slot in slots]).unsqueeze(-1).expand(8, 2, 8)
+    assert torch.equal(record.hidden_states, want)
+    assert list(record.meta.token_ids) == list(range(100, 108)) and record.meta.layer_ids == (1, 3)
+    # control: another request's blocks give other rows
+    w.on_step(_save(s, "r2", [4, 5, 6]))
+    _drain(w)
+    other = files.read_record(files.record_paths(tmp_path, "r2")[1])
+    assert not torch.equal(other.hidden_states, want)
+
+
+def test_a_non_owner_reports_saves_done_and_writes_nothing(make_worker: Any, tmp_path: Path) -> None:
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}}, owner_tp_rank=1)
+    assert not w.owner
+    w.on_step(_save(_scheduler(), "r1", [3, 7, 9]))
+    assert w.finished() == {"r1"} and not list(tmp_path.iterdir())
+
+
+def test_a_failed_slot_check_fails_that_record_and_its_control_passes(
+    make_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}, "check_requests": 2})
+    s = _scheduler({"check_requests": 2})
+    plan = s.build_plan(StepInfo((ScheduledNew("bad", ((3, 7),), 0), ScheduledNew("good", ((4, 5),), 0)), (), {
+        "bad": 6, "good": 6,
+    }))  # fmt: skip
+    written = [3 * BLOCK + i for i in range(4)] + [7 * BLOCK]  # "bad" position 5 (slot 29) was not written
+    written += [4 * BLOCK + i for i in range(4)] + [5 * BLOCK + i for i in range(2)]
+    monkeypatch.setattr(w.adapter, "layer_slot_mapping", lambda name, meta: torch.tensor(written))
+    w.on_capture_written(LAYER, None, plan)
+    assert w.counters["slot_checks"] == 2 and w.counters["slot_checks_failed"] == 1
+    w.on_step(_save(s, "bad", [3, 7, 9]))
+    w.on_step(_save(s, "good", [4, 5, 9]))
+    assert _drain(w) == {"bad", "good"}
+    with pytest.raises(RecordFailedError, match=f"{V.REASON_SLOT_CHECK}: position 5 maps to slot 29"):
+        files.read_record(files.record_paths(tmp_path, "bad")[2])
+    assert len(files.read_record(files.record_paths(tmp_path, "good")[1]).meta.token_ids) == 6
+
+
+def test_the_backlog_bound_fails_records_by_name(
+    make_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
+    s = _scheduler()
+    monkeypatch.setattr(worker_module, "MAX_BACKLOG_BYTES", 6 * PLANES * HIDDEN * 4 - 1)  # one record is 6 rows
+    w.on_step(_save(s, "over", [3, 7, 9]))
+    assert _drain(w) == {"over"}
+    with pytest.raises(RecordFailedError, match=f"{V.REASON_BACKLOG}: "):
+        files.read_record(files.record_paths(tmp_path, "over")[2])
+    monkeypatch.setattr(worker_module, "MAX_BACKLOG_BYTES", 6 * PLANES * HIDDEN * 4)  # control: it fits exactly
+    w.on_step(_save(s, "fits", [3, 7, 9]))
+    _drain(w)
+    assert len(files.read_record(files.record_paths(tmp_path, "fits")[1]).meta.token_ids) == 6
+
+
+def test_a_plan_for_another_group_stops_the_worker_loudly(make_worker: Any, tmp_path: Path) -> None:
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
+    with pytest.raises(CaptureGroupError, match="block size 16"):
+        w.on_step(StepPlan(0, 0, 16, []))
+    w.on_step(StepPlan(1, 0, BLOCK, []))  # control: the right group passes
+
+
+def test_a_full_export_pool_fails_the_record_as_pool_full_at_fetch(make_worker: Any) -> None:
+    """The worker's sink error reaches the ticket's fetch named by the vocabulary (``pool_full``), as the docs say;
+    the record that found a slot is fetched whole."""
+    from vllm_hs_compat.export import ExportConsumer
+
+    export = {"backend": "shm", "num_slots": 1, "slot_bytes": 4096, "on_full": "drop"}
+    w = make_worker({"sink": "export", "export": export})
+    info = w.handshake_info()
+    assert info is not None
+    s = _scheduler()
+    s.on_handshake([info])
+    tickets = {}
+    for rid in ("first", "second"):
+        hold, params = s.finished(_request(rid), [3, 7, 9])
+        assert hold
+        tickets[rid] = params
+        w.on_step(s.build_plan(StepInfo((), (), {})))
+    assert _drain(w) == {"first", "second"}
+    with ExportConsumer.from_params(tickets["first"]) as c:
+        assert c.fetch("first", wait_s=5).hidden_states.shape == (6, PLANES, HIDDEN)
+    with ExportConsumer.from_params(tickets["second"]) as c, pytest.raises(RecordFailedError) as info2:
+        c.fetch("second", wait_s=5)
+    assert f"{V.REASON_POOL_FULL}: PoolFullError" in str(info2.value)
+    assert json.dumps(tickets["second"])  # the params a client receives are plain JSON
+    assert dataclasses.is_dataclass(w.facts)
