@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,31 +17,14 @@ from typing import Any, Final, Literal
 
 from vllm_hs_compat.core.capture import CaptureSpec
 from vllm_hs_compat.core.transfer import ReadOptions
-from vllm_hs_compat.errors import CaptureConfigError, TransferError
+from vllm_hs_compat.errors import CaptureConfigError, ExportConfigError, TransferError
+from vllm_hs_compat.export.settings import ExportSettings
 
 SinkKind = Literal["export", "file", "callback"]
 SINKS: Final[tuple[SinkKind, ...]] = ("export", "file", "callback")
-#: ``ExportProducer`` keyword arguments a deployment may set (plus ``token_file``).
-EXPORT_KEYS: Final = frozenset(
-    {
-        "backend",
-        "num_slots",
-        "slot_bytes",
-        "lease_ttl_s",
-        "ready_ttl_s",
-        "on_full",
-        "wait_timeout_s",
-        "host",
-        "port",
-        "advertise_host",
-        "checksum",
-        "shm_dir",
-        "token_file",
-        "handshake_timeout_s",
-        "max_redeliveries",
-        "shm_handoff",
-    }
-)
+#: Keys of ``"export"``: the fields of :class:`~vllm_hs_compat.export.settings.ExportSettings` (every
+#: ``ExportProducer`` keyword argument but the token) and ``token_file``.
+EXPORT_KEYS: Final = ExportSettings.keys()
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests", "read"})
 #: Keys of ``"file"``: the directory, and the trainer format written there (see vllm_hs_compat.trainer.formats).
 FILE_KEYS: Final = frozenset(
@@ -67,67 +49,20 @@ def _unknown(keys: list[str], known: frozenset[str]) -> str:
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
-def _int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        span = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
-        raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be {span}; {FIX}')
-
-
-def _seconds(name: str, value: Any, *, positive: bool, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok and (value > 0 if positive else value >= 0):
-        return
-    want = "a number of seconds " + ("> 0" if positive else ">= 0") + (" or null" if none_ok else "")
-    raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be {want}; {FIX}')
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be one of {list(choices)}; {FIX}')
-
-
-def _text(name: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise CaptureConfigError(f'{WHAT}: "export": {{"{name}": {value!r}}} must be a non-empty string; {FIX}')
-
-
 def check_export_options(export: Mapping[str, Any]) -> None:
-    """Types and ranges of the export sink's options (the producer checks them again when it starts)."""
-    from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS
+    """Types and ranges of the export sink's options (:class:`~vllm_hs_compat.export.settings.ExportSettings`; the
+    producer checks them again when it starts)."""
+    from vllm_hs_compat.export.settings import TOKEN_FILE_KEY, ExportSettings
 
-    for key, value in export.items():
-        if key == "backend":
-            _choice(key, value, ("auto", "shm", "nixl"))
-        elif key == "on_full":
-            _choice(key, value, ("drop", "wait"))
-        elif key == "shm_handoff":
-            _choice(key, value, ("fd", "path"))
-        elif key == "checksum":
-            _choice(key, value, tuple(CHECKSUM_ALGORITHMS))
-        elif key == "num_slots":
-            _int(key, value, 1)
-        elif key == "slot_bytes":
-            _int(key, value, 64)
-            if value % 64:
-                raise CaptureConfigError(
-                    f'{WHAT}: "export": {{"slot_bytes": {value}}} must be a multiple of 64; round it up to '
-                    f"{-(-value // 64) * 64}"
-                )
-        elif key == "port":
-            _int(key, value, 0, 65535)
-        elif key == "max_redeliveries":
-            _int(key, value, 0)
-        elif key in ("lease_ttl_s", "handshake_timeout_s"):
-            _seconds(key, value, positive=True)
-        elif key == "ready_ttl_s":
-            _seconds(key, value, positive=True, none_ok=True)
-        elif key == "wait_timeout_s":
-            _seconds(key, value, positive=False)
-        elif key in ("host", "advertise_host", "shm_dir", "token_file"):
-            if not (key == "advertise_host" and value is None):
-                _text(key, value)
+    token_file = export.get(TOKEN_FILE_KEY)
+    if TOKEN_FILE_KEY in export and (not isinstance(token_file, str) or not token_file):
+        raise CaptureConfigError(
+            f'{WHAT}: "export": "{TOKEN_FILE_KEY}": {token_file!r} must be a non-empty string; {FIX}'
+        )
+    try:
+        ExportSettings.from_options({k: v for k, v in export.items() if k != TOKEN_FILE_KEY})
+    except ExportConfigError as e:
+        raise CaptureConfigError(f'{WHAT}: "export": {e}; {FIX}') from None
 
 
 @dataclass(frozen=True)

@@ -57,10 +57,11 @@ class ExportSink(Sink):
     def __init__(self, options: Mapping[str, Any]) -> None:
         from vllm_hs_compat.export.control import load_or_create_token
         from vllm_hs_compat.export.producer import ExportProducer
+        from vllm_hs_compat.export.settings import TOKEN_FILE_KEY, ExportSettings
 
         opts = dict(options)
-        token, self.token_file = load_or_create_token(opts.pop("token_file", None))
-        self.producer = ExportProducer(token=token, **opts)
+        token, self.token_file = load_or_create_token(opts.pop(TOKEN_FILE_KEY, None))
+        self.producer = ExportProducer(token=token, **ExportSettings.from_options(opts).producer_kwargs())
 
     def locator(self) -> dict[str, Any]:
         """Endpoint, instance, backend, the producer's public CURVE key and its capability key.  The capability

@@ -63,6 +63,7 @@ from vllm_hs_compat.export.capabilities import (
 from vllm_hs_compat.export.control import Call, ControlLimits, ControlServer, check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
 from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES, Lease, LeasePool
+from vllm_hs_compat.export.settings import CLAIMED_POLL_S, CLAIMED_SPIN_S
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmProducerTransport
 from vllm_hs_compat.export.transport import ProducerTransport
 
@@ -79,13 +80,7 @@ _ID_ARRAY = "I"  # token ids in the pool: little-endian uint32
 
 #: The pump's "hot" window: after a control-plane request it polls every ``poll_interval_s`` for this long.
 HOT_S = 0.5
-#: After a claim the pump polls every CLAIMED_POLL_S while the claimed leases are out, for at most this long.
-CLAIMED_SPIN_S = 1.0
-#: The pump's pause between polls while a claim's READ may be in flight.  Not 0 (back to back, yielding only the
-#: GIL): on a host with no idle core a thread that never sleeps loses the scheduler's favour and answers later
-#: (benchmarks/bench_pump.py on 2 loaded vCPUs: a READ after an idle spell 0.63-0.95 ms with 50 us, 0.79-2.83 ms
-#: back to back, 2.7-3.7 ms before the claim woke the pump).
-CLAIMED_POLL_S = 50e-6
+# CLAIMED_SPIN_S, CLAIMED_POLL_S: the pump's claimed window and pause, documented where the settings live.
 
 #: Host rows are copied into the pool and checksummed in pieces of this many bytes: each piece is checksummed right
 #: after its copy, while it is still in cache, so the destination is not read back from memory a second time.

@@ -1,0 +1,79 @@
+"""ExportSettings is the producer's settings, not a copy kept by hand: its fields and defaults are
+``ExportProducer``'s keyword arguments (the token aside), the connector's ``"export"`` keys are its fields, and
+every one of them -- the nested UCX and control-plane limits included -- reaches a producer started from vLLM's
+config."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from vllm_hs_compat.connector.config import EXPORT_KEYS, check_kv_transfer_config
+from vllm_hs_compat.connector.sinks import ExportSink
+from vllm_hs_compat.errors import CaptureConfigError, ExportConfigError
+from vllm_hs_compat.export import ExportProducer
+from vllm_hs_compat.export.control import ControlLimits
+from vllm_hs_compat.export.nixl_backend import UcxSettings
+from vllm_hs_compat.export.settings import ExportSettings
+
+
+def _producer_kwargs() -> dict[str, object]:
+    params = inspect.signature(ExportProducer.__init__).parameters
+    return {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "token"}
+
+
+def test_the_fields_and_defaults_are_the_producers() -> None:
+    fields = {f.name: f.default for f in dataclasses.fields(ExportSettings)}
+    assert fields == _producer_kwargs()
+    assert EXPORT_KEYS == set(fields) | {"token_file"}
+
+
+def test_the_comparison_sees_a_producer_argument_missing_here() -> None:
+    """Negative control: a settings type without one of the producer's arguments differs."""
+    fields = {f.name: f.default for f in dataclasses.fields(ExportSettings) if f.name != "claimed_spin_s"}
+    assert fields != _producer_kwargs()
+
+
+def test_nested_settings_come_from_maps_and_are_checked() -> None:
+    s = ExportSettings.from_options(
+        {"ucx": {"tls": "tcp", "tcp_seg_size": "64k"}, "control_limits": {"max_inflight": 8}, "direct_port": None}
+    )
+    assert s.ucx == UcxSettings(tls="tcp", tcp_seg_size="64k") and s.control_limits == ControlLimits(max_inflight=8)
+    for bad, words in [
+        ({"ucx": {"tsl": "tcp"}}, ["ucx", "'tsl'", "tls"]),
+        ({"ucx": {"tls": 5}}, ["UCX strings", "5"]),
+        ({"control_limits": {"max_inflight": 0}}, ["max_inflight", "[1, 65536]"]),
+        ({"control_limits": "lots"}, ["control_limits", "JSON object"]),
+        ({"direct_port": 70000}, ['"direct_port": 70000', "[0, 65535]"]),
+        ({"claimed_spin_s": -1}, ['"claimed_spin_s": -1', ">= 0"]),
+        ({"num_slot": 4}, ["unknown export settings", "'num_slot'"]),
+    ]:
+        with pytest.raises(ExportConfigError) as info:
+            ExportSettings.from_options(bad)
+        assert all(w in str(info.value) for w in words), (bad, str(info.value))
+
+
+def test_the_connector_takes_every_setting_and_the_producer_gets_it(tmp_path: object) -> None:
+    export = {
+        "backend": "shm",
+        "num_slots": 2,
+        "slot_bytes": 4096,
+        "direct_port": None,
+        "claimed_spin_s": 0.25,
+        "control_limits": {"max_inflight": 8, "reply_queue": 2},
+        "token_file": str(tmp_path) + "/token",
+    }
+    kv = {"kv_connector": "HiddenStatesCaptureConnector", "kv_connector_extra_config": {"export": export}}
+    assert check_kv_transfer_config(kv) is not None
+    sink = ExportSink(export)
+    try:
+        p = sink.producer
+        assert p._server.limits == ControlLimits(max_inflight=8, reply_queue=2)
+        assert p.direct_endpoint is None  # "direct_port": null: no direct socket
+    finally:
+        sink.close()
+    kv["kv_connector_extra_config"] = {"export": {**export, "control_limits": {"max_inflight": 0}}}
+    with pytest.raises(CaptureConfigError, match='"export": control_limits: .*max_inflight'):
+        check_kv_transfer_config(kv)
