@@ -59,3 +59,88 @@ def test_failure_and_damage_are_named(tmp_path: Path) -> None:
     good.write_text(json.dumps(bad))
     with pytest.raises(RecordFormatError):
         files.read_record(good)
+
+
+# --- compact storage ----------------------------------------------------------------------------------------------
+def _outliers(rid: str, tokens: int = 40, hidden: int = 64) -> CaptureRecord:
+    """Rows like a transformer's residual stream: most channels small, a few large outlier channels per plane."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(tokens, 3, hidden, generator=g)
+    rows[:, :, 5] *= 40.0
+    rows[:, 1, 17] += 300.0
+    rows = rows.to(torch.bfloat16)
+    return CaptureRecord(RecordMeta.for_tensor(rid, rows, list(range(tokens)), [2, 5, 9], pre_norm=True), rows)
+
+
+def test_fp8_storage_halves_the_bytes_reads_back_in_the_captured_dtype_and_says_its_error(tmp_path: Path) -> None:
+    rec = _outliers("r", tokens=64, hidden=1024)
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "fp8").mkdir()
+    plain = files.write_record(tmp_path / "bf16", rec)
+    compact = files.write_record(tmp_path / "fp8", rec, storage="fp8_e4m3")
+    size = {k: (p.with_suffix(".safetensors")).stat().st_size for k, p in (("bf16", plain), ("fp8", compact))}
+    assert size["fp8"] / size["bf16"] < 0.505, size  # 1 byte + 4 / 1024 per element, against 2
+    got = files.read_record(compact)
+    assert got.hidden_states.dtype == torch.bfloat16 and got.hidden_states.shape == rec.hidden_states.shape
+    worst, mean = files.relative_error(got.hidden_states, rec.hidden_states)
+    entry = json.loads(compact.read_text())["storage"]
+    assert entry["kind"] == "fp8_e4m3" and entry["scales"] == "per_row"
+    assert 0 < mean <= worst < 0.07, (worst, mean)  # e4m3: 3 mantissa bits, each row scaled onto [-448, 448]
+    # the manifest's figures were measured on the exact rows (the read-back adds the bf16 rounding only)
+    assert abs(entry["rel_error_max"] - worst) < 0.01
+    assert got.meta.checksum == files.read_record(plain).meta.checksum  # the captured bytes' checksum, kept
+    # control: the captured storage is bit for bit
+    assert torch.equal(files.read_record(plain).hidden_states, rec.hidden_states)
+
+
+def test_fp8_storage_checks_its_stored_bytes(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    manifest = files.write_record(tmp_path, _outliers("r"), storage="fp8_e4m3")
+    tensors_path = manifest.with_suffix(".safetensors")
+    tensors = load_file(str(tensors_path))
+    files.read_record(manifest)  # control: untouched, it reads
+    q = tensors["hidden_states_fp8"].view(torch.uint8).clone()
+    q[3, 1, 7] ^= 0x01
+    tensors["hidden_states_fp8"] = q.view(torch.float8_e4m3fn)
+    save_file(tensors, str(tensors_path))
+    with pytest.raises(ChecksumMismatchError, match="stored fp8 bytes"):
+        files.read_record(manifest)
+    files.read_record(manifest, verify_checksum=False)  # asked not to verify: it reads
+
+
+def test_a_storage_this_version_does_not_know_is_refused_by_name(tmp_path: Path) -> None:
+    manifest = files.write_record(tmp_path, _outliers("r"), storage="fp8_e4m3")
+    info = json.loads(manifest.read_text())
+    info["storage"]["kind"] = "int4_grouped"
+    manifest.write_text(json.dumps(info))
+    with pytest.raises(RecordFormatError, match="stored as 'int4_grouped', which this version cannot read"):
+        files.read_record(manifest)
+    with pytest.raises(Exception, match="record storage 'zstd'"):
+        files.write_record(tmp_path, _outliers("q"), storage="zstd")
+
+
+def test_the_dataset_reads_a_compact_tree_as_it_reads_a_captured_one(tmp_path: Path) -> None:
+    from vllm_hs_compat.trainer.dataset import HiddenStatesDataset
+
+    recs = [_outliers(f"r{i}", tokens=10 + i) for i in range(3)]
+    for rec in recs:
+        files.write_record(tmp_path, rec, storage="fp8_e4m3")
+    items = {item["record_id"]: item for item in HiddenStatesDataset.from_files(tmp_path)}
+    assert sorted(items) == ["r0", "r1", "r2"]
+    for rec in recs:
+        got = items[rec.meta.request_id]["hidden_states"]
+        assert got.dtype == torch.bfloat16 and files.relative_error(got, rec.hidden_states[:, -1])[0] < 0.07
+
+
+def test_the_file_sink_takes_a_compact_storage_for_native_records_only(tmp_path: Path) -> None:
+    from vllm_hs_compat.connector.config import ConnectorConfig
+    from vllm_hs_compat.connector.sinks import FileSink
+    from vllm_hs_compat.errors import CaptureConfigError
+
+    sink = FileSink(str(tmp_path), storage="fp8_e4m3")
+    sink.write(_outliers("r"))
+    assert json.loads((tmp_path / "r.json").read_text())["storage"]["kind"] == "fp8_e4m3"
+    for bad in ({"storage": "fp8_e4m3", "format": "speculators"}, {"storage": "fp4"}):
+        with pytest.raises(CaptureConfigError, match="file.storage must be one of"):
+            ConnectorConfig.from_extra({"sink": "file", "file": {"path": str(tmp_path), **bad}})

@@ -71,6 +71,13 @@ def register(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="--on-policy: sampling temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="--on-policy: sampling seed of each request")
     p.add_argument("--records-per-shard", type=int, default=1000, help="records per shard folder (default 1000)")
+    p.add_argument(
+        "--storage",
+        choices=("captured", "fp8_e4m3"),
+        default="captured",
+        help="rows on disk: as captured (bf16, bit for bit; default) or fp8 e4m3 with one scale per row (about half "
+        "the bytes; the error is measured per record and summed up at the end; read back in the captured dtype)",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="rows given to the engine at once (default 64)")
     p.add_argument("--max-model-len", type=int, default=None, help="the engine's context (default: the model's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism (default 1)")
@@ -157,6 +164,7 @@ def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
         "chat_template_from": template_where,
         "fields": parse_fields(args.field),
         "max_model_len": max_model_len,
+        "storage": args.storage,
         "on_policy": (
             {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
             if args.on_policy
@@ -210,6 +218,28 @@ class _Run:
         self.args, self.plan, self.store, self.llm = args, plan_, store, llm
         self.retry = Retry(args.retries + 1)
         self.breaker = Breaker(args.max_consecutive_failures)
+        #: this run's compact records: (relative error max, mean, tokens, bytes) of each (``--storage``)
+        self.stored: list[tuple[float, float, int, int]] = []
+
+    def note_storage(self, row: Any) -> None:
+        """Keep the error a compact storage measured for an adopted record (its manifest's ``storage`` entry)."""
+        if self.plan.run_config.get("storage", "captured") == "captured" or row.record is None:
+            return
+        entry = json.loads((Path(self.args.out) / row.record).read_text()).get("storage") or {}
+        self.stored.append((float(entry["rel_error_max"]), float(entry["rel_error_mean"]), row.tokens, row.bytes))
+
+    def storage_summary(self) -> dict[str, Any] | None:
+        """The compact storage's figures for this run (None with ``--storage captured``)."""
+        if not self.stored:
+            return None
+        tokens = sum(t for _, _, t, _ in self.stored)
+        return {
+            "kind": self.plan.run_config["storage"],
+            "records": len(self.stored),
+            "rel_error_max": max(e for e, _, _, _ in self.stored),
+            "rel_error_mean": sum(m * t for _, m, t, _ in self.stored) / max(1, tokens),
+            "bytes_per_token": sum(b for _, _, _, b in self.stored) / max(1, tokens),
+        }
 
     def engine_batch(self, samples: list[Any]) -> list[Any]:
         """Run ``samples`` through the engine; returns the samples to try again."""
@@ -260,6 +290,7 @@ class _Run:
                 continue
             row = self.store.adopt(info, path)
             if row.status == "ok":
+                self.note_storage(row)
                 self.retry.forget(sample.sample_id)
                 self.breaker.success()
             else:
@@ -355,6 +386,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
         records_per_shard=args.records_per_shard,
     )
     counts = {"read": 0, "skipped": 0}
+    work: _Run | None = None
     try:
         rows = _rows(args, tokenizer, store, plan_, counts)
         first = list(itertools.islice(rows, args.batch_size))
@@ -372,7 +404,11 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         store.note_rows(read=counts["read"], skipped=counts["skipped"])
         summary = store.close()
-    return summary.to_dict()
+    out = summary.to_dict()
+    stored = work.storage_summary() if work is not None else None
+    if stored is not None:
+        out["storage"] = stored
+    return out
 
 
 def _drive(work: _Run, first: list[Any], rows: Iterator[Any], size: int) -> None:
@@ -400,7 +436,8 @@ def _engine(args: argparse.Namespace, plan_: Plan, store: Any) -> Any:
             raise CaptureConfigError(f"--engine-args must be a JSON object, found {type(extra_args).__name__}")
     if args.tensor_parallel_size != 1:
         extra_args["tensor_parallel_size"] = args.tensor_parallel_size
-    extra = {"capture": plan_.capture, "sink": "file", "file": {"path": str(store.staging_dir())}}
+    storage = str(plan_.run_config.get("storage", "captured"))
+    extra = {"capture": plan_.capture, "sink": "file", "file": {"path": str(store.staging_dir()), "storage": storage}}
     progress(f"starting the engine ({plan_.model}, layers {plan_.layers})")
     return build_llm(plan_.model, plan_.layers, extra, max_model_len=plan_.max_model_len, **extra_args)
 
@@ -415,5 +452,11 @@ def _print_summary(summary: Mapping[str, Any], out: str) -> None:
         f"bytes {summary.get('bytes', 0)}, {summary.get('tokens_per_s', 0.0):.0f} tokens/s",
         f"tree: {summary.get('tree_records', 0)} records, {summary.get('tree_tokens', 0)} tokens in {out}",
     ]
+    stored = summary.get("storage")
+    if stored:
+        lines.append(
+            f"storage {stored['kind']}: {stored['bytes_per_token']:.0f} bytes/token, relative error per row max "
+            f"{stored['rel_error_max']:.4f} mean {stored['rel_error_mean']:.4f} ({stored['records']} records)"
+        )
     for line in lines:
         print(line)

@@ -28,7 +28,17 @@ EXPORT_KEYS: Final = ExportSettings.keys()
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests", "read"})
 #: Keys of ``"file"``: the directory, and the trainer format written there (see vllm_hs_compat.trainer.formats).
 FILE_KEYS: Final = frozenset(
-    {"path", "format", "verifier", "num_hidden_layers", "loss_mask", "drafter_config", "compress", "final_norm"}
+    {
+        "path",
+        "format",
+        "verifier",
+        "num_hidden_layers",
+        "loss_mask",
+        "drafter_config",
+        "compress",
+        "final_norm",
+        "storage",
+    }
 )
 #: The names vLLM may be given for this connector (``kv_connector``) and its module (``kv_connector_module_path``).
 CONNECTOR_NAME: Final = "HiddenStatesCaptureConnector"
@@ -137,6 +147,14 @@ class ConnectorConfig:
 
             if fmt not in FORMATS:
                 raise CaptureConfigError(f"{WHAT}: file.format must be one of {list(FORMATS)}, found {fmt!r}; {FIX}")
+            from vllm_hs_compat.export.files import STORAGES
+
+            storage = file_options.get("storage", "captured")
+            if storage not in STORAGES or (storage != "captured" and fmt != "native"):
+                raise CaptureConfigError(
+                    f"{WHAT}: file.storage must be one of {list(STORAGES)} (a compact storage with the native "
+                    f"format only), found {storage!r} with format {fmt!r}; {FIX}"
+                )
         if sink == "file" and file_path is None:
             raise CaptureConfigError(f'{WHAT}: "sink": "file" needs "file": {{"path": "<directory>"}}; {FIX}')
         callback = extra.get("callback")

@@ -102,6 +102,13 @@ class FileSink(Sink):
         if not os.access(self.path, os.W_OK):
             raise CaptureConfigError(f"file sink directory {self.path} is not writable")
         self.format = format
+        #: how the native format stores rows (``export.files.STORAGES``); trainer formats keep the captured dtype
+        self.storage = str(options.pop("storage", "captured"))
+        if self.storage not in files.STORAGES or (self.storage != "captured" and format != "native"):
+            raise CaptureConfigError(
+                f"file sink storage {self.storage!r} with format {format!r}: expected one of {list(files.STORAGES)}, "
+                "a compact storage with the native format only"
+            )
         self.writer: Any = None
         if format != "native":
             from vllm_hs_compat.errors import HsCompatError
@@ -126,7 +133,7 @@ class FileSink(Sink):
             if first and self.writer.layer_map is not None:
                 log.info("file sink (%s): %s", self.format, self.writer.layer_map.line())
             return
-        files.write_record(self.path, record)
+        files.write_record(self.path, record, storage=self.storage)
 
     def fail(self, failure: RecordFailure) -> None:
         if self.writer is not None:

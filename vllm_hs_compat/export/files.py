@@ -4,6 +4,14 @@ shape, checksum, vLLM version, adapter, positions).  A record that will not exis
 
 Both files are written to a temporary name and renamed into place, manifest last: a reader that sees the
 manifest sees a complete record.
+
+Storage (``storage=``): ``"captured"`` (default) keeps the rows as vLLM wrote them (bf16 on most models), bit for
+bit, under the record's own checksum.  ``"fp8_e4m3"`` stores ``hidden_states_fp8`` (float8 e4m3) and ``scales``
+(float32 ``[tokens, planes]``, one per row: its absolute maximum / 448) -- about half the bytes of bf16 -- and the
+manifest's ``storage`` entry says so, with a checksum of the stored bytes and the relative error measured when it
+was written.  :func:`read_record` gives the rows back in the captured dtype either way; the record's own checksum
+(of the captured bytes) cannot be checked after a lossy store, the stored bytes' checksum is.  A reader that does not
+know a ``storage`` kind refuses the record by name.
 """
 
 from __future__ import annotations
@@ -14,15 +22,19 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
 from vllm_hs_compat.core.vocabulary import FILE_KEY
-from vllm_hs_compat.errors import ExportConfigError, RecordFailedError, RecordFormatError
+from vllm_hs_compat.errors import ChecksumMismatchError, ExportConfigError, RecordFailedError, RecordFormatError
 
 PARAMS_KEY = FILE_KEY  # the kv_transfer_params key (core.vocabulary)
+#: Storage kinds of a record's rows on disk (see the module docstring).
+STORAGES: Final = ("captured", "fp8_e4m3")
+#: Largest finite float8 e4m3 value: a row is scaled so that its absolute maximum lands on it.
+FP8_MAX: Final = 448.0
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -49,21 +61,68 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_record(directory: str | os.PathLike[str], record: CaptureRecord) -> Path:
-    """Write ``record`` (its checksum is computed if missing); returns the manifest path."""
+def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` ``[T, P, C]`` as float8 e4m3 with one float32 scale per ``(token, plane)`` row."""
+    x = rows.float()
+    amax = x.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x / scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`quantize_fp8`, in ``dtype``."""
+    return (q.float() * scales.unsqueeze(-1)).to(dtype)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) over rows of ``||approx - exact|| / ||exact||`` (rows of zeros count as 0)."""
+    a, e = approx.float().flatten(0, -2), exact.float().flatten(0, -2)
+    norm = e.norm(dim=-1)
+    err = (a - e).norm(dim=-1) / torch.where(norm > 0, norm, torch.ones_like(norm))
+    return float(err.max()) if err.numel() else 0.0, float(err.mean()) if err.numel() else 0.0
+
+
+def write_record(directory: str | os.PathLike[str], record: CaptureRecord, *, storage: str = "captured") -> Path:
+    """Write ``record`` (its checksum is computed if missing) in ``storage`` (:data:`STORAGES`); returns the
+    manifest path."""
     from safetensors.torch import save
 
+    if storage not in STORAGES:
+        raise ExportConfigError(f"record storage {storage!r}; expected one of {list(STORAGES)}")
     tensors_path, manifest_path, _ = record_paths(directory, record.meta.request_id)
     rows = record.hidden_states.detach().contiguous().cpu()
     meta = record.meta
     if meta.checksum is None:
         meta = meta.with_checksum(compute_checksum(rows.view(torch.uint8).reshape(-1), meta.checksum_algorithm))
     token_ids = torch.tensor(meta.token_ids, dtype=torch.int64)
-    blob = save({"hidden_states": rows, "token_ids": token_ids}, metadata={"record": json.dumps(meta.to_dict())})
+    header = {"record": json.dumps(meta.to_dict())}
+    manifest: dict[str, Any] = {**meta.to_dict(), "tensors": tensors_path.name}
+    if storage == "captured":
+        blob = save({"hidden_states": rows, "token_ids": token_ids}, metadata=header)
+    else:
+        q, scales = quantize_fp8(rows)
+        worst, mean = relative_error(dequantize_fp8(q, scales, rows.dtype), rows)
+        stored = _stored_checksum(q, scales, meta.checksum_algorithm)
+        manifest["storage"] = {
+            "kind": storage,
+            "scales": "per_row",
+            "checksum": stored,
+            "checksum_algorithm": meta.checksum_algorithm,
+            "rel_error_max": worst,
+            "rel_error_mean": mean,
+        }
+        header["storage"] = json.dumps(manifest["storage"])
+        blob = save({"hidden_states_fp8": q, "scales": scales, "token_ids": token_ids}, metadata=header)
     _atomic_write(tensors_path, blob)
-    manifest = {**meta.to_dict(), "tensors": tensors_path.name}
     _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
     return manifest_path
+
+
+def _stored_checksum(q: torch.Tensor, scales: torch.Tensor, algorithm: str) -> int:
+    stored = torch.cat(
+        [q.contiguous().view(torch.uint8).reshape(-1), scales.contiguous().view(torch.uint8).reshape(-1)]
+    )
+    return compute_checksum(stored, algorithm)
 
 
 def write_failure(directory: str | os.PathLike[str], record_id: str, reason: str, message: str) -> Path:
@@ -98,22 +157,53 @@ def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -
     except json.JSONDecodeError as e:
         raise RecordFormatError(f"{manifest_path}: manifest is not JSON ({e})") from None
     tensors_name = raw.pop("tensors", f"{stem}.safetensors")
+    storage = raw.pop("storage", None)
     meta = RecordMeta.from_dict(raw)
     tensors_path = manifest_path.with_name(str(tensors_name))
     try:
         tensors = load_file(str(tensors_path))
     except (SafetensorError, OSError) as e:
         raise RecordFormatError(f"{tensors_path}: cannot read the record's tensors ({type(e).__name__}: {e})") from None
-    if "hidden_states" not in tensors or "token_ids" not in tensors:
+    if "token_ids" not in tensors or tuple(int(t) for t in tensors["token_ids"].tolist()) != meta.token_ids:
+        raise RecordFormatError(f"{tensors_name}: token_ids missing or differ from the manifest's")
+    if storage is None:
+        if "hidden_states" not in tensors:
+            raise RecordFormatError(
+                f"{tensors_name}: expected tensors 'hidden_states' and 'token_ids', found {sorted(tensors)}"
+            )
+        record = CaptureRecord(meta, tensors["hidden_states"])
+        if verify_checksum:
+            record.check()
+        return record
+    return _read_stored(tensors_name, meta, storage, tensors, verify_checksum)
+
+
+def _read_stored(
+    name: str, meta: RecordMeta, storage: Any, tensors: dict[str, torch.Tensor], verify_checksum: bool
+) -> CaptureRecord:
+    """A record stored in a compact kind: its stored bytes checked, its rows back in the captured dtype."""
+    kind = storage.get("kind") if isinstance(storage, dict) else None
+    if kind != "fp8_e4m3":
         raise RecordFormatError(
-            f"{tensors_name}: expected tensors 'hidden_states' and 'token_ids', found {sorted(tensors)}"
+            f"{name}: the record is stored as {kind!r}, which this version cannot read (it reads {list(STORAGES)}); "
+            "upgrade vllm-hs-compat"
         )
-    if tuple(int(t) for t in tensors["token_ids"].tolist()) != meta.token_ids:
-        raise RecordFormatError(f"{tensors_name}: token_ids differ from the manifest's")
-    record = CaptureRecord(meta, tensors["hidden_states"])
+    q, scales = tensors.get("hidden_states_fp8"), tensors.get("scales")
+    if q is None or scales is None or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != meta.shape:
+        raise RecordFormatError(
+            f"{name}: an fp8_e4m3 record needs 'hidden_states_fp8' (float8_e4m3fn {list(meta.shape)}) and 'scales'; "
+            f"found { {k: (str(v.dtype), list(v.shape)) for k, v in tensors.items()} }"
+        )
+    if tuple(scales.shape) != meta.shape[:2] or scales.dtype != torch.float32:
+        raise RecordFormatError(f"{name}: 'scales' must be float32 {list(meta.shape[:2])}, found {list(scales.shape)}")
     if verify_checksum:
-        record.check()
-    return record
+        algorithm = str(storage.get("checksum_algorithm", meta.checksum_algorithm))
+        got = _stored_checksum(q, scales, algorithm)
+        if got != storage.get("checksum"):
+            raise ChecksumMismatchError(
+                f"{name}: the stored fp8 bytes' checksum is {got:#x}, the manifest says {storage.get('checksum')!r}"
+            )
+    return CaptureRecord(meta, dequantize_fp8(q, scales, meta.torch_dtype))
 
 
 def iter_records(directory: str | os.PathLike[str], *, verify_checksum: bool = True) -> Iterator[CaptureRecord]:
