@@ -44,8 +44,12 @@ import torch  # noqa: E402
 
 from vllm_hs_compat.core.records import RecordMeta, compute_checksum  # noqa: E402
 from vllm_hs_compat.export import ExportConsumer, ExportProducer, nixl_available  # noqa: E402
-from vllm_hs_compat.export import consumer as consumer_mod  # noqa: E402
 from vllm_hs_compat.export import protocol as P  # noqa: E402
+
+try:  # the consumer's read tuning (OVERLAP_MIN_BYTES, READ_WINDOW): its own module since the consumer is a package
+    from vllm_hs_compat.export.consumer import reads as consumer_mod  # noqa: E402
+except ImportError:  # an older tree: one consumer module
+    from vllm_hs_compat.export import consumer as consumer_mod  # type: ignore[no-redef]  # noqa: E402
 
 MiB = 1 << 20
 SIZES = (64 * MiB, 16 * MiB, 2 * MiB)

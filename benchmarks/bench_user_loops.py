@@ -268,8 +268,9 @@ def bench_small_ab(srv: BE.Server, backend: str, n: int, rounds: int) -> dict[st
     """``iter_records`` over ``n`` small records with the record path of before (each record read, verified and
     copied on its own: forced by making every claim look like mixed schemas) and of now (one batch, split),
     and ``iter_batches``, interleaved in one consumer: (wall, this process's CPU) us per record."""
-    from vllm_hs_compat.export import consumer as cm
+    from vllm_hs_compat.export import consumer
 
+    cm = getattr(consumer, "streams", consumer)  # where iter_records finds _same_schema (one module in older trees)
     ep = srv(op="start", name="A", backend=backend, num_slots=n + 64, slot_bytes=BE.SMALL_SLOT)
     c = ExportConsumer(ep["endpoint"], ep["token"], landing_bytes=BE.BATCH * BE.SMALL_SLOT * 4, timeout_s=60)
     real = cm._same_schema
@@ -369,7 +370,7 @@ def main() -> None:
                 report_small(backend, runs, a.small)
                 from vllm_hs_compat.export import consumer as cm
 
-                if hasattr(cm, "_records_of"):  # this tree has both record paths: compare them in one consumer
+                if hasattr(getattr(cm, "streams", cm), "_records_of"):  # both record paths: compare them in one run
                     ab = bench_small_ab(srv, backend, a.small // 2, 3)
                     res["small_ab"] = ab
                     print(f"{a.small // 2} records of 4 KiB, both iter_records paths and iter_batches interleaved in"

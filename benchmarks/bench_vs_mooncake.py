@@ -465,7 +465,8 @@ def _instrumented(c: Any) -> Iterator[dict[str, float]]:
     (claims and their round trips, releases posted or waited for), transport reads, checksum calls; the rest is
     Python around them."""
     from vllm_hs_compat.core import records as records_mod
-    from vllm_hs_compat.export import consumer as consumer_mod
+    from vllm_hs_compat.export.consumer import batches as batches_mod
+    from vllm_hs_compat.export.consumer import reads as reads_mod
 
     acc = {k: 0.0 for k in ("control", "control_n", "transfer", "transfer_n", "checksum", "checksum_n")}
 
@@ -480,21 +481,22 @@ def _instrumented(c: Any) -> Iterator[dict[str, float]]:
 
         return wrap
 
-    client_cls, state_cls = type(c._client), records_mod.ChecksumState
+    client_cls, state_cls = type(c._channel.client), records_mod.ChecksumState
     tr = c._transport
-    # (owner, attribute) -> what it was; checksum_function and checksum_bytes as the consumer module imported them
+    # (owner, attribute) -> what it was; checksum_bytes and checksum_function as the consumer's reads and batches
+    # modules imported them
     targets: list[tuple[Any, str, str]] = [
         (client_cls, "call", "control"),
         (client_cls, "post", "control"),
         (state_cls, "update_bytes", "checksum"),
-        (consumer_mod, "checksum_bytes", "checksum"),
+        (reads_mod, "checksum_bytes", "checksum"),
         (tr, "read", "transfer"),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
     for obj, name, key in targets:
         setattr(obj, name, timed(key, getattr(obj, name)))
-    make = consumer_mod.__dict__["checksum_function"]
-    consumer_mod.__dict__["checksum_function"] = lambda alg: timed("checksum", make(alg))
+    make = batches_mod.__dict__["checksum_function"]
+    batches_mod.__dict__["checksum_function"] = lambda alg: timed("checksum", make(alg))
     deferred = _counter(c, "deferred_releases")
     t0 = time.perf_counter()
     try:
@@ -504,7 +506,7 @@ def _instrumented(c: Any) -> Iterator[dict[str, float]]:
         for obj, name, was in saved[:4]:
             setattr(obj, name, was)
         delattr(tr, "read")  # the instance attribute set above: the class's method shows again
-        consumer_mod.__dict__["checksum_function"] = make
+        batches_mod.__dict__["checksum_function"] = make
         acc["deferred_releases"] = _counter(c, "deferred_releases") - deferred
 
 

@@ -25,9 +25,11 @@ from vllm_hs_compat.export import (
     LeaseExpiredError,
     RecordTooLargeError,
 )
-from vllm_hs_compat.export import consumer as consumer_mod
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.batch import RecordBatch
+from vllm_hs_compat.export.consumer import batches as consumer_batches
+from vllm_hs_compat.export.consumer import landing as consumer_landing
+from vllm_hs_compat.export.consumer import reads as consumer_reads
 
 MiB = 1 << 20
 Make = Callable[..., ExportProducer]
@@ -46,7 +48,7 @@ def make_producer(backend: str) -> Iterator[Make]:
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Force one landing layout for every NIXL batch: ``direct`` (two descriptors per record, read in place) or
     ``packed`` (one descriptor per record, then two memmoves; shm batches are always read in place)."""
-    monkeypatch.setattr(consumer_mod, "BATCH_DIRECT_MIN_BYTES", 0 if request.param == "direct" else 1 << 40)
+    monkeypatch.setattr(consumer_batches, "BATCH_DIRECT_MIN_BYTES", 0 if request.param == "direct" else 1 << 40)
     return str(request.param)
 
 
@@ -512,7 +514,7 @@ def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
     the copy that checksums each chunk.  Exact bytes, and a flipped bit fails its record alone."""
     from vllm_hs_compat.export import shm
 
-    monkeypatch.setattr(consumer_mod, "CHECK_PIECE_BYTES", 300_001)
+    monkeypatch.setattr(consumer_reads, "CHECK_PIECE_BYTES", 300_001)
     p = make_producer()
     rows = [make_rows(50 + i, 768, 2, 512, "bfloat16") for i in range(4)]  # 1.5 MiB each
     metas = [make_meta(f"big-{i}", r, i) for i, r in enumerate(rows)]
@@ -625,7 +627,7 @@ def test_small_records_of_iter_records_come_from_batches_and_stay_intact_while_k
     if backend == "nixl" and layout == "packed":
         return  # packed batches are copies: no landing space to hand out twice
     sent = publish_all(p, 24, [(3, 2, 64, "bfloat16")])
-    real = consumer_mod._Landing.alloc
+    real = consumer_landing._Landing.alloc
 
     def same_place(self: Any, nbytes: int) -> int | None:
         got = real(self, nbytes)
@@ -633,7 +635,7 @@ def test_small_records_of_iter_records_come_from_batches_and_stay_intact_while_k
             self.free(got, nbytes)
         return 0 if got is not None else None
 
-    monkeypatch.setattr(consumer_mod._Landing, "alloc", same_place)
+    monkeypatch.setattr(consumer_landing._Landing, "alloc", same_place)
     with ExportConsumer(p.endpoint, p.token, landing_bytes=256 << 10, lend_fraction=1.0) as c:
         _, faults = _stream_keeping_firsts(c, sent, 8)
         assert faults, "the checks must catch a kept record whose space was handed out again"

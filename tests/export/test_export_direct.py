@@ -27,8 +27,8 @@ from hsx_testdata import digest, make_meta, make_rows
 from test_export_zmq_abort import FLOOD, _reset
 
 from vllm_hs_compat.export import ExportConsumer, ExportProducer
-from vllm_hs_compat.export import consumer as consumer_module
 from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.consumer import channel as consumer_channel
 from vllm_hs_compat.export.control import ControlClient, ControlServer, new_token
 
 Make = Callable[..., ExportProducer]
@@ -203,7 +203,7 @@ def test_negative_control_a_zap_that_admits_any_key_lets_the_message_through(
 
 
 def test_unreachable_direct_endpoint_keeps_the_gate(make_producer: Make, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(consumer_module, "DIRECT_CONFIRM_S", 0.5)
+    monkeypatch.setattr(consumer_channel, "DIRECT_CONFIRM_S", 0.5)
     p = make_producer()
     _publish(p, "a", 1)
     p.direct_endpoint = f"127.0.0.1:{free_port()}"  # advertised, nothing listens there

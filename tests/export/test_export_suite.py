@@ -41,8 +41,9 @@ from vllm_hs_compat.export import (
     UnknownRecordError,
     nixl_available,
 )
-from vllm_hs_compat.export import consumer as consumer_mod
 from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.consumer import landing as consumer_landing
+from vllm_hs_compat.export.consumer import reads as consumer_reads
 from vllm_hs_compat.export.control import ControlClient, server_key
 
 MiB = 1 << 20
@@ -515,7 +516,7 @@ def test_a_large_read_is_verified_piece_by_piece_and_a_late_flip_is_caught(backe
     lb = p.pool._by_record["big-b"]
     p.transport.buffer[lb.offset + 600 * 4 * 1024 * 2 - 3] ^= 0x01  # b's last hidden-state byte
     with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB, overlap_verification=True) as c:
-        assert 1200 * 4 * 1024 * 2 >= consumer_mod.OVERLAP_MIN_BYTES
+        assert 1200 * 4 * 1024 * 2 >= consumer_reads.OVERLAP_MIN_BYTES
         claims = [c.claim(r) for r in ("big-a", "big-b", "big-c")]
         ra, rb, rc = c.read(claims)
         assert isinstance(ra, CaptureRecord) and digest(ra.hidden_states) == a
@@ -567,7 +568,7 @@ def test_a_flip_in_a_middle_piece_fails_that_record_alone(backend: str, make_pro
         assert isinstance(rb, ChecksumMismatchError) and "'mid'" in str(rb), rb
         assert isinstance(rz, CaptureRecord) and digest(rz.hidden_states) == z
         if hasattr(t, "post_read"):
-            assert len(posted) >= 4 and max(posted) == consumer_mod.CHECK_PIECE_BYTES, posted
+            assert len(posted) >= 4 and max(posted) == consumer_reads.CHECK_PIECE_BYTES, posted
             assert most[0] == len(posted) and not live  # all in flight at once (< READ_WINDOW), all released
         assert c.stats()["checksum_failures"] == 1
         c.verify_checksum = False  # the control: the flip is in the bytes the transport moves
@@ -851,7 +852,7 @@ def test_owned_records_kept_past_the_share_land_in_recycled_spill_arenas(
         faults, stats = _keep_loop(p, c, 6, 4, "c")
         assert faults == [] and max(s["spill_arena_bytes"] for s in stats) <= 2 * MiB  # past it: copies
     # negative control: spill pages handed out again while their record lives -> caught
-    real = consumer_mod._Landing.alloc_spill
+    real = consumer_landing._Landing.alloc_spill
 
     def reuses(self: Any, nbytes: int) -> int | None:
         for a in self.spill.values():
@@ -859,7 +860,7 @@ def test_owned_records_kept_past_the_share_land_in_recycled_spill_arenas(
             a.used = 0
         return real(self, nbytes)
 
-    monkeypatch.setattr(consumer_mod._Landing, "alloc_spill", reuses)
+    monkeypatch.setattr(consumer_landing._Landing, "alloc_spill", reuses)
     with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB) as c:
         faults, _ = _keep_loop(p, c, 6, 4, "n")
         assert faults, "the checks must catch a record handed out twice"

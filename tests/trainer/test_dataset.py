@@ -348,12 +348,12 @@ def test_a_record_handed_out_twice_is_dropped_by_the_dataset(
     the same stream claimed it again.  The dataset (here in a DataLoader worker, whose items the resume state
     does not see) yields it once and counts the duplicate; with ``dedupe_window=0`` (the negative control) the
     duplicate reaches the training loop."""
-    from vllm_hs_compat.export import consumer as consumer_mod
+    from vllm_hs_compat.export.consumer import releases as consumer_releases
 
     p = make_producer(lease_ttl_s=0.3)
     publish(p, "twice", 1)
     publish(p, "other", 2)
-    monkeypatch.setattr(consumer_mod, "DEFER_FRACTION", 100.0)  # every release posted, its verdict taken as given
+    monkeypatch.setattr(consumer_releases, "DEFER_FRACTION", 100.0)  # every release posted, its verdict taken as given
     _slow_first_transfer(monkeypatch, 0.6)  # (both patches reach the forked worker)
     kw = {} if window is None else {"dedupe_window": window}
     ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=1.0, **kw)

@@ -8,7 +8,7 @@ lease was still held when it finished reading.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 import torch
 
@@ -28,7 +28,7 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 #: A consumer's local offsets name a landing region and a place in it: ``region << REGION_SHIFT | offset``.
 #: Region 0 is the landing buffer (so its offsets are plain offsets); more regions are added by
-#: ``add_region`` (the consumer's spill arenas, see ``consumer.py``).
+#: ``add_region`` (the consumer's spill arenas, see ``consumer/landing.py``).
 REGION_SHIFT: Final = 40
 REGION_MASK: Final = (1 << REGION_SHIFT) - 1
 
@@ -88,12 +88,13 @@ class ProducerTransport(Protocol):
 class ConsumerTransport(Protocol):
     """The trainer side: a landing buffer and reads into it.
 
-    A transport that copies with the CPU may also offer ``read_checked(items, algorithm, deadline) -> digests``
+    A transport that copies with the CPU may also offer :class:`CheckedReads`: ``read_checked(items, algorithm,
+    deadline) -> digests``
     (:meth:`ShmConsumerTransport.read_checked <vllm_hs_compat.export.shm.ShmConsumerTransport.read_checked>`):
     the copy with each range's checksum computed on the way; the consumer uses it when it is there.
 
-    A transport whose transfers run asynchronously may also offer posted reads (the consumer's verified read then
-    keeps a window of pieces in flight and checksums each as soon as it landed):
+    A transport whose transfers run asynchronously may also offer posted reads, :class:`PostedReads` (the
+    consumer's verified read then keeps a window of pieces in flight and checksums each as soon as it landed):
 
     * ``post_read(items) -> posted``: start a read of ``(remote, local, nbytes)`` ranges and return at once; the
       result's ``done`` says whether the bytes already moved while posting;
@@ -129,3 +130,45 @@ class ConsumerTransport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class CheckedReads(Protocol):
+    """A consumer transport's optional copy that checksums as it copies (see :class:`ConsumerTransport`)."""
+
+    def read_checked(self, items: Sequence[tuple[int, int, int, int]], algorithm: str, deadline: float) -> list[int]:
+        """Copy ``(remote, local, nbytes, checked)`` ranges; the ``algorithm`` checksum of each one's first
+        ``checked`` bytes."""
+        ...
+
+
+class PostedRead(Protocol):
+    """A read started by :meth:`PostedReads.post_read`."""
+
+    #: whether the bytes already moved while it was posted
+    done: bool
+
+
+class PostedReads(Protocol):
+    """A consumer transport's optional posted reads (see :class:`ConsumerTransport`)."""
+
+    def post_read(self, items: Sequence[tuple[int, int, int]]) -> PostedRead:
+        """Start a read of ``(remote, local, nbytes)`` ranges and return at once."""
+        ...
+
+    def wait_read(self, posted: PostedRead, deadline: float, spin_s: float) -> None:
+        """Return when ``posted`` is done; its error, or an ``ExportTimeoutError`` at the deadline."""
+        ...
+
+    def release_read(self, posted: PostedRead) -> None:
+        """Give ``posted`` up (once, after it is over or abandoned)."""
+        ...
+
+
+def checked_reads(transport: ConsumerTransport) -> CheckedReads | None:
+    """``transport`` as one with :class:`CheckedReads`, or ``None`` when it has none."""
+    return cast("CheckedReads", transport) if hasattr(transport, "read_checked") else None
+
+
+def posted_reads(transport: ConsumerTransport) -> PostedReads | None:
+    """``transport`` as one with :class:`PostedReads`, or ``None`` when it has none."""
+    return cast("PostedReads", transport) if hasattr(transport, "post_read") else None

@@ -1,0 +1,212 @@
+"""The control channel: the consumer's connection to its producer and every control call over it.
+
+:class:`ControlChannel` holds the connection (through the gate, or a trainer's past it on the producer's direct
+endpoint, back to the gate when that fails); the :class:`_Connected` layer says hello, attaches the data
+transport the producer describes and makes the calls (``_call``: re-attaching when the producer restarted).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from vllm_hs_compat import errors as E
+from vllm_hs_compat.errors import HsCompatError
+from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.consumer.landing import _Landing
+from vllm_hs_compat.export.consumer.state import _State
+from vllm_hs_compat.export.control import ControlClient
+from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport
+from vllm_hs_compat.export.shm import ShmConsumerTransport
+
+log = logging.getLogger(__package__)  # one logger for the whole consumer: vllm_hs_compat.export.consumer
+
+#: How long the first ping through an offered direct endpoint may take before the trainer stays on the gate.
+DIRECT_CONFIRM_S = 2.0
+
+
+class ControlChannel:
+    """The control connection: ``gate`` (through the endpoint a ticket names) and ``client``, the one calls go
+    to (the gate, or the producer's direct endpoint once confirmed); both ``None`` before :meth:`open` and after
+    :meth:`close`.  ``counters``: the consumer's (``direct_*``)."""
+
+    def __init__(self, endpoint: str, token: str | None, max_reply_bytes: int, counters: dict[str, int]) -> None:
+        self.endpoint = endpoint
+        self._token = token
+        self._max_reply_bytes = max_reply_bytes
+        self._counters = counters
+        self.client: ControlClient | None = None
+        #: the connection through the gate (the ticket's endpoint); ``client`` is it, or the direct one
+        self.gate: ControlClient | None = None
+
+    def open(self, timeout_s: float, server_key: str | None) -> None:
+        """Connect through the gate (``server_key``: the ticket's, for a ticket holder)."""
+        self.client = ControlClient(
+            self.endpoint,
+            self._token,
+            timeout_s,
+            server_key=server_key,
+            max_reply_bytes=self._max_reply_bytes,
+        )
+        self.gate = self.client
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls go to the producer's direct endpoint."""
+        return self.client is not None and self.client is not self.gate
+
+    def budget(self) -> int:
+        """The largest answer the connection takes."""
+        client = self.client
+        return client.max_reply_bytes if client is not None else P.DEFAULT_REPLY_BYTES
+
+    def exchange(self, req: P.Request, timeout: float | None) -> tuple[P.Reply, str]:
+        """One request on the current connection; a direct one that fails sends it again through the gate."""
+        client = self.client
+        if client is None:
+            raise E.ExportClosedError("consumer is closed")
+        if client is self.gate:
+            return client.call(req, timeout)
+        rid = P.new_rid()
+        try:
+            return client.call(req, timeout, rid=rid)
+        except (E.ExportTimeoutError, E.AuthError) as e:
+            # the same request id through the gate: the producer answers it once (a claim keeps its leases)
+            return self.fall_back(e).call(req, timeout, rid=rid)
+
+    def go_direct(self, producer: str | None, timeout_s: float) -> None:
+        """After a hello through the gate: ask for the direct endpoint, confirm it with a ping (the same
+        producer instance: ``producer``), then send every control call there.  Any failure keeps the gate
+        (counted ``direct_failures`` when an offered endpoint did not answer)."""
+        gate = self.gate
+        if gate is None or self.client is not gate or self._token is None:
+            return
+        try:
+            rep, _ = gate.call(P.DirectReq(), timeout_s)
+        except E.ExportError as e:  # an older producer: `protocol` error; the gate stays
+            log.debug("no direct endpoint from %s: %s", self.endpoint, e)
+            return
+        if not isinstance(rep, P.DirectReply) or rep.endpoint is None:
+            return
+        client: ControlClient | None = None
+        try:
+            client = ControlClient(
+                rep.endpoint,
+                self._token,
+                min(timeout_s, DIRECT_CONFIRM_S),
+                max_reply_bytes=self._max_reply_bytes,
+                fail_on_disconnect=True,
+            )
+            pong, answered = client.call(P.PingReq())
+            if not isinstance(pong, P.PongReply) or answered != producer:
+                raise E.StaleMetadataError(f"direct endpoint {rep.endpoint} answered as {answered}")
+        except HsCompatError as e:
+            self._counters["direct_failures"] += 1
+            log.info("direct endpoint %s not usable (%s); staying on the gate %s", rep.endpoint, e, self.endpoint)
+            if client is not None:
+                client.close()
+            return
+        client.timeout_s = timeout_s
+        client.adopt(gate)
+        self.client = client
+        self._counters["direct_switches"] += 1
+
+    def fall_back(self, why: BaseException) -> ControlClient:
+        """The direct connection failed: close it and use the gate again (its posted requests move there)."""
+        direct, gate = self.client, self.gate
+        if gate is None:
+            raise E.ExportClosedError("consumer is closed")
+        if direct is not None and direct is not gate:
+            gate.adopt(direct)
+            direct.close()
+        self.client = gate
+        self._counters["direct_fallbacks"] += 1
+        log.info("direct control endpoint failed (%s); back to the gate %s", why, self.endpoint)
+        return gate
+
+    def close(self) -> None:
+        """Close the connection (and the gate's, when calls went past it)."""
+        client, gate = self.client, self.gate
+        if client is not None:
+            client.close()
+            if gate is not None and gate is not client:
+                gate.close()
+        self.client = None
+        self.gate = None
+
+
+class _Connected(_State):
+    """The consumer's side of the channel: the hello that attaches the transport, the calls, their credential."""
+
+    @property
+    def principal(self) -> str:
+        """``"trainer"`` (token) or ``"record"`` (a ticket's capability)."""
+        return "record" if self._ticket is not None else "trainer"
+
+    @property
+    def direct(self) -> bool:
+        """Whether control calls go to the producer's direct endpoint (the trainer's path past the gate)."""
+        return self._channel.direct
+
+    def _connect(self) -> None:
+        client = self._channel.client
+        rep, producer = self._channel.exchange(P.HelloReq(), client.timeout_s if client is not None else None)
+        if not isinstance(rep, P.HelloReply):
+            raise E.ProtocolError(f"hello answered with {type(rep).__name__}")
+        info = rep.transport
+        if info is not None:
+            kind = "shm" if isinstance(info, P.ShmInfo) else "nixl"
+            if self._want != "auto" and kind != self._want:
+                raise E.TransportUnavailableError(
+                    f"producer at {self.endpoint} serves transport {kind!r}, this consumer was asked for "
+                    f"{self._want!r}; use backend='auto' or start the producer with backend={self._want!r}"
+                )
+            if self._transport is None or self._transport.kind != kind:
+                if self._transport is not None:
+                    self._transport.close()
+                    self._transport = None
+                    self._landing = self._new_landing()  # records lent from the old buffers keep them
+                if kind == "nixl":
+                    self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
+                else:
+                    self._transport = ShmConsumerTransport(self._landing_bytes, self._shm_dir)
+                self.producer = None
+            if rep.producer != self.producer:
+                self._transport.attach(info)
+        elif rep.principal == "trainer":
+            raise E.ProtocolError("the producer sent the trainer no transport description")
+        if self.producer is not None and rep.producer != self.producer:
+            self.counters["producer_changes"] += 1
+            log.info("producer at %s changed (%s -> %s); re-attached", self.endpoint, self.producer, rep.producer)
+        self.producer = rep.producer
+        self._hello = rep
+        self.hello = msgspec.to_builtins(rep, builtin_types=(bytes,))
+        self.counters["handshakes"] += 1
+        if rep.principal == "trainer" and self._direct_wanted and self._ticket is None:
+            self._channel.go_direct(self.producer, self.timeout_s)
+
+    def _new_landing(self) -> _Landing:
+        landing = _Landing(self._landing_bytes)
+        landing.on_drop = self._drop_region
+        return landing
+
+    def _drop_region(self, k: int) -> None:
+        if self._transport is not None:
+            self._transport.drop_region(k)
+
+    def _call(self, req: P.Request, timeout_s: float | None = None) -> P.Reply:
+        """One request.  An answer from another producer instance than the attached one (the producer restarted)
+        re-attaches first."""
+        rep, producer = self._channel.exchange(req, timeout_s if timeout_s is not None else self.timeout_s)
+        if self._unsettled:
+            self._reconcile()
+        if producer != self.producer:
+            self._connect()
+        return rep
+
+    def _cap(self) -> str | None:
+        return self._ticket.cap if self._ticket is not None else None
+
+    def _budget(self) -> int:
+        return self._channel.budget()

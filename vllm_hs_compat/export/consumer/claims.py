@@ -1,0 +1,258 @@
+"""Claims: leasing records, by id or the next published ones, and :class:`Claim`, a leased record's descriptor.
+
+A descriptor is checked on its own as it is parsed (a bad one fails its record alone, its lease given back);
+leases not read are abandoned here too.  Built on the releases layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS, check_sample, dtype_itemsize
+from vllm_hs_compat.errors import HsCompatError
+from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.consumer.releases import _Releases
+
+log = logging.getLogger(__package__)  # one logger for the whole consumer: vllm_hs_compat.export.consumer
+
+MAX_BATCH = P.MAX_BATCH
+#: A record claimed by id (``fetch``, ``claim``) whose bytes are at most this many comes in the claim's answer
+#: (one round trip, no transfer; see :class:`ExportConsumer`'s ``inline_bytes``).
+INLINE_BYTES = 256 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A leased record: where it lies in the producer's pool and what it is (``meta``: its metadata without the
+    token ids, which are read with the hidden states)."""
+
+    record_id: str
+    lease: int
+    nonce: str
+    offset: int
+    nbytes: int
+    ids_offset: int
+    extent: int
+    ids_checksum: int
+    producer: str
+    meta: P.MetaWire
+    #: when the claim was sent (``time.monotonic()``; 0: unknown): its lease cannot expire before
+    #: ``claimed_at + lease_ttl_s``, which lets a release far from that point go without waiting for its answer
+    claimed_at: float = 0.0
+    #: the record's bytes (its extent), when they came in the claim's answer (``FetchReq``); else None
+    inline: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_desc(cls, d: P.RecordDesc, claimed_at: float = 0.0) -> Claim:
+        """A claim from a decoded descriptor, after the checks that need no bytes (any failure is this record's
+        alone: :class:`RecordFormatError`)."""
+        m = d.meta
+        if m.request_id != d.record_id:
+            raise E.RecordFormatError(f"descriptor for {d.record_id!r} carries metadata of {m.request_id!r}")
+        if not P.is_nonce(d.nonce):
+            raise E.RecordFormatError(f"descriptor for {d.record_id!r} carries a nonce that is not 16 hex digits")
+        if m.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: unknown checksum algorithm {m.checksum_algorithm!r}; expected one of "
+                f"{CHECKSUM_ALGORITHMS} (producer and consumer run different vllm-hs-compat releases?)"
+            )
+        want = math.prod(m.shape) * dtype_itemsize(m.dtype)
+        if d.nbytes != want:
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: descriptor says {d.nbytes} bytes, its shape {list(m.shape)} {m.dtype} "
+                f"needs {want}"
+            )
+        if (d.ids_offset, d.extent) != P.ids_layout(d.nbytes, m.shape[0]):
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: token ids at [{d.ids_offset}, {d.extent}) do not follow {m.shape[0]} rows "
+                f"of {d.nbytes} bytes (expected {P.ids_layout(d.nbytes, m.shape[0])})"
+            )
+        if len(m.layer_ids) != m.shape[1] or any(a >= b for a, b in zip(m.layer_ids, m.layer_ids[1:], strict=False)):
+            raise E.RecordFormatError(
+                f"record {d.record_id!r}: layer ids {list(m.layer_ids)[:8]}... are not {m.shape[1]} ascending ids"
+            )
+        if not m.plain or (m.schema_version < 2 and (m.sample_id or m.source)):
+            check_sample(
+                m.sample(), start=m.start, tokens=m.shape[0], schema_version=m.schema_version, what=d.record_id
+            )
+        return cls(
+            record_id=d.record_id,
+            lease=d.lease,
+            nonce=d.nonce,
+            offset=d.offset,
+            nbytes=d.nbytes,
+            ids_offset=d.ids_offset,
+            extent=d.extent,
+            ids_checksum=d.ids_checksum,
+            producer=d.producer,
+            meta=m,
+            claimed_at=claimed_at,
+        )
+
+    @classmethod
+    def parse(cls, d: Any) -> Claim:
+        """A claim from an encoded descriptor (bytes) or its plain-dict form; raises :class:`ProtocolError` or
+        :class:`RecordFormatError`."""
+        if isinstance(d, bytes | bytearray | memoryview):
+            desc = P.decode_descriptor(bytes(d))
+        else:
+            try:
+                desc = msgspec.convert(d, P.RecordDesc)
+            except (msgspec.ValidationError, TypeError) as e:
+                raise E.ProtocolError(f"record descriptor does not fit the schema: {e}") from None
+        return cls.from_desc(desc)
+
+
+class _Claims(_Releases):
+    """Claiming records and giving back the leases not read."""
+
+    def claim(self, record_id: str, timeout_s: float | None = None, wait_s: float = 0.0) -> Claim:
+        """Lease one record by id.  A record not yet published is asked for again until ``wait_s`` has passed
+        (the capture connector returns the ticket before the worker publishes the record); then
+        :class:`UnknownRecordError`.  A record the producer knows failed raises :class:`RecordFailedError`."""
+        deadline = time.monotonic() + wait_s
+        pause = 0.005
+        while True:
+            sent = time.monotonic()
+            rep = self._claim_one(record_id, timeout_s)
+            if not rep.errors:
+                break
+            e0 = rep.errors[0]
+            if e0.code == "failed_record":
+                raise E.RecordFailedError(f"record {record_id!r} will not be published: {e0.message}")
+            if time.monotonic() + pause > deadline:
+                raise E.UnknownRecordError(e0.message)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        if len(rep.records) != 1:
+            raise E.ProtocolError(f"claim of one record answered with {len(rep.records)} descriptors")
+        (item,) = self._parse(rep.records, sent)
+        if isinstance(item, HsCompatError):
+            raise item
+        data = rep.data[0] if isinstance(rep, P.FetchReply) and rep.data else b""
+        if data:
+            if len(data) != item.extent:
+                self.abandon([item])
+                raise E.ProtocolError(
+                    f"record {record_id!r}: the claim's answer carries {len(data)} bytes, its descriptor says "
+                    f"{item.extent}"
+                )
+            item = dataclasses.replace(item, inline=data)
+        return item
+
+    def _claim_one(self, record_id: str, timeout_s: float | None) -> P.ClaimReply | P.FetchReply:
+        """One claim of ``record_id``: with its bytes in the answer when they may fit (``inline_bytes``) and the
+        producer knows the ``fetch`` op (an older one answers it with a protocol error: asked once)."""
+        room = self.inline_bytes
+        if self._hello is not None:
+            room = min(room, self._hello.max_read_bytes)
+        if self._transport is not None and self._transport.kind == "shm":
+            room = 0  # the pool is mapped here: a copy out of it beats any answer carrying the bytes
+        if room > 0 and self._fetch_op is not False:
+            req = P.FetchReq([record_id], max_reply_bytes=self._budget(), cap=self._cap(), inline_bytes=room)
+            try:
+                rep = self._call(req, timeout_s)
+            except E.ProtocolError as e:
+                if self._fetch_op is not None:
+                    raise
+                log.info("producer %s does not answer 'fetch' (%s): claims, then reads", self.endpoint, e)
+                self._fetch_op = False
+            else:
+                self._fetch_op = True
+                if not isinstance(rep, P.FetchReply):
+                    raise E.ProtocolError(f"fetch answered with {type(rep).__name__}")
+                return rep
+        rep = self._call(P.ClaimReq([record_id], max_reply_bytes=self._budget(), cap=self._cap()), timeout_s)
+        if not isinstance(rep, P.ClaimReply):
+            raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
+        return rep
+
+    def _parse(self, raws: Sequence[bytes], claimed_at: float = 0.0) -> list[Claim | HsCompatError]:
+        """Each descriptor on its own: a bad one fails its record alone (its lease is given back if it can be
+        read, else the producer's TTL reclaims it)."""
+        out: list[Claim | HsCompatError] = []
+        bad: list[tuple[int, str, str]] = []
+        for raw in raws:
+            try:
+                desc = P.decode_descriptor(raw)
+            except E.ProtocolError as e:
+                out.append(self._refused(raw, e, bad))
+                continue
+            try:
+                out.append(Claim.from_desc(desc, claimed_at))
+            except E.RecordFormatError as e:
+                out.append(self._refused(desc, e, bad))
+        self._give_back_refused(bad)
+        return out
+
+    def _refused(
+        self, what: bytes | P.RecordDesc, e: HsCompatError, bad: list[tuple[int, str, str]]
+    ) -> E.DescriptorError:
+        """A descriptor that cannot be read (raw bytes) or whose record cannot be (a decoded one): counted, its
+        lease noted in ``bad`` to be given back when it can be read."""
+        self.counters["bad_descriptors"] += 1
+        ref = P.decode_lease_ref(what) if isinstance(what, bytes) else what
+        if ref is not None and not P.is_nonce(ref.nonce):
+            ref = None  # a release naming it would be refused whole: its TTL reclaims it
+        if ref is not None:
+            bad.append((ref.lease, ref.nonce, "abandoned"))
+        name = ref.record_id if ref is not None and ref.record_id else "?"
+        fate = "its lease is given back" if ref is not None else "its lease expires at the producer"
+        return E.DescriptorError(f"record {name!r}: descriptor refused ({e}); {fate}")
+
+    def _give_back_refused(self, bad: list[tuple[int, str, str]]) -> None:
+        if bad:
+            self._settle(bad)
+            self.counters["abandoned"] += len(bad)
+
+    def _claim_next_reply(self, max_records: int, wait_s: float, max_bytes: int) -> tuple[list[bytes], float]:
+        """One ``claim_next``: the encoded descriptors and when the claim was sent (``time.monotonic()``)."""
+        sent = time.monotonic()
+        rep = self._call(
+            P.ClaimNextReq(
+                max_records=max(1, min(max_records, MAX_BATCH)),
+                max_bytes=max_bytes,
+                wait_s=min(max(wait_s, 0.0), P.MAX_WAIT_S),
+                max_reply_bytes=self._budget(),
+            ),
+            wait_s + self.timeout_s,
+        )
+        if not isinstance(rep, P.ClaimReply):
+            raise E.ProtocolError(f"claim_next answered with {type(rep).__name__}")
+        return rep.records, sent
+
+    def _claim_next_items(
+        self, max_records: int, wait_s: float, max_bytes: int | None = None
+    ) -> list[Claim | HsCompatError]:
+        raws, sent = self._claim_next_reply(max_records, wait_s, max_bytes or self._landing_bytes)
+        return self._parse(raws, sent)
+
+    def claim_next(self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None) -> list[Claim]:
+        """Lease up to ``max_records`` published records (oldest first), waiting up to ``wait_s`` for one.  The
+        producer bounds the answer by its encoded size; a record whose descriptor is malformed is given back
+        (counted ``bad_descriptors``) and the others are returned.  Trainer only."""
+        items = self._claim_next_items(max_records, wait_s, max_bytes)
+        for it in items:
+            if isinstance(it, HsCompatError):
+                log.warning("claim_next: %s", it)
+        return [it for it in items if isinstance(it, Claim)]
+
+    def abandon(self, claims: Sequence[Claim]) -> None:
+        """Give leases back without reading them (counted ``abandoned`` on both sides; if the producer cannot be
+        reached its TTL reclaims them)."""
+        live = [c for c in claims if c.producer == self.producer]
+        self.counters["abandoned"] += len(claims)
+        if live:
+            self._settle([(c.lease, c.nonce, "abandoned") for c in live])
+
+    def _abandon_leases(self, descs: Sequence[P.RecordDesc]) -> None:
+        self.counters["abandoned"] += len(descs)
+        self._settle([(d.lease, d.nonce, "abandoned") for d in descs])
