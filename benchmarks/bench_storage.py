@@ -45,6 +45,7 @@ def _hidden_states(model_dir: str, layers: list[int], sequences: int, tokens: in
 def _pre_norm_last(model: object, ids: torch.Tensor) -> torch.Tensor:
     captured: dict[str, torch.Tensor] = {}
     norm = model.model.norm  # type: ignore[attr-defined]
+
     def keep(mod: object, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         captured["x"] = args[0][0]
 

@@ -28,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         i = words.index("--")
         words, tail = words[:i], words[i + 1 :]
     args = parser.parse_args(words)
+    args.argv = words[1:]  # the command's own words, for a command that hands them on (capture --ray to its ranks)
     if tail is not None:
         if not hasattr(args, "vllm_args"):
             parser.error(f"arguments after -- are passed to vLLM by `serve` only; {args.command} takes none")

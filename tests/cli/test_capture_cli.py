@@ -72,3 +72,36 @@ def test_rows_without_a_sample_are_counted_and_a_resume_must_match_the_settings(
     # the same tree with other layers is another run: refused, naming the setting
     assert main(["capture", "--model", str(model_dir), "--layers", "1,3", "--data", str(data), "--out", str(out)]) == 2
     assert "layers" in capsys.readouterr().err
+
+
+def test_ray_ranks_get_the_command_less_the_launchers_flags() -> None:
+    from vllm_hs_compat.capture.ray_path import rank_argv
+
+    argv = ["--model", "m", "--ray", "2", "--ray-address=auto", "--json", "--out", "o", "--world-size", "3",
+            "--ray-cpus-per-actor", "2", "--layers", "1,2"]  # fmt: skip
+    assert rank_argv(argv, 1, 2) == [
+        "--model",
+        "m",
+        "--out",
+        "o",
+        "--layers",
+        "1,2",
+        "--rank",
+        "1",
+        "--world-size",
+        "2",
+    ]
+
+
+def test_ray_refuses_a_rank_of_its_own_and_a_missing_ray_before_anything_starts(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert _capture(model_dir, data, tmp_path / "o", "--ray", "2", "--rank", "1", "--world-size", "2") == 2
+    assert "leave out --rank/--world-size" in capsys.readouterr().err
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        assert _capture(model_dir, data, tmp_path / "o", "--ray", "2", "--loss-mask", "all") == 2
+        assert "capture --ray needs Ray" in capsys.readouterr().err

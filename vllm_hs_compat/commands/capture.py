@@ -72,6 +72,21 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="--on-policy: sampling seed of each request")
     p.add_argument("--records-per-shard", type=int, default=1000, help="records per shard folder (default 1000)")
     p.add_argument(
+        "--ray",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N ranks as Ray actors, one engine each, into this tree (needs ray; see capture/ray_path.py)",
+    )
+    p.add_argument("--ray-address", default=None, help="--ray: the cluster to join (default: a local one)")
+    p.add_argument("--ray-cpus-per-actor", type=float, default=1.0, help="--ray: CPUs per engine actor (default 1)")
+    p.add_argument(
+        "--ray-gpus-per-actor",
+        type=float,
+        default=None,
+        help="--ray: GPUs per engine actor (default: --tensor-parallel-size where CUDA is present, else 0)",
+    )
+    p.add_argument(
         "--storage",
         choices=("captured", "fp8_e4m3"),
         default="captured",
@@ -350,6 +365,8 @@ def _rows(args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, cou
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return _run_ray(args)
     try:
         with stdout_to_stderr(args.json):  # vLLM logs to stdout: --json prints nothing but the summary there
             summary = capture(args)
@@ -363,6 +380,48 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary, args.out)
     return 0 if not summary.get("failed") else 1
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    """``--ray N``: check everything a rank would refuse first, then run ranks 0..N-1 as Ray actors and print the
+    merged summary.  Exit code: 3 if a rank's circuit breaker opened, else the highest rank's code (4: an actor
+    died)."""
+    from vllm_hs_compat.capture.ray_path import run_ranks
+    from vllm_hs_compat.capture.store import read_summary
+
+    try:
+        if args.world_size != 1 or args.rank != 0:
+            raise CaptureConfigError("--ray N sets each rank itself: leave out --rank/--world-size")
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        except (OSError, ValueError) as exc:
+            raise ToolError(f"cannot load the tokenizer of --model {args.model!r}: {exc}") from None
+        plan(args, tokenizer)
+        gpus = args.ray_gpus_per_actor
+        if gpus is None:
+            import torch
+
+            gpus = float(args.tensor_parallel_size) if torch.cuda.is_available() else 0.0
+        codes = run_ranks(
+            list(getattr(args, "argv", [])),
+            args.ray,
+            address=args.ray_address,
+            cpus_per_actor=args.ray_cpus_per_actor,
+            gpus_per_actor=gpus,
+        )
+    except HsCompatError as exc:
+        print(f"vllm-hs-compat capture: {exc}", file=sys.stderr)
+        return 2
+    summary = read_summary(args.out).to_dict()
+    if args.json:
+        print(json.dumps({**summary, "ranks": dict(codes)}, indent=1))
+    else:
+        print(f"ranks (exit codes): {dict(codes)}")
+        _print_summary(summary, args.out)
+    worst = max(code for _, code in codes)
+    return 3 if any(code == 3 for _, code in codes) else worst
 
 
 def capture(args: argparse.Namespace) -> dict[str, Any]:
