@@ -139,6 +139,11 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     if not any(line.startswith(READY) for line in srv.log):
         proc.kill()
         pytest.fail(f"vllm-hs-compat serve never said ready ({srv.ready_s:.0f} s):\n" + "\n".join(srv.log[-60:]))
+    # The banner is several lines (ready, export endpoint, tickets, trainer token), printed at once but pumped into
+    # srv.log one by one: wait for its last line before any test reads it.
+    deadline = time.monotonic() + 30.0
+    while not any("trainer token:" in line for line in srv.log) and time.monotonic() < deadline:
+        time.sleep(0.05)
     e2e_report.add(f"serve: `vllm-hs-compat serve` ready in {srv.ready_s:.1f} s (warm-up included)")
     banner = next(line for line in srv.log if line.startswith(READY))
     server_pid = int(banner.split("(server pid ")[1].split(")")[0])
