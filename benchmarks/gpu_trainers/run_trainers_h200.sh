@@ -10,9 +10,11 @@
 #   run (on the GPU host, from the folder holding STAGE_DIR; needs python3 with torch/CUDA, transformers, triton,
 #   pyarrow, pandas, tensorboard, accelerate, aiohttp; everything else comes as wheels, --no-deps, offline):
 #       OUT=/some/dir bash STAGE_DIR/run_trainers_h200.sh run [STAGE_DIR]
-#     1. speculators 0.9.0: `speculators train --data-path ... --target-layer-ids 1 2 3 --on-missing raise` (8 epochs)
-#     2. negative control: the same command, 1 epoch, on a copy whose hs_0/hs_1 files are swapped
-#     3. SpecForge 0.2.0: `specforge train --config run.yaml data.hidden_states_path=... model.target_model_path=...`
+#     1. speculators 0.9.0: `speculators train --data-path ... --target-layer-ids 1 2 3 --on-missing raise` (8 epochs;
+#        --loss-implementation eager: its default fused Triton loss fails to trace under torch 2.11 / Triton 3.6 with
+#        "ListVariable(length=21) is already tracked for mutation", before any data matters)
+#     2. SpecForge 0.2.0: `specforge train --config specforge_run.yaml data.hidden_states_path=... model....` (2 epochs)
+#     3. negative control: the speculators command, 1 epoch, on a copy whose hs_0/hs_1 files are swapped
 #     4. report.py: steps, loss and accuracy first -> last, samples/tokens loaded against what was written.
 #   Logs and report.json land in OUT.  About 4 minutes on one H200, machine start excluded.
 set -uo pipefail
@@ -62,32 +64,34 @@ rc=0
 # 1. speculators, the command `vllm-hs-compat convert` printed, plus run-size flags.
 t0=$(date +%s)
 set -x
-"${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-path "$D/verifier" --target-layer-ids 1 2 3 \
-    --on-missing raise --epochs 8 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
+timeout 230 "${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-path "$D/verifier" \
+    --target-layer-ids 1 2 3 --on-missing raise --loss-implementation eager --epochs 8 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
     --save-path "$W/spec/ckpt" --logger tensorboard --log-dir "$W/spec/logs" --run-name ours \
     >"$OUT/speculators.log" 2>&1
 echo "speculators rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators.log"
 set +x
 
-# 2. negative control: row i <-> hs_i broken (hs_0 and hs_1 swapped) in a copy; speculators' own token-id check.
+# 2. SpecForge: its one entry point, offline EAGLE-3 over the converted folder.
+t0=$(date +%s)
+set -x
+timeout 190 "${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden_states_path="$D/specforge" \
+    model.target_model_path="$D/verifier" "model.aux_hidden_state_layer_ids=[0,1,2]" \
+    model.lm_head_key=model.embed_tokens.weight model.draft_model_config="$D/specforge_draft.json" \
+    output_dir="$W/forge" \
+    >"$OUT/specforge.log" 2>&1
+echo "specforge rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/specforge.log"
+set +x
+
+# 3. negative control: row i <-> hs_i broken (hs_0 and hs_1 swapped) in a copy; speculators' own token-id check.
 cp -r "$D/speculators" "$W/swapped" && H=$W/swapped/hidden_states
 mv "$H/hs_0.safetensors" "$H/tmp" && mv "$H/hs_1.safetensors" "$H/hs_0.safetensors" && mv "$H/tmp" "$H/hs_1.safetensors"
 t0=$(date +%s)
-"${SPEC[@]}" train --data-path "$W/swapped" --verifier-name-or-path "$D/verifier" --target-layer-ids 1 2 3 \
-    --on-missing raise --epochs 1 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
+timeout 130 "${SPEC[@]}" train --data-path "$W/swapped" --verifier-name-or-path "$D/verifier" --target-layer-ids 1 2 3 \
+    --on-missing raise --loss-implementation eager --epochs 1 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
     --save-path "$W/swap/ckpt" --logger tensorboard --log-dir "$W/swap/logs" --run-name swapped \
     >"$OUT/speculators_swapped.log" 2>&1
 echo "speculators (swapped) rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators_swapped.log"
 
-# 3. SpecForge: its one entry point, offline EAGLE-3 over the converted folder.
-t0=$(date +%s)
-set -x
-"${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden_states_path="$D/specforge" \
-    model.target_model_path="$D/verifier" "model.aux_hidden_state_layer_ids=[0,1,2]" \
-    model.lm_head_key=model.embed_tokens.weight output_dir="$W/forge" \
-    >"$OUT/specforge.log" 2>&1
-echo "specforge rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/specforge.log"
-set +x
 
 python3 "$STAGE/report.py" --data "$D" --work "$W" --logs "$OUT" --json "$OUT/report.json" 2>&1 | tee "$OUT/report.txt"
 rc=${PIPESTATUS[0]}
