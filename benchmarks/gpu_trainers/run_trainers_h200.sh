@@ -68,7 +68,16 @@ timeout 230 "${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-p
     --target-layer-ids 1 2 3 --on-missing raise --loss-implementation eager --epochs 8 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
     --save-path "$W/spec/ckpt" --logger tensorboard --log-dir "$W/spec/logs" --run-name ours \
     >"$OUT/speculators.log" 2>&1
-echo "speculators rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators.log"
+r=$?
+echo "speculators rc=$r after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators.log"
+if [ $r -ne 0 ] && [ $(($(date +%s) - t0)) -lt 150 ]; then  # one retry on sdpa attention instead of flex
+    mv "$OUT/speculators.log" "$OUT/speculators_flex.log" && rm -rf "$W/spec" && t0=$(date +%s)
+    timeout 150 "${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-path "$D/verifier" \
+        --target-layer-ids 1 2 3 --on-missing raise --loss-implementation eager --draft-attn-impl sdpa --epochs 8 \
+        --total-seq-len 512 --num-workers 2 --prefetch-factor 2 --save-path "$W/spec/ckpt" --logger tensorboard \
+        --log-dir "$W/spec/logs" --run-name ours >"$OUT/speculators.log" 2>&1
+    echo "speculators (sdpa) rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators.log"
+fi
 set +x
 
 # 2. SpecForge: its one entry point, offline EAGLE-3 over the converted folder.
@@ -79,7 +88,16 @@ timeout 190 "${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden
     model.lm_head_key=model.embed_tokens.weight model.draft_model_config="$D/specforge_draft.json" \
     output_dir="$W/forge" \
     >"$OUT/specforge.log" 2>&1
-echo "specforge rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/specforge.log"
+r=$?
+echo "specforge rc=$r after $(($(date +%s) - t0)) s" | tee -a "$OUT/specforge.log"
+if [ $r -ne 0 ] && [ $(($(date +%s) - t0)) -lt 90 ]; then  # one retry on sdpa attention instead of flex
+    mv "$OUT/specforge.log" "$OUT/specforge_flex.log" && rm -rf "$W/forge" && t0=$(date +%s)
+    timeout 150 "${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden_states_path="$D/specforge" \
+        model.target_model_path="$D/verifier" "model.aux_hidden_state_layer_ids=[0,1,2]" \
+        model.lm_head_key=model.embed_tokens.weight model.draft_model_config="$D/specforge_draft.json" \
+        training.attention_backend=sdpa output_dir="$W/forge" >"$OUT/specforge.log" 2>&1
+    echo "specforge (sdpa) rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/specforge.log"
+fi
 set +x
 
 # 3. negative control: row i <-> hs_i broken (hs_0 and hs_1 swapped) in a copy; speculators' own token-id check.
@@ -95,5 +113,5 @@ echo "speculators (swapped) rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/
 
 python3 "$STAGE/report.py" --data "$D" --work "$W" --logs "$OUT" --json "$OUT/report.json" 2>&1 | tee "$OUT/report.txt"
 rc=${PIPESTATUS[0]}
-ls -R "$W/spec/ckpt" "$W/forge" 2>/dev/null | head -40 >"$OUT/outputs.txt"
+ls -R "$W/spec/ckpt" "$W/forge" 2>/dev/null | head -40 >>"$OUT/env.log"
 exit "$rc"
