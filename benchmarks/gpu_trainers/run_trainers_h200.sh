@@ -10,7 +10,7 @@
 #   run (on the GPU host, from the folder holding STAGE_DIR; needs python3 with torch/CUDA, transformers, triton,
 #   pyarrow, pandas, tensorboard, accelerate, aiohttp; everything else comes as wheels, --no-deps, offline):
 #       OUT=/some/dir bash STAGE_DIR/run_trainers_h200.sh run [STAGE_DIR]
-#     1. speculators 0.9.0: `speculators train --data-path ... --target-layer-ids 1 2 3 --on-missing raise` (8 epochs;
+#     1. speculators 0.9.0: `speculators train --data-path ... --target-layer-ids 1 2 3 --on-missing raise` (6 epochs;
 #        --loss-implementation eager: its default fused Triton loss fails to trace under torch 2.11 / Triton 3.6 with
 #        "ListVariable(length=21) is already tracked for mutation", before any data matters)
 #     2. SpecForge 0.2.0: `specforge train --config specforge_run.yaml data.hidden_states_path=... model....` (2 epochs)
@@ -41,6 +41,9 @@ fi
 [ "$cmd" = run ] || { echo "usage: $0 stage|run [STAGE_DIR]" >&2; exit 2; }
 
 OUT=${OUT:-/tmp/trainers_out}
+START=$(date +%s)
+BUDGET=${BUDGET:-300}  # seconds: a retry or the negative control starts only while the run is inside this
+left() { echo $((BUDGET - ($(date +%s) - START))); }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false COLUMNS=160
 SITE=/tmp/trainer_site
@@ -64,16 +67,16 @@ rc=0
 # 1. speculators, the command `vllm-hs-compat convert` printed, plus run-size flags.
 t0=$(date +%s)
 set -x
-timeout 230 "${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-path "$D/verifier" \
-    --target-layer-ids 1 2 3 --on-missing raise --loss-implementation eager --epochs 8 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
+timeout 180 "${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-path "$D/verifier" \
+    --target-layer-ids 1 2 3 --on-missing raise --loss-implementation eager --epochs 6 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
     --save-path "$W/spec/ckpt" --logger tensorboard --log-dir "$W/spec/logs" --run-name ours \
     >"$OUT/speculators.log" 2>&1
 r=$?
 echo "speculators rc=$r after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators.log"
-if [ $r -ne 0 ] && [ $(($(date +%s) - t0)) -lt 150 ]; then  # one retry on sdpa attention instead of flex
+if [ $r -ne 0 ] && [ "$(left)" -gt 150 ]; then  # one retry on sdpa attention instead of flex
     mv "$OUT/speculators.log" "$OUT/speculators_flex.log" && rm -rf "$W/spec" && t0=$(date +%s)
-    timeout 150 "${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-path "$D/verifier" \
-        --target-layer-ids 1 2 3 --on-missing raise --loss-implementation eager --draft-attn-impl sdpa --epochs 8 \
+    timeout "$(left)" "${SPEC[@]}" train --data-path "$D/speculators" --verifier-name-or-path "$D/verifier" \
+        --target-layer-ids 1 2 3 --on-missing raise --loss-implementation eager --draft-attn-impl sdpa --epochs 6 \
         --total-seq-len 512 --num-workers 2 --prefetch-factor 2 --save-path "$W/spec/ckpt" --logger tensorboard \
         --log-dir "$W/spec/logs" --run-name ours >"$OUT/speculators.log" 2>&1
     echo "speculators (sdpa) rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators.log"
@@ -83,16 +86,16 @@ set +x
 # 2. SpecForge: its one entry point, offline EAGLE-3 over the converted folder.
 t0=$(date +%s)
 set -x
-timeout 190 "${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden_states_path="$D/specforge" \
+timeout 150 "${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden_states_path="$D/specforge" \
     model.target_model_path="$D/verifier" "model.aux_hidden_state_layer_ids=[0,1,2]" \
     model.lm_head_key=model.embed_tokens.weight model.draft_model_config="$D/specforge_draft.json" \
     output_dir="$W/forge" \
     >"$OUT/specforge.log" 2>&1
 r=$?
 echo "specforge rc=$r after $(($(date +%s) - t0)) s" | tee -a "$OUT/specforge.log"
-if [ $r -ne 0 ] && [ $(($(date +%s) - t0)) -lt 90 ]; then  # one retry on sdpa attention instead of flex
+if [ $r -ne 0 ] && [ "$(left)" -gt 100 ]; then  # one retry on sdpa attention instead of flex
     mv "$OUT/specforge.log" "$OUT/specforge_flex.log" && rm -rf "$W/forge" && t0=$(date +%s)
-    timeout 150 "${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden_states_path="$D/specforge" \
+    timeout "$(left)" "${FORGE[@]}" train --config "$STAGE/specforge_run.yaml" data.hidden_states_path="$D/specforge" \
         model.target_model_path="$D/verifier" "model.aux_hidden_state_layer_ids=[0,1,2]" \
         model.lm_head_key=model.embed_tokens.weight model.draft_model_config="$D/specforge_draft.json" \
         training.attention_backend=sdpa output_dir="$W/forge" >"$OUT/specforge.log" 2>&1
@@ -101,14 +104,18 @@ fi
 set +x
 
 # 3. negative control: row i <-> hs_i broken (hs_0 and hs_1 swapped) in a copy; speculators' own token-id check.
+if [ "$(left)" -gt 60 ]; then
 cp -r "$D/speculators" "$W/swapped" && H=$W/swapped/hidden_states
 mv "$H/hs_0.safetensors" "$H/tmp" && mv "$H/hs_1.safetensors" "$H/hs_0.safetensors" && mv "$H/tmp" "$H/hs_1.safetensors"
 t0=$(date +%s)
-timeout 130 "${SPEC[@]}" train --data-path "$W/swapped" --verifier-name-or-path "$D/verifier" --target-layer-ids 1 2 3 \
+timeout "$(left)" "${SPEC[@]}" train --data-path "$W/swapped" --verifier-name-or-path "$D/verifier" --target-layer-ids 1 2 3 \
     --on-missing raise --loss-implementation eager --epochs 1 --total-seq-len 512 --num-workers 2 --prefetch-factor 2 \
     --save-path "$W/swap/ckpt" --logger tensorboard --log-dir "$W/swap/logs" --run-name swapped \
     >"$OUT/speculators_swapped.log" 2>&1
 echo "speculators (swapped) rc=$? after $(($(date +%s) - t0)) s" | tee -a "$OUT/speculators_swapped.log"
+else
+    echo "negative control skipped: $(left) s of BUDGET=$BUDGET left" | tee "$OUT/speculators_swapped.log"
+fi
 
 
 python3 "$STAGE/report.py" --data "$D" --work "$W" --logs "$OUT" --json "$OUT/report.json" 2>&1 | tee "$OUT/report.txt"
