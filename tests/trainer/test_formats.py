@@ -226,6 +226,8 @@ def test_convert_command(model: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["convert", str(src), "--to", "specforge-eagle3", "--out", str(out), "--verifier", str(model)]) == 0
     text = capsys.readouterr().out
     assert "= [0, 1, 2]" in text and "post-norm as declared" in text
+    # the printed train command pastes into a shell: the ids are one word (SpecForge's override parser needs that)
+    assert " model.aux_hidden_state_layer_ids=[0,1,2]" in text
     draft = tmp_path / "draft.json"
     draft.write_text(json.dumps({"eagle_architecture_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}))
     argv = ["convert", str(src), "--to", "modelopt", "--out", str(tmp_path / "m"), "--verifier", str(model)]

@@ -572,7 +572,7 @@ class FormatWriter:
             out["command"] = spec.command.format(
                 ids=" ".join(map(str, lm.trainer_ids))
                 if self.fmt == "speculators"
-                else json.dumps(list(lm.trainer_ids))
+                else json.dumps(list(lm.trainer_ids), separators=(",", ":"))  # one shell word: [1,15,28]
             )
         if self.drafter_verdict is not None:
             out["drafter_config"] = self.drafter_verdict
