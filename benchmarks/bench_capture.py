@@ -9,12 +9,16 @@ sizes; on CPU eager with block size 32):
 * ``capture``  -- the capture command itself (``vllm-hs-compat capture`` on the same file): ``extract_hidden_states``,
   the connector, the file sink, the sharded store and its index, ``--storage`` as given.
 
-Throughput counts the rows' prompt tokens over the time from a ready engine to the end of the work (the engine's
-start-up is printed apart: it is paid once per process, not per row).  Prints tokens/s and bytes/s (capture: the
+Throughput counts the rows' prompt tokens over the time from a ready engine to the end of the work: for
+``generate`` the ``generate`` call (the rows were templated before), for ``capture`` until the command shuts its
+engine down (templating of all rows after the first batch, the file sink, verification and adoption of every
+record included; the index's last part and the summary are written after).  The engine's start-up is printed apart:
+it is paid once per process, not per row.  Prints tokens/s and bytes/s (capture: the
 records on disk) per run, the medians, and capture / generate (target >= 0.9x).
 
     python benchmarks/bench_capture.py                    # the tiny Llama, the shipped conversations x 8
     python benchmarks/bench_capture.py --rows 384 --repeats 3 --storage fp8_e4m3
+    python benchmarks/bench_capture.py --hidden 512 --num-layers 8      # a model whose forward costs something
 """
 
 from __future__ import annotations
@@ -34,15 +38,17 @@ LAYERS = "1,2"
 
 
 def _rows(path: Path, n: int) -> None:
-    """``n`` rows: the package's conversations, repeated under new ids (a repeat is a new sample, its prompt shared
-    with the first: prefix caching serves both variants alike)."""
+    """``n`` rows: the package's conversations under new ids, each made unique by a number in its first message (a
+    dataset's rows differ: repeated prompts would be served from vLLM's prefix cache by ``generate``, while every
+    record still has to be read out and written)."""
     from vllm_hs_compat.capture.data import CONVERSATIONS
 
     base = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines() if line.strip()]
     with path.open("w") as f:
         for i in range(n):
-            row = dict(base[i % len(base)])
+            row = json.loads(json.dumps(base[i % len(base)]))
             row["id"] = f"{row.get('id', 'row')}-{i}"
+            row["messages"][0]["content"] = f"({i}) {row['messages'][0]['content']}"
             f.write(json.dumps(row) + "\n")
 
 
@@ -64,10 +70,10 @@ def _generate(model: str, data: str, out: dict[str, Any]) -> None:
     t0 = time.monotonic()
     llm = LLM(**args)
     t_ready = time.monotonic()
-    prompts = [{"prompt_token_ids": list(s.token_ids)} for s in samples]
+    prompts = [{"prompt_token_ids": list(s.input_ids)} for s in samples]
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     t_end = time.monotonic()
-    out.update(start_s=t_ready - t0, work_s=t_end - t_ready, tokens=sum(len(s.token_ids) for s in samples), bytes=0)
+    out.update(start_s=t_ready - t0, work_s=t_end - t_ready, tokens=sum(len(s.input_ids) for s in samples), bytes=0)
 
 
 def _capture(model: str, data: str, tree: str, storage: str, out: dict[str, Any]) -> None:
@@ -81,18 +87,25 @@ def _capture(model: str, data: str, tree: str, storage: str, out: dict[str, Any]
         marks["ready"] = time.monotonic()
         return llm
 
+    from vllm_hs_compat.demo import engine as demo_engine
+
+    shutdown = demo_engine.shutdown
+
+    def timed_shutdown(llm: Any) -> None:  # the work ends when the command shuts its engine down
+        marks["done"] = time.monotonic()
+        shutdown(llm)
+
     cmd._engine = timed_engine  # type: ignore[assignment]
+    demo_engine.shutdown = timed_shutdown  # type: ignore[assignment]
     parser = argparse.ArgumentParser()
-    cmd.add_arguments(parser)
-    args = parser.parse_args(
-        ["--model", model, "--layers", LAYERS, "--data", data, "--out", tree, "--storage", storage]
-    )
+    cmd.register(parser.add_subparsers(dest="command"))  # the command's own arguments and defaults
+    argv = ["capture", "--model", model, "--layers", LAYERS, "--data", data, "--out", tree, "--storage", storage]
+    args = parser.parse_args(argv)
     t0 = time.monotonic()
     summary = cmd.capture(args)
-    t_end = time.monotonic()
     out.update(
         start_s=marks["ready"] - t0,
-        work_s=t_end - marks["ready"],
+        work_s=marks["done"] - marks["ready"],
         tokens=int(summary["tokens"]),
         bytes=int(summary["bytes"]),
         captured=int(summary["captured"]),
@@ -105,6 +118,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a local model folder (default: the package's tiny Llama, made here)")
     ap.add_argument("--rows", type=int, default=192)
+    ap.add_argument("--hidden", type=int, default=None, help="the made model's hidden size (default: the tiny one's)")
+    ap.add_argument("--num-layers", type=int, default=None, help="the made model's layers (default: the tiny one's)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--storage", default="captured", choices=("captured", "fp8_e4m3"))
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -125,7 +140,8 @@ def main() -> None:
         if model is None:
             from vllm_hs_compat.demo.models import make_model
 
-            model = make_model(str(Path(tmp) / "tiny"), seed=7).path
+            shape = {k: v for k, v in (("hidden", a.hidden), ("num_layers", a.num_layers)) if v is not None}
+            model = make_model(str(Path(tmp) / "tiny"), seed=7, **shape).path
         data = Path(tmp) / "rows.jsonl"
         _rows(data, a.rows)
         runs: dict[str, list[dict[str, Any]]] = {"generate": [], "capture": []}
@@ -136,7 +152,9 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--variant", variant, "--model", model, "--data", str(data),
                        "--tree", tree, "--result", str(result), "--storage", a.storage]  # fmt: skip
                 env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-                subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.exit(f"{variant} run {r} failed:\n{proc.stderr[-3000:]}")
                 got = json.loads(result.read_text())
                 runs[variant].append(got)
                 rate = got["tokens"] / got["work_s"]
