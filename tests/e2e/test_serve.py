@@ -11,7 +11,11 @@ module, spoken to over HTTP like an OpenAI client does.
   raise ``RecordFailedError`` naming ``pool_full`` (negative control: the ones that fit fetch and match);
 * a bad ``kv_connector_extra_config`` is refused in seconds with the package's message as the last line, by the
   front door (no vLLM import) and by vLLM's own api_server through the general plugin, before an engine process
-  starts (negative control: the module's server, started with a good config the same two ways in one).
+  starts (negative control: the module's server, started with a good config the same two ways in one);
+* garbage ``hs_capture`` overrides over HTTP fail their own record by name (``bad_params``), the clean request beside
+  them is captured and paired, the server serves on;
+* SIGKILL to the front door and vLLM's API server, a record in the pool: every process they started exits, nothing
+  is left in /dev/shm, the port is free (a second server start: about 40 s).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -120,15 +125,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return M.make_model(str(out / "dense"), "dense", seed=3).path
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    out = _work("serve", tmp_path_factory.mktemp("serve"))
+def _start(model_dir: str, out: Path) -> Server:
+    """``vllm-hs-compat serve`` as README starts it, waited for until its whole banner is out."""
     token_file = out / "token" / "export.token"
     port = _free_port()
     extra = {"export": {"num_slots": NUM_SLOTS, "slot_bytes": SLOT_BYTES, "token_file": str(token_file)}}
     argv = [*CLI, "serve", model_dir, "--layers", ",".join(map(str, M.CAPTURE_LAYER_IDS)), "--backend", "shm"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--extra-config", json.dumps(extra), "--", *VLLM_FLAGS]
-    shm_before = _shm_pools()
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     srv = Server(proc, f"http://127.0.0.1:{port}", model_dir, token_file)
@@ -144,6 +147,15 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     deadline = time.monotonic() + 30.0
     while not any("trainer token:" in line for line in srv.log) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    out = _work("serve", tmp_path_factory.mktemp("serve"))
+    shm_before = _shm_pools()
+    srv = _start(model_dir, out)
+    proc = srv.proc
     e2e_report.add(f"serve: `vllm-hs-compat serve` ready in {srv.ready_s:.1f} s (warm-up included)")
     banner = next(line for line in srv.log if line.startswith(READY))
     server_pid = int(banner.split("(server pid ")[1].split(")")[0])
@@ -315,6 +327,62 @@ def test_streaming_chunks_carry_no_ticket(server: Server) -> None:
     assert plain["kv_transfer_params"]["hs_record"]["status"] == "skipped"
 
 
+#: Per-request overrides a client may send (issue 16): each must fail its own record by name, never the server.
+GARBAGE: list[tuple[Any, str]] = [
+    ({"capture": "everything"}, "capture"),
+    ({"window": "the end"}, "window"),
+    ({"enabled": "yes"}, "enabled"),
+    ({"capture": "all", "sample": {"loss_mask_spans": [[5, 2]]}}, "loss_mask_spans"),
+    ({"sample": {"metadata": {"blob": "x" * 5000}}}, "metadata"),
+    ({"sample": {"id": 17}}, "id"),
+    ({"unknown_knob": 1}, "unknown_knob"),
+    (7, "hs_capture"),
+]
+
+
+def test_garbage_overrides_over_http_fail_their_own_record_and_the_server_serves_on(
+    server: Server, model_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _ticket_only(monkeypatch, tmp_path)
+    prompts = _prompts(len(GARBAGE) + 1, 24, 8, seed=31)
+    answers: list[dict[str, Any] | BaseException] = [RuntimeError("not run")] * len(prompts)
+
+    def one(i: int) -> None:
+        extra = {"kv_transfer_params": {"hs_capture": GARBAGE[i][0]}} if i < len(GARBAGE) else {}
+        try:
+            answers[i] = server.complete(prompts[i], max_tokens=2, **extra)
+        except BaseException as e:  # reported below
+            answers[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600.0)
+    assert not [a for a in answers if isinstance(a, BaseException)], answers
+    for (_, key), resp in zip(GARBAGE, answers, strict=False):
+        entry = resp["kv_transfer_params"]["hs_record"]  # type: ignore[index]
+        assert (entry["status"], entry["reason"]) == ("failed", "bad_params"), entry
+        assert key in entry["message"], (key, entry["message"])
+        assert "hs_export" not in resp["kv_transfer_params"]  # type: ignore[index]  # no ticket for no record
+    good = answers[-1]["kv_transfer_params"]  # type: ignore[index]
+    assert good["hs_record"]["status"] == "queued", good  # control: the clean request beside them is captured
+    rec = _fetch(good)
+    pairing = e2e_pairing.pair([_record("good", rec)], [R.reference(model_dir, prompts[-1], LAYERS)], [prompts[-1]],
+                               LAYERS)  # fmt: skip
+    assert pairing.ok, pairing.render("garbage overrides: the clean request")
+    # kv_transfer_params that are not a JSON object at all: vLLM's own request validation answers; still serving
+    try:
+        server.complete(prompts[0], max_tokens=1, kv_transfer_params=[1, 2])
+    except urllib.error.HTTPError as e:
+        assert e.code in (400, 422), e.code
+    after = server.complete(prompts[0], max_tokens=1)
+    assert after["kv_transfer_params"]["hs_record"]["status"] == "queued"
+    _fetch(after["kv_transfer_params"])  # leaves the pool as it found it
+    e2e_report.add(f"serve: {len(GARBAGE)} garbage hs_capture overrides over HTTP each failed bad_params by name; "
+                   "the clean request beside them fetched and paired; the server served on")  # fmt: skip
+
+
 def test_a_pool_full_drop_says_queued_and_fails_at_fetch(
     server: Server, model_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -383,3 +451,60 @@ def test_a_bad_config_is_refused_in_seconds_with_our_message_last(server: Server
         f"vLLM's api_server (plugin check, before any engine process) in {raw_s:.1f} s; the good start took "
         f"{server.ready_s:.1f} s"
     )
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid`` and every process below it (from /proc's children lists)."""
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def test_sigkill_of_every_server_process_leaves_no_process_no_pool_and_a_free_port(
+    model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SIGKILL to what an operator kills -- the front door and vLLM's API server, nothing else -- while a record sits
+    in the pool.  Nothing they started may outlive them: vLLM's engine core, the worker that holds the export, its
+    gate; no pool in /dev/shm; the port free for the restart.  Control: the same process tree, read while it
+    serves, is alive."""
+    out = _work("serve-kill", tmp_path_factory.mktemp("serve-kill"))
+    shm_before = _shm_pools()
+    srv = _start(model_dir, out)
+    resp = srv.complete(_prompts(1, 24, 0, seed=41)[0], max_tokens=2)
+    assert resp["kv_transfer_params"]["hs_record"]["status"] == "queued"
+    pids = _tree(srv.proc.pid)
+    names = {p: Path(f"/proc/{p}/comm").read_text().strip() for p in pids if Path(f"/proc/{p}/comm").exists()}
+    assert len(names) >= 3, names  # control: front door, vLLM's server, its engine core (and the gate) are alive
+    banner = next(line for line in srv.log if line.startswith(READY))
+    api_server = int(banner.split("(server pid ")[1].split(")")[0])
+    assert api_server in pids
+    for p in (srv.proc.pid, api_server):
+        os.kill(p, signal.SIGKILL)
+    srv.proc.wait(30.0)
+    deadline = time.monotonic() + 60.0
+    while any(Path(f"/proc/{p}").exists() and _state(p) != "Z" for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = {p: names.get(p) for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"}
+    assert not alive, f"outlived the SIGKILL: {alive}"
+    left = _shm_pools() - shm_before
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+    port = int(srv.url.rsplit(":", 1)[1])
+    with socket.socket() as s:  # the restart's bind succeeds
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    e2e_report.add(f"serve: SIGKILL to the front door and vLLM's API server: all {len(pids)} processes of the tree "
+                   f"({sorted(set(names.values()))}) gone, /dev/shm clean, port free")  # fmt: skip
