@@ -143,7 +143,9 @@ def test_capture_killed_mid_run_resumes_to_one_verified_record_per_sample(
     assert len(long_ids) == 3
     assert sorted(r["sample_id"] for r in ok) == sorted(want_ids)  # each sample exactly once
     assert failed == {"malformed", "empty", "unknown_shape", "too_long"}
-    assert summary["tree_records"] == len(want_ids) and summary["skipped"] >= killed_at
+    # A kill between a record's move into its shard and its journal line leaves that one record unindexed: the
+    # resume deals with it (the tree check below holds) but does not count it as skipped.  At most one such record.
+    assert summary["tree_records"] == len(want_ids) and summary["skipped"] >= killed_at - 1
     on_disk = {p.relative_to(out).as_posix() for p in out.glob("shard-*/*.json")}
     assert on_disk == {r["record"] for r in ok}  # nothing in the tree outside the index
     assert not any((out / ".staging").rglob("*.json"))
