@@ -188,12 +188,15 @@ def _prompts(n: int, length: int, shared: int, seed: int) -> list[list[int]]:
     return [prefix + [rng.randrange(3, M.VOCAB - 8) for _ in range(length - shared)] for _ in range(n)]
 
 
-def _in_parallel(srv: Server, prompts: list[list[int]], **kw: Any) -> list[dict[str, Any]]:
+def _in_parallel(
+    srv: Server, prompts: list[list[int]], per_request: list[dict[str, Any]] | None = None, **kw: Any
+) -> list[dict[str, Any]]:
+    """``prompts`` sent at once (``per_request[i]``: request ``i``'s own extra body fields)."""
     out: list[dict[str, Any] | BaseException] = [RuntimeError("not run")] * len(prompts)
 
     def one(i: int) -> None:
         try:
-            out[i] = srv.complete(prompts[i], **kw)
+            out[i] = srv.complete(prompts[i], **kw, **(per_request[i] if per_request else {}))
         except BaseException as e:  # reported below
             out[i] = e
 
@@ -345,27 +348,14 @@ def test_garbage_overrides_over_http_fail_their_own_record_and_the_server_serves
 ) -> None:
     _ticket_only(monkeypatch, tmp_path)
     prompts = _prompts(len(GARBAGE) + 1, 24, 8, seed=31)
-    answers: list[dict[str, Any] | BaseException] = [RuntimeError("not run")] * len(prompts)
-
-    def one(i: int) -> None:
-        extra = {"kv_transfer_params": {"hs_capture": GARBAGE[i][0]}} if i < len(GARBAGE) else {}
-        try:
-            answers[i] = server.complete(prompts[i], max_tokens=2, **extra)
-        except BaseException as e:  # reported below
-            answers[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600.0)
-    assert not [a for a in answers if isinstance(a, BaseException)], answers
+    per_request = [{"kv_transfer_params": {"hs_capture": g}} for g, _ in GARBAGE] + [{}]
+    answers = _in_parallel(server, prompts, per_request, max_tokens=2)
     for (_, key), resp in zip(GARBAGE, answers, strict=False):
-        entry = resp["kv_transfer_params"]["hs_record"]  # type: ignore[index]
+        entry = resp["kv_transfer_params"]["hs_record"]
         assert (entry["status"], entry["reason"]) == ("failed", "bad_params"), entry
         assert key in entry["message"], (key, entry["message"])
-        assert "hs_export" not in resp["kv_transfer_params"]  # type: ignore[index]  # no ticket for no record
-    good = answers[-1]["kv_transfer_params"]  # type: ignore[index]
+        assert "hs_export" not in resp["kv_transfer_params"]  # no ticket for no record
+    good = answers[-1]["kv_transfer_params"]
     assert good["hs_record"]["status"] == "queued", good  # control: the clean request beside them is captured
     rec = _fetch(good)
     pairing = e2e_pairing.pair([_record("good", rec)], [R.reference(model_dir, prompts[-1], LAYERS)], [prompts[-1]],
@@ -485,6 +475,14 @@ def _alive(pids: set[int]) -> set[int]:
     return {p for p in pids if Path(f"/proc/{p}").exists() and _state(p) not in ("Z", "?")}
 
 
+def _kill(pids: set[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _wait_gone(pids: set[int], timeout_s: float) -> set[int]:
     deadline = time.monotonic() + timeout_s
     while _alive(pids) and time.monotonic() < deadline:
@@ -511,19 +509,18 @@ def test_sigkill_of_the_server_leaves_nothing_of_ours_no_pool_and_a_free_port(
     assert len(gates) == 1 and len(names) >= 4, names  # front door, API server, engine core or worker, gate
     banner = next(line for line in srv.log if line.startswith(READY))
     api_server = int(banner.split("(server pid ")[1].split(")")[0])
-    for p in (srv.proc.pid, api_server):
-        os.kill(p, signal.SIGKILL)
-    srv.proc.wait(30.0)
-    after_api = _wait_gone(pids - gates, 20.0)
-    vllm_left = {p: names.get(p) for p in after_api}
-    if _alive(after_api):  # what a deployment's `pkill -9 -f vllm` (or its cgroup kill) then does
-        assert _alive(gates), "control: the gate lives while its producer's process does"
-        for p in after_api:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    left = _wait_gone(pids, 30.0)
+    try:
+        for p in (srv.proc.pid, api_server):
+            os.kill(p, signal.SIGKILL)
+        srv.proc.wait(30.0)
+        after_api = _wait_gone(pids - gates, 20.0)
+        vllm_left = {p: names.get(p) for p in after_api}
+        if _alive(after_api):  # what a deployment's `pkill -9 -f vllm` (or its cgroup kill) then does
+            assert _alive(gates), "control: the gate lives while its producer's process does"
+            _kill(after_api)
+        left = _wait_gone(pids, 30.0)
+    finally:
+        _kill(_alive(pids))  # whatever this test found alive must not outlive it (vLLM's orphans hold GiBs)
     assert not left, f"outlived every vLLM process: {[(p, names.get(p), _cmdline(p)[:120]) for p in left]}"
     pools = _shm_pools() - shm_before
     assert not pools, f"left in /dev/shm: {sorted(pools)}"
