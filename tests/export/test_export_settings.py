@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from vllm_hs_compat.connector.config import EXPORT_KEYS, check_kv_transfer_config
+from vllm_hs_compat.connector.config import check_kv_transfer_config, export_keys
 from vllm_hs_compat.connector.sinks import ExportSink
 from vllm_hs_compat.errors import CaptureConfigError, ExportConfigError
 from vllm_hs_compat.export import ExportProducer
@@ -27,7 +27,7 @@ def _producer_kwargs() -> dict[str, object]:
 def test_the_fields_and_defaults_are_the_producers() -> None:
     fields = {f.name: f.default for f in dataclasses.fields(ExportSettings)}
     assert fields == _producer_kwargs()
-    assert EXPORT_KEYS == set(fields) | {"token_file"}
+    assert export_keys() == set(fields) | {"token_file"}
 
 
 def test_the_comparison_sees_a_producer_argument_missing_here() -> None:

@@ -13,18 +13,28 @@ import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from vllm_hs_compat.core.capture import CaptureSpec
-from vllm_hs_compat.core.transfer import ReadOptions
 from vllm_hs_compat.errors import CaptureConfigError, ExportConfigError, TransferError
-from vllm_hs_compat.export.settings import ExportSettings
+
+if TYPE_CHECKING:
+    from vllm_hs_compat.core.transfer import ReadOptions
 
 SinkKind = Literal["export", "file", "callback"]
 SINKS: Final[tuple[SinkKind, ...]] = ("export", "file", "callback")
-#: Keys of ``"export"``: the fields of :class:`~vllm_hs_compat.export.settings.ExportSettings` (every
-#: ``ExportProducer`` keyword argument but the token) and ``token_file``.
-EXPORT_KEYS: Final = ExportSettings.keys()
+
+
+def export_keys() -> frozenset[str]:
+    """Keys of ``"export"``: the fields of :class:`~vllm_hs_compat.export.settings.ExportSettings` (every
+    ``ExportProducer`` argument but the token) and ``token_file``.  Imported on use: the general plugin imports this
+    module in every vLLM process, also those whose config names no connector of ours (the export's modules and
+    pyzmq would cost each of them about 70 ms)."""
+    from vllm_hs_compat.export.settings import ExportSettings
+
+    return ExportSettings.keys()
+
+
 KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests", "read"})
 #: Keys of ``"file"``: the directory, and the trainer format written there (see vllm_hs_compat.trainer.formats).
 FILE_KEYS: Final = frozenset(
@@ -117,11 +127,11 @@ class ConnectorConfig:
         export = extra.get("export", {})
         if not isinstance(export, Mapping):
             raise CaptureConfigError(f'{WHAT}: "export" must be a JSON object, found {type(export).__name__}; {FIX}')
-        bad = sorted(str(k) for k in export if k not in EXPORT_KEYS)
+        keys = export_keys()
+        bad = sorted(str(k) for k in export if k not in keys)
         if bad:
             raise CaptureConfigError(
-                f'{WHAT}: "export" has unknown keys {bad}{_unknown(bad, EXPORT_KEYS)}; expected any of '
-                f"{sorted(EXPORT_KEYS)}; {FIX}"
+                f'{WHAT}: "export" has unknown keys {bad}{_unknown(bad, keys)}; expected any of {sorted(keys)}; {FIX}'
             )
         check_export_options(export)
         file_path: str | None = None
@@ -168,6 +178,8 @@ class ConnectorConfig:
         read = None
         if "read" in extra:
             try:
+                from vllm_hs_compat.core.transfer import ReadOptions
+
                 read = ReadOptions.parse(extra["read"], what=f'{WHAT}: "read"')
             except TransferError as e:
                 raise CaptureConfigError(f"{e}; {FIX}") from None
