@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -292,25 +291,19 @@ def _host_layout(layout: str, nb: int, gen: torch.Generator, before: Any, args: 
                     f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             want = None
             from vllm_hs_compat import api, envs
+            from vllm_hs_compat.core.transfer import ReadOptions
 
-            def lone(blocks: list[int] = blocks, t: int = t) -> torch.Tensor:
-                return api.copy_request_async(cache, view, "r", blocks, t).wait()
+            # "api": the whole-block lone read (LoneReads); "api-general": the per-token path it falls back to.
+            for variant, on in [("api-general", False), ("api", True)]:  # want: the per-token rows
+                opts = ReadOptions(lone_reads=on, lone_chunks=envs.flag(envs.LONE_CHUNKS))
 
-            # "api": the whole-block lone read (LoneReads); "api-general": the per-token path it falls back to
-            # (api.copy_request_async reads VLLM_HS_COMPAT_LONE_READ on each call).
-            for variant, on in [("api-general", "0"), ("api", "1")]:  # want: the per-token rows
-                saved = os.environ.get(envs.LONE_READ)
-                os.environ[envs.LONE_READ] = on
-                try:
-                    got = lone()
-                    want = got.clone() if want is None else want
-                    ok = torch.equal(got.view(torch.int16), want.view(torch.int16))
-                    record("host", case, variant + ("" if ok else " WRONG"), wall_times(lone, reps), limit, nbytes)
-                finally:
-                    if saved is None:
-                        os.environ.pop(envs.LONE_READ, None)
-                    else:
-                        os.environ[envs.LONE_READ] = saved
+                def lone(blocks: list[int] = blocks, t: int = t, opts: ReadOptions = opts) -> torch.Tensor:
+                    return api.copy_request_async(cache, view, "r", blocks, t, options=opts).wait()
+
+                got = lone()
+                want = got.clone() if want is None else want
+                ok = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                record("host", case, variant + ("" if ok else " WRONG"), wall_times(lone, reps), limit, nbytes)
             for path, reader in readers.items():
 
                 def new(reader: RowReader = reader, blocks: list[int] = blocks, t: int = t) -> torch.Tensor:

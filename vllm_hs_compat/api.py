@@ -26,7 +26,7 @@ from vllm_hs_compat.core.labels import plane_labels as _plane_labels
 from vllm_hs_compat.core.layout import CaptureView, gather_rows
 from vllm_hs_compat.core.layout import describe_capture_view as _describe
 from vllm_hs_compat.core.slots import request_slots
-from vllm_hs_compat.core.transfer import PendingRows, read_request_async
+from vllm_hs_compat.core.transfer import PendingRows, ReadOptions, read_request_async
 from vllm_hs_compat.core.transfer import copy_requests_async as _copy_many
 from vllm_hs_compat.errors import CaptureGroupError, SlotError
 
@@ -145,15 +145,17 @@ def copy_request_async(
     *,
     start: int = 0,
     out: torch.Tensor | None = None,
+    options: ReadOptions | None = None,
 ) -> PendingRows:
     """Copy the request's rows to host (pinned where CUDA exists) on a side stream ordered after the
     compute stream; call on the compute stream once the rows are written (``wait_for_save``) and keep the
     request's blocks until ``PendingRows.done()``.  Synchronous on CPU.
 
     On CUDA the row table is kept per capture tensor and the request's blocks are gathered whole: one index upload
-    from a pooled pinned buffer and one ``index_select`` (``VLLM_HS_COMPAT_LONE_READ=0``: the per-token path).  A
-    step's finished requests read together through :func:`copy_requests_async` cost the host less each."""
-    return read_request_async(tensor, view, req_id, block_ids, num_tokens, start=start, out=out)
+    from a pooled pinned buffer and one ``index_select`` (``options.lone_reads`` False, or
+    ``VLLM_HS_COMPAT_LONE_READ=0`` when the tensor is first read without options: the per-token path).  A step's
+    finished requests read together through :func:`copy_requests_async` cost the host less each."""
+    return read_request_async(tensor, view, req_id, block_ids, num_tokens, start=start, out=out, options=options)
 
 
 def copy_requests_async(

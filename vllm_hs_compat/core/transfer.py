@@ -493,22 +493,26 @@ def _current_stream(device_index: int) -> Any:
     return cur
 
 
-_LONE: dict[tuple[int, bool], tuple[Any, CaptureView, LoneReads | None]] = {}
+_LONE: dict[tuple[int, ReadOptions | None], tuple[Any, CaptureView, LoneReads | None]] = {}
 _LONE_LOCK = threading.Lock()
 
 
-def lone_reads(cache: torch.Tensor, view: CaptureView, chunks: bool = True) -> LoneReads | None:
-    """The :class:`LoneReads` of a CUDA capture tensor, made once per tensor object, view and ``chunks``
-    (:attr:`ReadOptions.lone_chunks`; the entry goes when the tensor does); None on CPU or where the tensor has no
-    row table."""
+def lone_reads(cache: torch.Tensor, view: CaptureView, options: ReadOptions | None = None) -> LoneReads | None:
+    """The :class:`LoneReads` of a CUDA capture tensor, made once per tensor object, view and ``options`` (the entry
+    goes when the tensor does); None on CPU, where the tensor has no row table, or where the options turn the lone
+    read off.  ``options`` None: :meth:`ReadOptions.from_env`, read when the entry is made (once per capture
+    tensor, not per read: the lone read is the hot path)."""
     if cache.device.type != "cuda":
         return None
-    key = (id(cache), chunks)
+    key = (id(cache), options)
     hit = _LONE.get(key)
     if hit is not None and hit[0]() is cache and (hit[1] is view or hit[1] == view):
         return hit[2]
+    opts = options if options is not None else ReadOptions.from_env()
     table = cached_row_table(cache, view)
-    lone = LoneReads(table, view, cache.device, chunks=chunks) if table is not None else None
+    lone = LoneReads(table, view, cache.device, chunks=opts.lone_chunks) if table is not None else None
+    if not opts.lone_reads:
+        lone = None
     with _LONE_LOCK:
         _LONE[key] = (weakref.ref(cache, lambda _, key=key: _LONE.pop(key, None)), view, lone)  # type: ignore[misc]
     return lone
@@ -527,12 +531,9 @@ def read_request_async(
 ) -> PendingRows:
     """One request's rows to host (``api.copy_request_async``): the :class:`LoneReads` path where it fits, else
     :func:`copy_rows_async` of its slots.  Ordered after everything queued so far on the current stream.
-    ``options``: default :meth:`ReadOptions.from_env` (its lone-read switches; the path is always staged here)."""
-    if options is not None:
-        lone_on, chunks = options.lone_reads, options.lone_chunks
-    else:
-        lone_on, chunks = envs.flag(envs.LONE_READ), envs.flag(envs.LONE_CHUNKS)
-    lone = lone_reads(cache, view, chunks) if lone_on else None
+    ``options``: its lone-read switches (the path is always staged here); None: the environment's, read once per
+    capture tensor (:func:`lone_reads`)."""
+    lone = lone_reads(cache, view, options)
     if lone is not None:
         pending = lone.read(req_id, block_ids, start, num_tokens, out, None)
         if pending is not None:
