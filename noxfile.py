@@ -210,7 +210,7 @@ def vllm_long(session: nox.Session, release: str) -> None:
 E2E_RELEASES: list[str] = list(_R.E2E)
 E2E_EXTRAS = {
     "0.27.1": {"HS_E2E_VERIFY": "1", "HS_E2E_CAPTURE": "1"},
-    "0.29.0": {"HS_E2E_TP": "1"},
+    "0.29.0": {"HS_E2E_TP": "1", "HS_E2E_CAPTURE": "1"},
     "0.32.0": {"HS_E2E_V2": "1", "HS_E2E_DEMO": "1", "HS_E2E_VERIFY": "1", "HS_E2E_SERVE": "1", "HS_E2E_CAPTURE": "1"},
 }
 # Older eras pin torch 2.11 (0.22-0.26) / 2.10 (0.17-0.21), available only as PyPI's CUDA builds: opt-in.
