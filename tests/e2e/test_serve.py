@@ -302,6 +302,43 @@ def test_n2_reaches_every_choice_with_its_own_ticket(
     assert rec.meta.request_id == holder and list(rec.meta.token_ids) == prompt
 
 
+def test_sample_fields_sent_over_http_arrive_in_each_record(
+    server: Server, model_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``hs_capture.sample`` in the request body (docs/connector.md "What a record was made for"): two concurrent
+    requests, each with its own sample id, source, loss-mask spans and metadata; each record, fetched by its ticket,
+    carries exactly its own request's fields (spans clipped to the record's rows), and its hidden states pair with
+    a transformers forward of its own prompt.  Negative control: the records' fields checked against the other
+    request's must differ."""
+    _ticket_only(monkeypatch, tmp_path)
+    prompts = _prompts(2, 36, 12, seed=31)
+    sent = [
+        {"id": "row-7", "source": "chat.jsonl:7", "loss_mask_spans": [[4, 9], [20, None]], "metadata": {"lang": "de"}},
+        {"id": "row-8", "source": "chat.jsonl:8", "loss_mask_spans": [], "metadata": {"turns": 3, "lang": "en"}},
+    ]
+    bodies = [{"kv_transfer_params": {"hs_capture": {"capture": "prompt", "sample": s}}} for s in sent]
+    responses = _in_parallel(server, prompts, per_request=bodies)
+    got, records, refs = [], [], []
+    for i, resp in enumerate(responses):
+        params = resp.get("kv_transfer_params") or {}
+        assert params.get("hs_record", {}).get("status") == "queued", params
+        rec = _fetch(params)
+        m = rec.meta
+        got.append((m.sample_id, m.source, m.loss_mask_spans, m.metadata))
+        records.append(_record(str(i), rec))
+        refs.append(R.reference(model_dir, prompts[i], LAYERS))
+    n = len(prompts[0])
+    want = [
+        ("row-7", "chat.jsonl:7", ((4, 9), (20, n)), {"lang": "de"}),
+        ("row-8", "chat.jsonl:8", (), {"lang": "en", "turns": 3}),
+    ]
+    assert got == want, got
+    assert got[::-1] != want, "negative control: the other request's fields must not match"
+    pairing = e2e_pairing.pair(records, refs, prompts, LAYERS)
+    e2e_report.add(pairing.render("serve: sample fields over HTTP (id, source, spans, metadata) in each record"))
+    assert pairing.ok, pairing.render("serve sample fields")
+
+
 def test_streaming_chunks_carry_no_ticket(server: Server) -> None:
     body = {"model": server.model, "prompt": _prompts(1, 24, 0, seed=5)[0], "max_tokens": 3, "stream": True}
     req = urllib.request.Request(
