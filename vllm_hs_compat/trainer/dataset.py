@@ -50,7 +50,7 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -159,7 +159,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
     @classmethod
     def from_export(
         cls,
-        endpoint_or_params: str | Mapping[str, Any],
+        endpoint_or_params: str | Mapping[str, Any] | Sequence[str],
         token: str | None = None,
         *,
         max_records: int | None = None,
@@ -175,8 +175,10 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
     ) -> HiddenStatesDataset:
         """Stream records from an export producer.
 
-        ``endpoint_or_params``: the producer's endpoint (``"tcp://host:port"``), or a response's
-        ``kv_transfer_params`` (a ticket: its endpoint is used).  ``token``: the trainer token (default:
+        ``endpoint_or_params``: the producer's endpoint (``"tcp://host:port"``), a list of endpoints (several
+        producers: the engines of ``--data-parallel-size N``, several servers; every iterating process opens one
+        consumer per endpoint and takes records from all of them, see "Several endpoints" in docs/trainer.md), or a
+        response's ``kv_transfer_params`` (a ticket: its endpoint is used).  ``token``: the trainer token (default:
         ``$VLLM_HS_COMPAT_EXPORT_TOKEN`` or the token file, see :func:`~vllm_hs_compat.export.control.read_token`).
         With a ticket and no trainer token on this host, the dataset yields that ticket's one record.
 
@@ -489,7 +491,7 @@ class _ExportSource(_Source):
 
     def __init__(
         self,
-        endpoint_or_params: str | Mapping[str, Any],
+        endpoint_or_params: str | Mapping[str, Any] | Sequence[str],
         token: str | None,
         wait_s: float | None,
         batch: int,
@@ -512,13 +514,28 @@ class _ExportSource(_Source):
         self.recent = _Recent(dedupe_window)
         self.params: dict[str, Any] | None = None
         self.ticket_record: str | None = None
+        #: every endpoint streamed from (one unless a list was given)
+        self.endpoints: list[str]
         if isinstance(endpoint_or_params, str):
-            self.endpoint = endpoint_or_params
+            self.endpoints = [endpoint_or_params]
             self.token: str | None = token if token is not None else read_token()
+        elif not isinstance(endpoint_or_params, Mapping):
+            self.endpoints = list(endpoint_or_params)
+            if not self.endpoints or not all(isinstance(e, str) and e for e in self.endpoints):
+                raise E.DatasetConfigError(
+                    f"from_export takes an endpoint, a non-empty list of endpoints (str) or a ticket "
+                    f"(kv_transfer_params), found {endpoint_or_params!r}"
+                )
+            if len(set(self.endpoints)) != len(self.endpoints):
+                raise E.DatasetConfigError(
+                    f"an endpoint is listed twice in {self.endpoints}: each producer once (its claims already "
+                    "share its records among every consumer)"
+                )
+            self.token = token if token is not None else read_token()
         else:
             ticket = ExportTicket.parse(endpoint_or_params)  # ProtocolError / ExportConfigError when malformed
             self.params = dict(endpoint_or_params)
-            self.endpoint = ticket.endpoint
+            self.endpoints = [ticket.endpoint]
             self.ticket_record = ticket.record_id
             self.token = token
         self.wait_s = wait_s
@@ -526,19 +543,27 @@ class _ExportSource(_Source):
         self.poll_s = poll_s
         self.consumer_kwargs = consumer_kwargs
 
-    def __repr__(self) -> str:  # never the token
-        return f"export:{self.endpoint}"
+    @property
+    def endpoint(self) -> str:
+        """The first (usually the only) endpoint."""
+        return self.endpoints[0]
 
-    def _open(self) -> Any:
+    def __repr__(self) -> str:  # never the token
+        return f"export:{','.join(self.endpoints)}"
+
+    def _open(self, endpoint: str | None = None) -> Any:
         from vllm_hs_compat.export.consumer import ExportConsumer
 
         if self.params is not None:
             return ExportConsumer.from_params(self.params, self.token, **self.consumer_kwargs)
-        return ExportConsumer(self.endpoint, self.token, **self.consumer_kwargs)
+        return ExportConsumer(endpoint or self.endpoint, self.token, **self.consumer_kwargs)
 
     def records(
         self, worker: int, n_workers: int, budget: int | None, consumed: frozenset[str]
     ) -> Iterator[SourceItem]:
+        if len(self.endpoints) > 1:
+            yield from self._records_many(worker, n_workers, budget)
+            return
         consumer = self._open()  # in this process: never shared across a fork
         try:
             if consumer.principal == "record":  # a ticket alone: its one record
@@ -559,10 +584,40 @@ class _ExportSource(_Source):
         finally:
             consumer.close()
 
-    def _stream(self, consumer: Any, budget: int | None) -> Iterator[SourceItem]:
-        bad_seen = consumer.counters["bad_descriptors"]
+    def _records_many(self, worker: int, n_workers: int, budget: int | None) -> Iterator[SourceItem]:
+        share = _share(n_workers, budget, worker)
+        if share == 0:
+            return
+        consumers: list[Any] = []
+        try:
+            for ep in self.endpoints:  # in this process: never shared across a fork
+                consumers.append(self._open(ep))
+            for c in consumers:
+                if c.principal == "record":
+                    raise E.DatasetConfigError(
+                        f"{c.endpoint}: a ticket's capability opens one record; several endpoints need the trainer "
+                        "token"
+                    )
+            # each stream starts its sweep at another endpoint, so the first claims spread over the producers
+            yield from self._stream(consumers, share, first=worker % len(consumers))
+        finally:
+            for c in consumers:
+                c.close()
+
+    def _stream(self, consumers: Any, budget: int | None, first: int = 0) -> Iterator[SourceItem]:
+        """Claim, read and yield records from one consumer or several (one per endpoint).
+
+        Several: each round claims without waiting from the consumers in turn, starting after the one that
+        answered last, and takes the first non-empty answer; when none had a record, it long-polls one consumer
+        (the next in turn) for ``poll_s / len(consumers)``, so a record published on any endpoint is seen within
+        ``poll_s`` of an idle stream.  The producers' claims hand each record to one claimant, whichever stream
+        of whichever rank asks."""
+        cs: list[Any] = list(consumers) if isinstance(consumers, list) else [consumers]
+        n = len(cs)
+        bad_seen = [c.counters["bad_descriptors"] for c in cs]
         last = time.monotonic()
         taken = 0
+        turn = first % n
         while budget is None or taken < budget:
             if self.wait_s is None:
                 poll = self.poll_s
@@ -572,11 +627,28 @@ class _ExportSource(_Source):
                     return
                 poll = min(self.poll_s, left)
             want = self.batch if budget is None else min(self.batch, budget - taken)
-            claims = consumer.claim_next(max_records=want, wait_s=poll)
-            bad = consumer.counters["bad_descriptors"] - bad_seen
-            bad_seen += bad
-            for _ in range(bad):  # claim_next gave these leases back (abandoned) and logged them
-                yield E.DescriptorError("a record's descriptor was refused (see the log); its lease was given back")
+            claims: list[Any] = []
+            k = turn
+            if n == 1:
+                claims = cs[0].claim_next(max_records=want, wait_s=poll)
+            else:
+                for j in range(n):
+                    k = (turn + j) % n
+                    claims = cs[k].claim_next(max_records=want, wait_s=0.0)
+                    if claims:
+                        break
+                if not claims:  # every producer is empty: wait on one, then sweep again
+                    k = turn
+                    claims = cs[k].claim_next(max_records=want, wait_s=poll / n)
+                turn = (k + 1) % n
+            consumer = cs[k]
+            for i, c in enumerate(cs):
+                bad = c.counters["bad_descriptors"] - bad_seen[i]
+                bad_seen[i] += bad
+                for _ in range(bad):  # claim_next gave these leases back (abandoned) and logged them
+                    yield E.DescriptorError(
+                        f"{c.endpoint}: a record's descriptor was refused (see the log); its lease was given back"
+                    )
             if not claims:
                 continue
             last = time.monotonic()
