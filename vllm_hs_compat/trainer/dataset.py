@@ -27,8 +27,14 @@ Duplicates (export): the producer delivers at least once -- a record whose lease
 comes again: counted ``lease_expired`` here and skipped, never raised); one that handed it out before the
 verdict came back (a release posted early, see ``defer_releases``) may see it a second time.  Each stream drops a
 record id it yielded among its last ``dedupe_window`` ids (default 65,536; counted ``duplicates``), per process:
-with DataLoader workers, a duplicate that reaches another worker is not seen by this one's memory (drop it in the
-training loop by ``record_id`` if it matters; without workers the resume state drops it too).
+with DataLoader workers, a duplicate that reaches another worker (or another rank) is not seen by this one's memory:
+:func:`~vllm_hs_compat.trainer.even_steps` drops it across workers and ranks (without workers the resume state
+drops it too).
+
+Several endpoints (``from_export([ep1, ep2, ...])``: the engines of ``--data-parallel-size N``, several servers):
+every iterating process opens one consumer per endpoint and sweeps them (see :meth:`_ExportSource._stream`); the
+producers' claims hand each record to one claimant whichever rank or worker asks.  Equal step counts over
+``torch.distributed`` ranks: :func:`~vllm_hs_compat.trainer.even_steps`.
 
 What a stop loses, by construction: with ``batch=1`` (default) a record is claimed, read and released one at a
 time just before it is yielded, so stopping between items loses nothing (``batch=B``: up to ``B - 1`` read but
