@@ -84,6 +84,8 @@ COUNTERS: Final = (
     "duplicates",  # export: records dropped because this stream yielded the same id recently (dedupe_window)
     "lease_expired",  # export stream: a lease expired under this consumer; the producer hands the record out again
 )
+#: Several endpoints: how long a stream skips an endpoint whose producer answered a claim with nothing.
+EMPTY_BACKOFF_S: Final = 0.05
 #: Default of ``dedupe_window``: record ids remembered per stream to drop a redelivered record.
 DEDUPE_WINDOW: Final = 1 << 16
 _IDX: Final = {name: i for i, name in enumerate(COUNTERS)}
@@ -189,9 +191,11 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         With a ticket and no trainer token on this host, the dataset yields that ticket's one record.
 
         The stream ends after ``max_records`` records (split over the DataLoader workers), or when no record
-        arrived for ``wait_s`` seconds (``None``: never).  ``batch``: records claimed and read per round trip
-        (> 1 is faster for small records; a stop then loses up to ``batch - 1`` records read but not yielded,
-        counted nowhere but the producer's ``delivered``).  ``poll_s``: the long-poll of each claim.
+        arrived for ``wait_s`` seconds of asking (``None``: never; the time the training loop spends on the
+        records yielded does not count, and the end comes only after one more claim found nothing).  ``batch``:
+        records claimed and read per round trip (> 1 is faster for small records; a stop then loses up to
+        ``batch - 1`` records read but not yielded, counted nowhere but the producer's ``delivered``).
+        ``poll_s``: the long-poll of each claim.
         ``consumer_kwargs``: passed to :class:`~vllm_hs_compat.export.ExportConsumer` (``landing_bytes``,
         ``backend``, ``timeout_s``, ``ucx``, ``verify_checksum``, ...).  ``dedupe_window``: how many recently
         yielded record ids each process remembers to drop a redelivered record (``duplicates`` in :attr:`stats`;
@@ -614,38 +618,49 @@ class _ExportSource(_Source):
         """Claim, read and yield records from one consumer or several (one per endpoint).
 
         Several: each round claims without waiting from the consumers in turn, starting after the one that
-        answered last, and takes the first non-empty answer; when none had a record, it long-polls one consumer
-        (the next in turn) for ``poll_s / len(consumers)``, so a record published on any endpoint is seen within
-        ``poll_s`` of an idle stream.  The producers' claims hand each record to one claimant, whichever stream
-        of whichever rank asks."""
+        answered last, and takes the first non-empty answer; a consumer whose producer was empty is skipped for
+        :data:`EMPTY_BACKOFF_S` (no round trip to an idle server per claim; its new records wait at most that
+        long while the others have records).  When none had a record, it long-polls one consumer (the next in
+        turn) for ``poll_s / len(consumers)``, so a record published on any endpoint is seen within ``poll_s``
+        of an idle stream.  The producers' claims hand each record to one claimant, whichever stream of
+        whichever rank asks."""
         cs: list[Any] = list(consumers) if isinstance(consumers, list) else [consumers]
         n = len(cs)
         bad_seen = [c.counters["bad_descriptors"] for c in cs]
         last = time.monotonic()
         taken = 0
         turn = first % n
+        empty_until = [0.0] * n
         while budget is None or taken < budget:
+            expired = False
             if self.wait_s is None:
                 poll = self.poll_s
-            else:
+            else:  # idle since the last records were handed out; the end needs one more empty answer
                 left = self.wait_s - (time.monotonic() - last)
-                if left <= 0:
-                    return
-                poll = min(self.poll_s, left)
+                expired = left <= 0
+                poll = min(self.poll_s, max(left, 0.0))
             want = self.batch if budget is None else min(self.batch, budget - taken)
             claims: list[Any] = []
             k = turn
             if n == 1:
                 claims = cs[0].claim_next(max_records=want, wait_s=poll)
             else:
+                if expired:  # the last look asks every producer
+                    empty_until = [0.0] * n
+                now = time.monotonic()
                 for j in range(n):
                     k = (turn + j) % n
+                    if empty_until[k] > now:
+                        continue
                     claims = cs[k].claim_next(max_records=want, wait_s=0.0)
                     if claims:
                         break
+                    empty_until[k] = now + EMPTY_BACKOFF_S
                 if not claims:  # every producer is empty: wait on one, then sweep again
                     k = turn
                     claims = cs[k].claim_next(max_records=want, wait_s=poll / n)
+                    if claims:
+                        empty_until[k] = 0.0
                 turn = (k + 1) % n
             consumer = cs[k]
             for i, c in enumerate(cs):
@@ -656,8 +671,9 @@ class _ExportSource(_Source):
                         f"{c.endpoint}: a record's descriptor was refused (see the log); its lease was given back"
                     )
             if not claims:
+                if expired:
+                    return
                 continue
-            last = time.monotonic()
             for res in consumer.read(claims):
                 if isinstance(res, CaptureRecord):
                     rid = res.meta.request_id
@@ -670,3 +686,6 @@ class _ExportSource(_Source):
                     yield _Requeued(res)  # not lost: the producer requeues it (max_redeliveries)
                     continue
                 yield res
+            # the idle clock starts when the loop asks for more: time spent training on what was yielded (the
+            # generator suspended at a yield) is not time without records
+            last = time.monotonic()
