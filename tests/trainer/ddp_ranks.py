@@ -99,6 +99,23 @@ def _files_phase(root: str) -> dict[str, Any]:
     return {"steps": steps, "seen": seen, "in_loss": in_loss, "rank": shard.rank, "world": shard.world_size}
 
 
+def _batch(rids: list[str]) -> dict[str, Any]:
+    return {"record_id": rids, "loss_mask": torch.ones(len(rids), 2, dtype=torch.int64)}
+
+
+def _lists_phase(rank: int) -> dict[str, Any]:
+    """even_steps over fixed per-rank batches: deterministic cross-rank dedupe, pad and drop."""
+    from vllm_hs_compat.trainer import even_steps
+
+    mine = {0: [["x", "y"], ["p"], ["q"]], 1: [["y", "z"]]}[rank]  # "y" on both ranks in the same step
+    out: dict[str, Any] = {}
+    for uneven in ("pad", "drop"):
+        steps = even_steps([_batch(b) for b in mine], uneven=uneven)
+        got = [(b["record_id"], b["loss_mask"][:, 0].tolist(), steps.padding) for b in steps]
+        out[uneven] = {"got": got, "stats": steps.stats}
+    return out
+
+
 def rank_main(rank: int, world: int, store: str, out: str, phases: dict[str, Any]) -> None:
     """Run the phases named in ``phases`` on rank ``rank`` of ``world`` and write what was seen."""
     import torch.distributed as dist
@@ -121,6 +138,8 @@ def rank_main(rank: int, world: int, store: str, out: str, phases: dict[str, Any
                 result[name] = _stream_phase(p["endpoints"], p["token"], True, None, budget)
                 dist.barrier()
                 result[f"t_{name}"] = time.time()
+        if "lists" in phases:
+            result["lists"] = _lists_phase(rank)
         if "files" in phases:
             result["files"] = _files_phase(phases["files"])
             dist.barrier()

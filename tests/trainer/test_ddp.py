@@ -55,6 +55,7 @@ def test_two_ranks_two_workers_two_endpoints_every_record_once_equal_steps(tmp_p
             # rank 1 takes none: it pads with a batch sent by rank 0
             "empty": {"endpoints": [a3.endpoint, b3.endpoint], "token": TOKEN, "max_records": [None, 0]},
             "files": str(files),
+            "lists": True,
         }
         mp.spawn(rank_main, args=(2, str(tmp_path / "store"), str(tmp_path), phases), nprocs=2, join=True)
         res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -90,6 +91,19 @@ def test_two_ranks_two_workers_two_endpoints_every_record_once_equal_steps(tmp_p
     empty = [r["empty"] for r in res]
     assert empty[0]["steps"] == empty[1]["steps"] == empty[1]["padded"] == 3 and empty[0]["padded"] == 0
     assert sorted(rid for rid, counted in empty[0]["seen"] if counted) == ["z-0", "z-1", "z-2"]
+
+    # fixed batches: "y" reaches both ranks in one step: rank 0's copy counts, rank 1's is zeroed; pad and drop
+    lists = [r["lists"] for r in res]
+    assert lists[0]["pad"]["got"] == [[["x", "y"], [1, 1], False], [["p"], [1], False], [["q"], [1], False]]
+    assert lists[1]["pad"]["got"] == [
+        [["y", "z"], [0, 1], False],
+        [["y", "z"], [0, 0], True],
+        [["y", "z"], [0, 0], True],
+    ]
+    assert lists[1]["pad"]["stats"]["duplicates"] == 1 and lists[0]["pad"]["stats"]["duplicates"] == 0
+    assert {r["pad"]["stats"]["duplicates_seen"] for r in lists} == {1}
+    assert [len(r["drop"]["got"]) for r in lists] == [1, 1]  # the first rank to run out ends the pass
+    assert lists[0]["drop"]["stats"]["dropped_batches"] == 1 and lists[0]["drop"]["stats"]["dropped_records"] == 1
 
     # files: RecordFileDataset.shard() over the real group, 2 ranks x 2 workers
     fl = [r["files"] for r in res]
