@@ -54,6 +54,7 @@ def _stream_phase(
     from vllm_hs_compat.trainer import HiddenStatesDataset, collate_padded, even_steps
 
     kw: dict[str, Any] = {} if dedupe_window is None else {"dedupe_window": dedupe_window}
+    kw["consumer_kwargs"] = {"landing_bytes": 1 << 20}  # small records: a small landing buffer opens faster
     ds = HiddenStatesDataset.from_export(eps, token, wait_s=1.0, poll_s=0.2, max_records=max_records, **kw)
     loader = DataLoader(ds, batch_size=1, num_workers=2, collate_fn=collate_padded, multiprocessing_context="fork")
     batches: Any = even_steps(loader) if even else loader
