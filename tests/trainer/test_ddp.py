@@ -77,7 +77,8 @@ def test_two_ranks_two_workers_two_endpoints_every_record_once_equal_steps(tmp_p
     # with even_steps: equal steps, every record once in the loss, the copy dropped and counted exactly once
     even = [r["even"] for r in res]
     assert even[0]["steps"] == even[1]["steps"] >= 11
-    assert even[0]["padded"] == 0 and even[1]["padded"] == even[1]["steps"] - 3  # rank 1 had 3 batches
+    # rank 1 had at most 3 batches (fewer if rank 0 drained the producers before rank 1's workers asked)
+    assert even[0]["padded"] == 0 and even[1]["steps"] - 3 <= even[1]["padded"] <= even[1]["steps"]
     assert even[1]["step_stats"]["padded_steps"] == even[1]["padded"]
     in_loss = collections.Counter(rid for e in even for rid, counted in e["seen"] if counted)
     want = {f"e-a{i}" for i in range(8)} | {f"e-b{i}" for i in range(5)} | {"e-dup"}
