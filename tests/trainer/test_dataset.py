@@ -377,3 +377,22 @@ def test_the_dedupe_window_is_bounded() -> None:
     for rid in ("a", "b", "c", "a", "d"):
         recent.add(rid)
     assert len(recent) == 3 and "a" not in recent and {"b", "c", "d"} <= {r for r in "abcd" if r in recent}
+
+
+@pytest.mark.parametrize("backend", ["shm"])
+def test_a_slow_training_loop_does_not_end_the_stream(backend: str, make_producer: Make) -> None:
+    """``wait_s`` is time without records while asking the producers: a training loop that spends longer than
+    that on each item (the stream suspended at its yield) still gets every record.  (Before, the idle clock ran
+    during the yield, and this stream ended after the first record with three still at the producer.)"""
+    p = make_producer()
+    for i in range(4):
+        publish(p, f"slow-{i}", i)
+    ds = HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=0.2)
+    got = []
+    for item in ds:
+        got.append(item["record_id"])
+        time.sleep(0.3)  # a training step longer than wait_s
+    assert got == [f"slow-{i}" for i in range(4)] and p.occupancy() == 0
+    # wait_s=0: what is there now, then the end (one empty answer)
+    publish(p, "now", 9)
+    assert [i["record_id"] for i in HiddenStatesDataset.from_export(p.endpoint, p.token, wait_s=0)] == ["now"]

@@ -27,8 +27,14 @@ Duplicates (export): the producer delivers at least once -- a record whose lease
 comes again: counted ``lease_expired`` here and skipped, never raised); one that handed it out before the
 verdict came back (a release posted early, see ``defer_releases``) may see it a second time.  Each stream drops a
 record id it yielded among its last ``dedupe_window`` ids (default 65,536; counted ``duplicates``), per process:
-with DataLoader workers, a duplicate that reaches another worker is not seen by this one's memory (drop it in the
-training loop by ``record_id`` if it matters; without workers the resume state drops it too).
+with DataLoader workers, a duplicate that reaches another worker (or another rank) is not seen by this one's memory:
+:func:`~vllm_hs_compat.trainer.even_steps` drops it across workers and ranks (without workers the resume state
+drops it too).
+
+Several endpoints (``from_export([ep1, ep2, ...])``: the engines of ``--data-parallel-size N``, several servers):
+every iterating process opens one consumer per endpoint and sweeps them (see :meth:`_ExportSource._stream`); the
+producers' claims hand each record to one claimant whichever rank or worker asks.  Equal step counts over
+``torch.distributed`` ranks: :func:`~vllm_hs_compat.trainer.even_steps`.
 
 What a stop loses, by construction: with ``batch=1`` (default) a record is claimed, read and released one at a
 time just before it is yielded, so stopping between items loses nothing (``batch=B``: up to ``B - 1`` read but
@@ -50,7 +56,7 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -78,6 +84,8 @@ COUNTERS: Final = (
     "duplicates",  # export: records dropped because this stream yielded the same id recently (dedupe_window)
     "lease_expired",  # export stream: a lease expired under this consumer; the producer hands the record out again
 )
+#: Several endpoints: how long a stream skips an endpoint whose producer answered a claim with nothing.
+EMPTY_BACKOFF_S: Final = 0.05
 #: Default of ``dedupe_window``: record ids remembered per stream to drop a redelivered record.
 DEDUPE_WINDOW: Final = 1 << 16
 _IDX: Final = {name: i for i, name in enumerate(COUNTERS)}
@@ -159,7 +167,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
     @classmethod
     def from_export(
         cls,
-        endpoint_or_params: str | Mapping[str, Any],
+        endpoint_or_params: str | Mapping[str, Any] | Sequence[str],
         token: str | None = None,
         *,
         max_records: int | None = None,
@@ -175,15 +183,19 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
     ) -> HiddenStatesDataset:
         """Stream records from an export producer.
 
-        ``endpoint_or_params``: the producer's endpoint (``"tcp://host:port"``), or a response's
-        ``kv_transfer_params`` (a ticket: its endpoint is used).  ``token``: the trainer token (default:
+        ``endpoint_or_params``: the producer's endpoint (``"tcp://host:port"``), a list of endpoints (several
+        producers: the engines of ``--data-parallel-size N``, several servers; every iterating process opens one
+        consumer per endpoint and takes records from all of them, see "Several endpoints" in docs/trainer.md), or a
+        response's ``kv_transfer_params`` (a ticket: its endpoint is used).  ``token``: the trainer token (default:
         ``$VLLM_HS_COMPAT_EXPORT_TOKEN`` or the token file, see :func:`~vllm_hs_compat.export.control.read_token`).
         With a ticket and no trainer token on this host, the dataset yields that ticket's one record.
 
         The stream ends after ``max_records`` records (split over the DataLoader workers), or when no record
-        arrived for ``wait_s`` seconds (``None``: never).  ``batch``: records claimed and read per round trip
-        (> 1 is faster for small records; a stop then loses up to ``batch - 1`` records read but not yielded,
-        counted nowhere but the producer's ``delivered``).  ``poll_s``: the long-poll of each claim.
+        arrived for ``wait_s`` seconds of asking (``None``: never; the time the training loop spends on the
+        records yielded does not count, and the end comes only after one more claim found nothing).  ``batch``:
+        records claimed and read per round trip (> 1 is faster for small records; a stop then loses up to
+        ``batch - 1`` records read but not yielded, counted nowhere but the producer's ``delivered``).
+        ``poll_s``: the long-poll of each claim.
         ``consumer_kwargs``: passed to :class:`~vllm_hs_compat.export.ExportConsumer` (``landing_bytes``,
         ``backend``, ``timeout_s``, ``ucx``, ``verify_checksum``, ...).  ``dedupe_window``: how many recently
         yielded record ids each process remembers to drop a redelivered record (``duplicates`` in :attr:`stats`;
@@ -489,7 +501,7 @@ class _ExportSource(_Source):
 
     def __init__(
         self,
-        endpoint_or_params: str | Mapping[str, Any],
+        endpoint_or_params: str | Mapping[str, Any] | Sequence[str],
         token: str | None,
         wait_s: float | None,
         batch: int,
@@ -512,13 +524,28 @@ class _ExportSource(_Source):
         self.recent = _Recent(dedupe_window)
         self.params: dict[str, Any] | None = None
         self.ticket_record: str | None = None
+        #: every endpoint streamed from (one unless a list was given)
+        self.endpoints: list[str]
         if isinstance(endpoint_or_params, str):
-            self.endpoint = endpoint_or_params
+            self.endpoints = [endpoint_or_params]
             self.token: str | None = token if token is not None else read_token()
+        elif not isinstance(endpoint_or_params, Mapping):
+            self.endpoints = list(endpoint_or_params)
+            if not self.endpoints or not all(isinstance(e, str) and e for e in self.endpoints):
+                raise E.DatasetConfigError(
+                    f"from_export takes an endpoint, a non-empty list of endpoints (str) or a ticket "
+                    f"(kv_transfer_params), found {endpoint_or_params!r}"
+                )
+            if len(set(self.endpoints)) != len(self.endpoints):
+                raise E.DatasetConfigError(
+                    f"an endpoint is listed twice in {self.endpoints}: each producer once (its claims already "
+                    "share its records among every consumer)"
+                )
+            self.token = token if token is not None else read_token()
         else:
             ticket = ExportTicket.parse(endpoint_or_params)  # ProtocolError / ExportConfigError when malformed
             self.params = dict(endpoint_or_params)
-            self.endpoint = ticket.endpoint
+            self.endpoints = [ticket.endpoint]
             self.ticket_record = ticket.record_id
             self.token = token
         self.wait_s = wait_s
@@ -526,19 +553,27 @@ class _ExportSource(_Source):
         self.poll_s = poll_s
         self.consumer_kwargs = consumer_kwargs
 
-    def __repr__(self) -> str:  # never the token
-        return f"export:{self.endpoint}"
+    @property
+    def endpoint(self) -> str:
+        """The first (usually the only) endpoint."""
+        return self.endpoints[0]
 
-    def _open(self) -> Any:
+    def __repr__(self) -> str:  # never the token
+        return f"export:{','.join(self.endpoints)}"
+
+    def _open(self, endpoint: str | None = None) -> Any:
         from vllm_hs_compat.export.consumer import ExportConsumer
 
         if self.params is not None:
             return ExportConsumer.from_params(self.params, self.token, **self.consumer_kwargs)
-        return ExportConsumer(self.endpoint, self.token, **self.consumer_kwargs)
+        return ExportConsumer(endpoint or self.endpoint, self.token, **self.consumer_kwargs)
 
     def records(
         self, worker: int, n_workers: int, budget: int | None, consumed: frozenset[str]
     ) -> Iterator[SourceItem]:
+        if len(self.endpoints) > 1:
+            yield from self._records_many(worker, n_workers, budget)
+            return
         consumer = self._open()  # in this process: never shared across a fork
         try:
             if consumer.principal == "record":  # a ticket alone: its one record
@@ -559,27 +594,86 @@ class _ExportSource(_Source):
         finally:
             consumer.close()
 
-    def _stream(self, consumer: Any, budget: int | None) -> Iterator[SourceItem]:
-        bad_seen = consumer.counters["bad_descriptors"]
+    def _records_many(self, worker: int, n_workers: int, budget: int | None) -> Iterator[SourceItem]:
+        share = _share(n_workers, budget, worker)
+        if share == 0:
+            return
+        consumers: list[Any] = []
+        try:
+            for ep in self.endpoints:  # in this process: never shared across a fork
+                consumers.append(self._open(ep))
+            for c in consumers:
+                if c.principal == "record":
+                    raise E.DatasetConfigError(
+                        f"{c.endpoint}: a ticket's capability opens one record; several endpoints need the trainer "
+                        "token"
+                    )
+            # each stream starts its sweep at another endpoint, so the first claims spread over the producers
+            yield from self._stream(consumers, share, first=worker % len(consumers))
+        finally:
+            for c in consumers:
+                c.close()
+
+    def _stream(self, consumers: Any, budget: int | None, first: int = 0) -> Iterator[SourceItem]:
+        """Claim, read and yield records from one consumer or several (one per endpoint).
+
+        Several: each round claims without waiting from the consumers in turn, starting after the one that
+        answered last, and takes the first non-empty answer; a consumer whose producer was empty is skipped for
+        :data:`EMPTY_BACKOFF_S` (no round trip to an idle server per claim; its new records wait at most that
+        long while the others have records).  When none had a record, it long-polls one consumer (the next in
+        turn) for ``poll_s / len(consumers)``, so a record published on any endpoint is seen within ``poll_s``
+        of an idle stream.  The producers' claims hand each record to one claimant, whichever stream of
+        whichever rank asks."""
+        cs: list[Any] = list(consumers) if isinstance(consumers, list) else [consumers]
+        n = len(cs)
+        bad_seen = [c.counters["bad_descriptors"] for c in cs]
         last = time.monotonic()
         taken = 0
+        turn = first % n
+        empty_until = [0.0] * n
         while budget is None or taken < budget:
+            expired = False
             if self.wait_s is None:
                 poll = self.poll_s
-            else:
+            else:  # idle since the last records were handed out; the end needs one more empty answer
                 left = self.wait_s - (time.monotonic() - last)
-                if left <= 0:
-                    return
-                poll = min(self.poll_s, left)
+                expired = left <= 0
+                poll = min(self.poll_s, max(left, 0.0))
             want = self.batch if budget is None else min(self.batch, budget - taken)
-            claims = consumer.claim_next(max_records=want, wait_s=poll)
-            bad = consumer.counters["bad_descriptors"] - bad_seen
-            bad_seen += bad
-            for _ in range(bad):  # claim_next gave these leases back (abandoned) and logged them
-                yield E.DescriptorError("a record's descriptor was refused (see the log); its lease was given back")
+            claims: list[Any] = []
+            k = turn
+            if n == 1:
+                claims = cs[0].claim_next(max_records=want, wait_s=poll)
+            else:
+                if expired:  # the last look asks every producer
+                    empty_until = [0.0] * n
+                now = time.monotonic()
+                for j in range(n):
+                    k = (turn + j) % n
+                    if empty_until[k] > now:
+                        continue
+                    claims = cs[k].claim_next(max_records=want, wait_s=0.0)
+                    if claims:
+                        break
+                    empty_until[k] = now + EMPTY_BACKOFF_S
+                if not claims:  # every producer is empty: wait on one, then sweep again
+                    k = turn
+                    claims = cs[k].claim_next(max_records=want, wait_s=poll / n)
+                    if claims:
+                        empty_until[k] = 0.0
+                turn = (k + 1) % n
+            consumer = cs[k]
+            for i, c in enumerate(cs):
+                bad = c.counters["bad_descriptors"] - bad_seen[i]
+                bad_seen[i] += bad
+                for _ in range(bad):  # claim_next gave these leases back (abandoned) and logged them
+                    yield E.DescriptorError(
+                        f"{c.endpoint}: a record's descriptor was refused (see the log); its lease was given back"
+                    )
             if not claims:
+                if expired:
+                    return
                 continue
-            last = time.monotonic()
             for res in consumer.read(claims):
                 if isinstance(res, CaptureRecord):
                     rid = res.meta.request_id
@@ -592,3 +686,6 @@ class _ExportSource(_Source):
                     yield _Requeued(res)  # not lost: the producer requeues it (max_redeliveries)
                     continue
                 yield res
+            # the idle clock starts when the loop asks for more: time spent training on what was yielded (the
+            # generator suspended at a yield) is not time without records
+            last = time.monotonic()

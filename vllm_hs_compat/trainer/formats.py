@@ -373,6 +373,12 @@ class FormatWriter:
                 )
             if isinstance(prev.get("vllm_layer_ids"), list):
                 self._previous = [int(i) for i in prev["vllm_layer_ids"]]
+            # the summary goes on counting: which mask the earlier records got, how many failed
+            used = prev.get("loss_mask", {}).get("used") if isinstance(prev.get("loss_mask"), dict) else None
+            if isinstance(used, dict):
+                self.mask_used.update({str(k): int(v) for k, v in used.items() if isinstance(v, int)})
+            if isinstance(prev.get("failed"), int):
+                self.failed = prev["failed"]
         if self.fmt == "speculators":
             rows = self.out / "rows.jsonl"
             if rows.exists():
@@ -390,6 +396,14 @@ class FormatWriter:
             found = [p.name.split(".")[0].removeprefix("data_") for p in self.out.glob("rows_*/data_*.ckpt*")]
             numbers = [int(n) for n in found if n.isdigit()]
             self.count = max(numbers) + 1 if numbers else 0
+        elif self.fmt == "modelopt":
+            self.count = sum(1 for p in self.out.glob("*.pt") if not p.name.startswith("."))
+        else:  # native: the records' manifests
+            self.count = sum(
+                1
+                for p in self.out.glob("*.json")
+                if not p.name.startswith(".") and p.name != FORMAT_FILE and not p.name.endswith(".error.json")
+            )
 
     # --- per record ------------------------------------------------------------------------------------------
     def _first(self, record: CaptureRecord) -> None:
@@ -637,6 +651,78 @@ def convert(
             continue
         writer.write(record)
     return writer.close()
+
+
+def is_endpoint(src: str | os.PathLike[str]) -> bool:
+    """True when ``src`` names an export producer (``tcp://host:port``, or ``host:port`` / ``[v6]:port`` that is
+    not an existing path) rather than a folder of records."""
+    import re
+
+    if not isinstance(src, str):
+        return False
+    if src.startswith("tcp://"):
+        return True
+    return not os.path.exists(src) and re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}", src) is not None
+
+
+def convert_export(
+    endpoints: str | Sequence[str],
+    out: str | os.PathLike[str],
+    fmt: str,
+    *,
+    token: str | None = None,
+    max_records: int | None = None,
+    wait_s: float | None = 30.0,
+    batch: int = 8,
+    verify_checksum: bool = True,
+    consumer_kwargs: Mapping[str, Any] | None = None,
+    **writer_kwargs: Any,
+) -> dict[str, Any]:
+    """Stream the records of one or several export producers (``tcp://host:port``; the trainer ``token``, default
+    ``$VLLM_HS_COMPAT_EXPORT_TOKEN`` or the token file) into ``out`` as ``fmt``, oldest first, until
+    ``max_records`` were written or none arrived for ``wait_s`` seconds; returns the writer's summary plus
+    ``"stream"`` (what the stream counted).  Records are taken from the producer (released ``delivered``) as
+    they are written: each one is in ``out`` or in its ``failed.jsonl`` (a record that failed on the way:
+    checksum, failed at the server), never nowhere.  A redelivered copy of a record already written is dropped
+    (counted ``duplicates``).  Errors of the connection itself (unreachable, wrong token) raise before anything
+    is written."""
+    from vllm_hs_compat.errors import DatasetConfigError, HsCompatError, RecordFailedError
+    from vllm_hs_compat.trainer.dataset import _Duplicate, _ExportSource, _Requeued, _Skipped
+
+    if max_records is not None and (isinstance(max_records, bool) or max_records < 0):
+        raise DatasetConfigError(f"max_records must be None or an int >= 0, found {max_records!r}")
+    eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    kwargs = {"verify_checksum": verify_checksum, **dict(consumer_kwargs or {})}
+    source = _ExportSource(eps if len(eps) > 1 else eps[0], token, wait_s, batch, min(1.0, wait_s or 1.0), kwargs)
+    # open (and authenticate) before the output folder is made: a wrong token writes nothing
+    source._open(eps[0]).close()
+    writer = FormatWriter(out, fmt, **writer_kwargs)
+    counts: Counter[str] = Counter()
+    try:
+        for res in source.records(0, 1, max_records, frozenset()):
+            if isinstance(res, _Duplicate):
+                counts["duplicates"] += 1
+            elif isinstance(res, _Requeued):
+                counts["lease_expired"] += 1  # the producer hands it out again
+            elif isinstance(res, _Skipped):
+                counts["skipped"] += 1
+            elif isinstance(res, CaptureRecord):
+                writer.write(res)
+                counts["records"] += 1
+            else:  # one record failed on the way (it is settled at the producer): noted, the stream goes on
+                reason = "failed_at_source" if isinstance(res, RecordFailedError) else type(res).__name__
+                counts["failed"] += 1
+                rid = getattr(res, "record_id", None) or f"unknown-{counts['failed']}"
+                writer.fail(str(rid), reason, str(res))
+    except KeyboardInterrupt:
+        counts["interrupted"] = 1
+    except HsCompatError:
+        writer.close()  # what was written stays usable
+        raise
+    summary = writer.close()
+    summary["source"] = eps
+    summary["stream"] = {k: counts[k] for k in ("records", "failed", "duplicates", "lease_expired", "interrupted")}
+    return summary
 
 
 def base_norm_state(base: torch.Tensor, norm: FinalNorm) -> str:
