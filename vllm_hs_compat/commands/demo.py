@@ -51,8 +51,14 @@ TRAINER_TIMEOUT_S = 900.0
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="capture -> stream -> verify -> train, on a tiny local model (a few minutes)")
-    p.add_argument("--out", default="vllm-hs-compat-demo", help="output folder (model, logs, summary, plot)")
+    p = sub.add_parser(
+        "demo",
+        help="conversations -> capture tree -> verify -> train a drafter -> acceptance length, on a tiny local model "
+        "(a few minutes)",
+    )
+    p.add_argument(
+        "--out", default="vllm-hs-compat-demo", help="output folder (model, tree, drafter, logs, summary, plot)"
+    )
     p.add_argument(
         "--records",
         type=int,
