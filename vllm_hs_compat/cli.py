@@ -1,5 +1,5 @@
-"""Command line: ``vllm-hs-compat doctor | inspect | demo | verify | serve-args | serve | convert | capture`` (see
-``--help`` of each).
+"""Command line: ``vllm-hs-compat doctor | inspect | demo | verify | serve-args | serve | convert | capture |
+evaluate`` (see ``--help`` of each).
 
 A thin dispatcher: each command lives in its own module under :mod:`vllm_hs_compat.commands` and registers its
 parser there.
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 #: Command modules, in ``--help`` order; each has ``register(subparsers)``.
-COMMANDS = ("doctor", "inspect", "demo", "verify", "serve_args", "serve", "convert", "capture")
+COMMANDS = ("doctor", "inspect", "demo", "verify", "serve_args", "serve", "convert", "capture", "evaluate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -250,3 +250,9 @@ class CaptureDataError(ToolError):
     """The capture's input cannot be used as asked (a source that cannot be read, a chat template without
     ``{% generation %}`` markers when the assistant loss mask is asked, a bad ``--field`` mapping); raised before
     any engine starts.  A single bad row is a per-row error instead, never this."""
+
+
+# --- evaluate: a drafter against its verifier -----------------------------------------------------------------
+class DrafterError(ToolError):
+    """A drafter cannot be evaluated as asked: its checkpoint is missing or damaged, or it was made for another
+    verifier (hidden size, vocabulary, layer ids).  The message names what was found and what was expected."""

@@ -1,10 +1,13 @@
 """``vllm-hs-compat demo`` and ``vllm-hs-compat verify`` on a real vLLM CPU engine, as a user runs them (the
 console script, in a process of its own).
 
-* the demo passes: every record streamed to the trainer process and verified, the drafter's loss falls;
-* the demo fails when one record is corrupted in the serving process BEFORE the export checksums it (so the
-  transport delivers it intact and only the comparison with transformers can catch it): exit status 1, that
-  record named, the others verified;
+* the demo (default: the capture path) passes: the shipped conversations captured into a sharded, indexed tree by
+  the capture command's own code, every record read by the trainer process and verified (token ids and loss mask
+  equal to transformers' own chat templating of its row, every plane equal to a transformers forward), the
+  drafter's loss falls and its acceptance length rises above the untrained drafter's;
+* the live-serving path (``--serve``) fails when one record is corrupted in the engine's process BEFORE the sink
+  checksums it (so the transport delivers it intact and only the comparison with transformers can catch it):
+  exit status 1, that record named, the others streamed, verified and trained on;
 * verify (0.27.1 and 0.32.0 sessions) maps every plane of the tiny model to its HF index; its analysis names an
   off-by-one and a post-norm capture when handed them (negative controls over transformers' own planes).
 """
@@ -51,36 +54,61 @@ def _summary(out: Path) -> dict[str, Any]:
 
 
 @demo_only
-def test_demo_streams_verifies_and_trains(tmp_path: Path) -> None:
+def test_demo_captures_verifies_and_trains(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from vllm_hs_compat.capture.data import CONVERSATIONS
+    from vllm_hs_compat.capture.store import read_index
+
     out = _work(tmp_path, "demo")
-    proc = _run(["demo", "--out", str(out), "--records", "16", "--steps", "40"])
+    proc = _run(["demo", "--out", str(out), "--records", "12", "--steps", "40"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = _summary(out)
-    assert s["ok"] and s["records"] == s["records_ok"] == 16 and not s["records_failed"]
+    assert s["ok"] and s["mode"] == "capture" and s["records"] == s["records_ok"] == 12 and not s["records_failed"]
     assert s["trainer_pid"] not in (None, s["engine_pid"]), "the trainer must run in another process"
-    assert s["transport"] in ("shm", "nixl")
     assert s["max_rel_err"] < R.ROW_TOL
+    # the tree: 12 records indexed, in two shards of at most 8; what each record carries is its row's, as
+    # transformers itself templates it (checked here again, apart from the demo's trainer)
+    index = [r for r in read_index(out / "tree").to_pylist() if r["status"] == "ok"]
+    assert len(index) == 12 and len(s["capture"]["shards"]) == 2
+    rows = {r["id"]: r for r in map(json.loads, CONVERSATIONS.read_text().splitlines()[:12])}
+    tok = AutoTokenizer.from_pretrained(str(out / "model"))
+    for rec in s["per_record"]:
+        want = tok.apply_chat_template(
+            rows[rec["sample_id"]]["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert rec["tokens"] == len(want["input_ids"]) and rec["loss_tokens"] == sum(want["assistant_masks"])
+        assert 0 < rec["loss_tokens"] < rec["tokens"]
+    assert sorted(r["sample_id"] for r in s["per_record"]) == sorted(rows)
+    # training on the loss-masked records, and the acceptance length it buys (1.0: nothing accepted)
     assert len(s["losses"]) == 40 and s["losses"][-1] < 0.8 * s["losses"][0], s["losses"]
+    before, after = s["acceptance"]["before"], s["acceptance"]["after"]
+    assert before["k"] == 3 and after["mean_length"] > before["mean_length"] + 0.1, (before, after)
+    assert (Path(s["drafter"]) / "drafter.safetensors").is_file()
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "all verified" in proc.stdout and "records" in proc.stdout
-    ledger = s["ledger"]
+    assert "all verified" in proc.stdout and "mean acceptance length" in proc.stdout
     e2e_report.add(
-        f"demo: {s['records']} records, {s['tokens']} tokens, {s['bytes']} B over {s['transport']}, max rel err "
-        f"{s['max_rel_err']:.4f}, loss {s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}, times {s['times']}, "
-        f"total {s['wall_s']:.1f} s; producer ledger delivered={ledger.get('delivered')}"
+        f"demo (capture): {s['records']} records in {len(s['capture']['shards'])} shards, {s['tokens']} tokens "
+        f"({s['loss_tokens']} in loss masks), max rel err {s['max_rel_err']:.4f}, loss {s['losses'][0]:.3f} -> "
+        f"{s['losses'][-1]:.3f}, acceptance length {before['mean_length']:.3f} -> {after['mean_length']:.3f} "
+        f"(k=3), times {s['times']}, total {s['wall_s']:.1f} s"
     )
 
 
 @demo_only
-def test_demo_fails_on_a_corrupted_record(tmp_path: Path) -> None:
+def test_demo_serve_fails_on_a_corrupted_record(tmp_path: Path) -> None:
     out = _work(tmp_path, "demo-corrupt")
-    proc = _run(["demo", "--out", str(out), "--records", "4", "--steps", "3", "--corrupt-record", "1"])
+    proc = _run(["demo", "--serve", "--out", str(out), "--records", "4", "--steps", "3", "--corrupt-record", "1"])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = _summary(out)
-    assert not s["ok"] and s["records"] == 4 and s["records_ok"] == 3
+    assert not s["ok"] and s["mode"] == "serve" and s["records"] == 4 and s["records_ok"] == 3
+    assert s["trainer_pid"] not in (None, s["engine_pid"]) and s["transport"] in ("shm", "nixl")
     (bad,) = s["records_failed"]
     assert "differs from transformers" in bad["reason"] and bad["max_rel"][0] > 1.0
     assert "FAIL" in proc.stdout and "failed verification" in proc.stdout
+    # the three intact records were streamed, verified and trained on
+    assert s["trained_on"] == 3 and len(s["losses"]) == 3 and "after" in s["acceptance"]
+    e2e_report.add(f"demo (--serve, one record corrupted): exit 1, {bad['reason']}; total {s['wall_s']:.1f} s")
 
 
 verify_only = pytest.mark.skipif(

@@ -9,10 +9,14 @@ layer before the final norm) through the verifier's final norm and LM head: dist
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,12 +81,102 @@ class Eagle3Head(nn.Module):
     def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """``aux`` ``[B, T, A]``, ``next_ids`` ``[B, T]``, ``pad`` ``[B, T]`` (True = padding) -> logits
         ``[B, T, V]``."""
+        return self.logits(self.hidden(self.fc(aux), next_ids, pad))
+
+    def hidden(self, features: torch.Tensor, next_ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        """The decoder layer's output ``[B, T, C]`` (before the norm) from fused features ``[B, T, C]`` (``fc`` of
+        the verifier's planes, or the drafter's own earlier output) and the next tokens ``[B, T]``."""
         e = F.embedding(next_ids, self.get_buffer("embed"))
-        x = self.inp(torch.cat([e, self.fc(aux)], dim=-1))
+        x = self.inp(torch.cat([e, features], dim=-1))
         t = x.shape[1]
         causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
-        x = self.layer(x, src_mask=causal, src_key_padding_mask=pad, is_causal=True)
-        return F.linear(self.norm(x), self.get_buffer("head"))
+        out: torch.Tensor = self.layer(x, src_mask=causal, src_key_padding_mask=pad, is_causal=True)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Token logits through the norm and the verifier's frozen LM head."""
+        return F.linear(self.norm(hidden), self.get_buffer("head"))
+
+    def draft(self, aux: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[int]:
+        """Propose ``k`` tokens greedily, as EAGLE-3 drafts at inference.
+
+        ``aux`` ``[n+1, A]``: the verifier's auxiliary planes at positions ``0..n`` of the context; ``next_ids``
+        ``[n+1]``: the tokens at ``1..n+1`` (the last one is the verifier's own next token, whose planes the
+        verifier has not computed yet).  Draft ``j`` is read at the last position; for the draft after it the
+        drafter's own output at that position stands in for the verifier's fused planes (which do not exist for
+        drafted tokens), with the drafted token appended."""
+        if aux.shape[0] != next_ids.shape[0] or aux.shape[0] < 1:
+            raise ToolError(
+                f"draft needs one plane row per next token: found {aux.shape[0]} rows, {next_ids.shape[0]} tokens"
+            )
+        out: list[int] = []
+        with torch.no_grad():
+            features = self.fc(aux.float())[None]
+            ids = next_ids.long()[None]
+            for _ in range(k):
+                h = self.hidden(features, ids, None)
+                tok = int(self.logits(h[0, -1]).argmax())
+                out.append(tok)
+                features = torch.cat([features, h[:, -1:]], dim=1)
+                ids = torch.cat([ids, torch.tensor([[tok]], dtype=torch.long)], dim=1)
+        return out
+
+    def config(self) -> dict[str, int]:
+        """What :func:`load_drafter` needs to build this head again."""
+        return {
+            "hidden": int(self.norm.weight.shape[0]),
+            "num_aux": int(self.fc.in_features) // int(self.norm.weight.shape[0]),
+            "heads": int(self.layer.self_attn.num_heads),
+            "vocab": int(self.get_buffer("head").shape[0]),
+        }
+
+
+#: Files of a saved drafter (:func:`save_drafter`): the weights (safetensors) and what they were made for (JSON).
+DRAFTER_WEIGHTS = "drafter.safetensors"
+DRAFTER_CONFIG = "drafter.json"
+
+
+def save_drafter(head: Eagle3Head, path: str | os.PathLike[str], **meta: Any) -> Path:
+    """Write ``head`` into the folder ``path`` (``drafter.safetensors`` + ``drafter.json`` with its geometry and
+    ``meta``: e.g. the verifier and the auxiliary layer ids it was trained on); returns the folder."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().clone() for k, v in head.state_dict().items()}
+    save_file(state, str(out / DRAFTER_WEIGHTS))
+    (out / DRAFTER_CONFIG).write_text(json.dumps({"kind": "vllm-hs-compat-eagle3-demo", **head.config(), **meta}))
+    return out
+
+
+def load_drafter(path: str | os.PathLike[str]) -> tuple[Eagle3Head, dict[str, Any]]:
+    """A head written by :func:`save_drafter`, in eval mode, and its ``drafter.json``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from vllm_hs_compat.errors import DrafterError
+
+    folder = Path(path)
+    cfg_path, weights = folder / DRAFTER_CONFIG, folder / DRAFTER_WEIGHTS
+    if not cfg_path.is_file() or not weights.is_file():
+        raise DrafterError(
+            f"{folder} is not a saved drafter: expected {DRAFTER_CONFIG} and {DRAFTER_WEIGHTS} in it (the demo "
+            "writes one into <out>/drafter)"
+        )
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        state = load_file(str(weights))
+        hidden, num_aux, heads = int(cfg["hidden"]), int(cfg["num_aux"]), int(cfg["heads"])
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise DrafterError(f"cannot read the drafter in {folder}: {type(exc).__name__}: {exc}") from None
+    if "embed" not in state or "head" not in state:
+        raise DrafterError(f"{weights} lacks the embedding or LM head buffers: found {sorted(state)[:8]}")
+    head = Eagle3Head(hidden, num_aux, state["embed"], state["head"], heads=heads)
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as exc:
+        raise DrafterError(f"{weights} does not fit the geometry in {cfg_path}: {exc}") from None
+    return head.eval(), cfg
 
 
 def _batch(items: Sequence[TrainItem]) -> tuple[torch.Tensor, ...]:

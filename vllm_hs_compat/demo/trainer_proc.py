@@ -1,10 +1,13 @@
-"""The demo's trainer: a process of its own that streams records from the serving process's export, verifies
-each against a transformers forward of the same weights, and trains a tiny EAGLE-3-style drafter on them.
+"""The demo's trainer: a process of its own that reads records -- from the capture's output tree (the default
+demo) or streamed from the serving process's export (``demo --serve``) --, verifies each against a transformers
+forward of the same weights, measures the acceptance length of an untrained drafter, trains a tiny EAGLE-3-style
+drafter on the records (with their loss masks), measures it again and saves it (``<out>/drafter``).
 
     python -m vllm_hs_compat.demo.trainer_proc ARGS.json
 
-It speaks JSON lines on stdout (``{"event": ...}``: ``start``, ``loaded``, ``record``, ``received``, ``step``,
-``done``); the demo command renders them.  Everything else (library logs, warnings) goes to stderr.
+It speaks JSON lines on stdout (``{"event": ...}``: ``start``, ``loaded``, ``record``, ``received``,
+``acceptance``, ``step``, ``done``); the demo command renders them.  Everything else (library logs, warnings)
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +27,30 @@ from vllm_hs_compat.errors import HsCompatError
 
 
 # --- the record source: the ONE place that knows how records arrive ---------------------------------------------
+class TreeSource:
+    """The records a capture tree's index names, through
+    :meth:`vllm_hs_compat.trainer.HiddenStatesDataset.from_capture` in the ``eagle3`` layout (the same dicts as
+    :class:`RecordSource`, plus each record's ``sample_id``); a record that fails to read (checksum, format) is
+    counted and yielded as an error at the end, and the reading goes on."""
+
+    transport = "files (capture tree)"
+
+    def __init__(self, tree: str) -> None:
+        from vllm_hs_compat.trainer import HiddenStatesDataset
+
+        self.tree = tree
+        self.dataset = HiddenStatesDataset.from_capture(tree, layout="eagle3", on_error="skip")
+
+    def __iter__(self) -> Iterator[dict[str, Any] | HsCompatError]:
+        yield from self.dataset
+        # on_error="skip" logs each failed record (the trainer's log) and counts it: each becomes a failed result
+        for _ in range(int(self.dataset.stats.get("skipped", 0))):
+            yield HsCompatError(f"a record of {self.tree} failed to read (its error is in trainer.log)")
+
+    def close(self) -> dict[str, Any]:
+        return {"tree": self.tree, **self.dataset.stats}
+
+
 class RecordSource:
     """Records of one producer through :class:`vllm_hs_compat.trainer.HiddenStatesDataset` in the ``eagle3``
     layout (dicts with ``input_ids`` ``[T]``, ``hidden_states`` ``[T, C]`` (the last plane, pre-norm),
@@ -89,6 +116,10 @@ def planes_of(item: dict[str, Any]) -> torch.Tensor:
 # --- the process ------------------------------------------------------------------------------------------------
 @dataclass
 class TrainerArgs:
+    """``endpoint`` + ``token_file`` (stream from an export) or ``tree`` (read a capture tree).  ``prompts``: the
+    token ids sent (stream), or ``expected``: sample id -> ``{"input_ids", "loss_mask"}`` as transformers
+    templates each row (tree).  ``eval_prompts``: the prompts of the acceptance measurement."""
+
     endpoint: str
     token_file: str
     model: str
@@ -100,6 +131,11 @@ class TrainerArgs:
     seed: int = 0
     lr: float = 3e-3
     idle_timeout_s: float = 120.0
+    tree: str | None = None
+    expected: dict[str, dict[str, list[int]]] | None = None
+    eval_prompts: list[list[int]] = field(default_factory=list)
+    eval_k: int = 3
+    eval_new_tokens: int = 32
 
     @classmethod
     def load(cls, path: str) -> TrainerArgs:
@@ -113,7 +149,9 @@ class TrainerArgs:
 class RecordResult:
     record_id: str
     ok: bool
+    sample_id: str = ""
     tokens: int = 0
+    loss_tokens: int = 0
     nbytes: int = 0
     layer_ids: list[int] = field(default_factory=list)
     max_rel: list[float] = field(default_factory=list)
@@ -127,22 +165,43 @@ def emit(event: str, **data: Any) -> None:
     sys.stdout.flush()
 
 
-def verify_item(item: dict[str, Any], model: str, prompts: dict[tuple[int, ...], int]) -> RecordResult:
+def verify_item(
+    item: dict[str, Any],
+    model: str,
+    prompts: dict[tuple[int, ...], int],
+    expected: dict[str, dict[str, list[int]]] | None = None,
+) -> RecordResult:
     """One record against the transformers forward of the same weights: its token ids must be a prompt the
-    engine was sent, and every plane within :data:`~vllm_hs_compat.demo.reference.ROW_TOL` of its reference."""
+    engine was sent (``prompts``) or, with ``expected``, exactly the ids and loss mask transformers' own chat
+    templating gives its sample; every plane within :data:`~vllm_hs_compat.demo.reference.ROW_TOL` of its
+    reference."""
     from vllm_hs_compat.demo.reference import ROW_TOL, record_errors, reference
 
     rows = planes_of(item)
     ids = [int(x) for x in item["input_ids"]]
     layer_ids = [int(x) for x in item["layer_ids"]]
+    mask = [int(x) for x in item["loss_mask"]]
     res = RecordResult(
         record_id=str(item["record_id"]),
         ok=False,
+        sample_id=str(item.get("sample_id") or ""),
         tokens=len(ids),
+        loss_tokens=sum(mask),
         nbytes=rows.numel() * rows.element_size(),
         layer_ids=layer_ids,
     )
-    if tuple(ids) not in prompts:
+    if expected is not None:
+        want = expected.get(res.sample_id)
+        if want is None:
+            res.reason = f"sample id {res.sample_id!r} is none of the rows captured"
+            return res
+        if ids != want["input_ids"]:
+            res.reason = "token ids differ from transformers' apply_chat_template of the row"
+            return res
+        if mask != want["loss_mask"]:
+            res.reason = "loss mask differs from transformers' assistant_masks of the row"
+            return res
+    elif tuple(ids) not in prompts:
         res.reason = "token ids are none of the prompts sent"
         return res
     errs = record_errors(rows, reference(model, ids, layer_ids))
@@ -154,8 +213,19 @@ def verify_item(item: dict[str, Any], model: str, prompts: dict[tuple[int, ...],
     return res
 
 
+def _acceptance(model: str, head: Any, aux_layer_ids: list[int], args: TrainerArgs) -> dict[str, Any]:
+    """The drafter's mean acceptance length (:mod:`vllm_hs_compat.demo.acceptance`) on ``args.eval_prompts``."""
+    from vllm_hs_compat.demo.acceptance import DrafterProposer, Verifier, measure
+    from vllm_hs_compat.demo.reference import load_hf
+
+    t = time.monotonic()
+    verifier = Verifier(load_hf(model, torch.float32), aux_layer_ids)
+    res = measure(verifier, DrafterProposer(head), args.eval_prompts, k=args.eval_k, new_tokens=args.eval_new_tokens)
+    return {**res.to_dict(), "seconds": time.monotonic() - t}
+
+
 def run(args: TrainerArgs) -> int:
-    from vllm_hs_compat.demo.drafter import Eagle3Head, make_item, train
+    from vllm_hs_compat.demo.drafter import Eagle3Head, make_item, save_drafter, train
     from vllm_hs_compat.demo.reference import final_norm, load_hf
     from vllm_hs_compat.export.control import read_token
 
@@ -165,16 +235,22 @@ def run(args: TrainerArgs) -> int:
     norm, lm_head = final_norm(hf), hf.get_output_embeddings()
     emit("loaded", model=args.model)
     prompts = {tuple(p): i for i, p in enumerate(args.prompts)}
-    source = RecordSource(
-        args.endpoint,
-        read_token(args.token_file),
-        max_records=len(args.prompts),
-        backend=args.backend,
-        idle_timeout_s=args.idle_timeout_s,
-    )
+    source: TreeSource | RecordSource
+    if args.tree is not None:
+        source = TreeSource(args.tree)
+        expected_count = len(args.expected or {})
+    else:
+        source = RecordSource(
+            args.endpoint,
+            read_token(args.token_file),
+            max_records=len(args.prompts),
+            backend=args.backend,
+            idle_timeout_s=args.idle_timeout_s,
+        )
+        expected_count = len(args.prompts)
     results: list[RecordResult] = []
     items = []
-    seen_prompts: set[tuple[int, ...]] = set()
+    seen_prompts: set[tuple[int | str, ...]] = set()
     t0 = time.monotonic()
     it = iter(source)
     while True:
@@ -187,11 +263,11 @@ def run(args: TrainerArgs) -> int:
         if isinstance(got, HsCompatError):
             res = RecordResult(record_id="?", ok=False, pull_s=pull, reason=f"{type(got).__name__}: {got}")
         else:
-            res = verify_item(got, args.model, prompts)
+            res = verify_item(got, args.model, prompts, args.expected)
             res.pull_s = pull
-            key = tuple(int(x) for x in got["input_ids"])
+            key = (res.sample_id,) if args.expected is not None else tuple(int(x) for x in got["input_ids"])
             if res.ok and key in seen_prompts:
-                res.ok, res.reason = False, "a second record of the same prompt"
+                res.ok, res.reason = False, "a second record of the same sample"
             seen_prompts.add(key)
             if res.ok:
                 mask = got["loss_mask"]
@@ -206,13 +282,21 @@ def run(args: TrainerArgs) -> int:
     emit("received", records=len(results), seconds=receive_s, transport=transport)
     losses: list[float] = []
     accs: list[float] = []
+    acceptance: dict[str, Any] = {}
+    drafter_dir: str | None = None
     if items and args.steps > 0:
+        torch.manual_seed(args.seed)
         head = Eagle3Head(
             hidden=int(hf.config.hidden_size),
             num_aux=items[0].aux.shape[1] // int(hf.config.hidden_size),
             embed=hf.get_input_embeddings().weight,
             lm_head=lm_head.weight,
         )
+        # the auxiliary planes: every captured layer id but the last (the base plane), as the eagle3 layout splits
+        aux_layer_ids = sorted(next((r.layer_ids for r in results if r.ok), []))[:-1]
+        if args.eval_prompts:
+            acceptance["before"] = _acceptance(args.model, head, aux_layer_ids, args)
+            emit("acceptance", phase="before", **acceptance["before"])
 
         def on_step(s: Any) -> None:
             losses.append(s.loss)
@@ -220,10 +304,18 @@ def run(args: TrainerArgs) -> int:
             emit("step", step=s.step, loss=s.loss, accuracy=s.accuracy)
 
         train(items, head, args.steps, batch=args.batch, lr=args.lr, seed=args.seed, on_step=on_step)
+        if args.eval_prompts:
+            acceptance["after"] = _acceptance(args.model, head, aux_layer_ids, args)
+            emit("acceptance", phase="after", **acceptance["after"])
+        drafter_dir = str(
+            save_drafter(head, Path(args.out_dir) / "drafter", verifier=args.model, aux_layer_ids=aux_layer_ids)
+        )
     emit(
         "done",
         records=[asdict(r) for r in results],
-        expected=len(args.prompts),
+        expected=expected_count,
+        acceptance=acceptance,
+        drafter=drafter_dir,
         receive_s=receive_s,
         transport=transport,
         ledger=ledger,
