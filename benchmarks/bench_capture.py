@@ -138,7 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
         if model is None:
-            from vllm_hs_compat.demo.models import make_model
+            from vllm_hs_compat.reference.models import make_model
 
             shape = {k: v for k, v in (("hidden", a.hidden), ("num_layers", a.num_layers)) if v is not None}
             model = make_model(str(Path(tmp) / "tiny"), seed=7, **shape).path

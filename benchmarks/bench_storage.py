@@ -72,7 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            from vllm_hs_compat.demo.models import make_model
+            from vllm_hs_compat.reference.models import make_model
 
             model_dir = make_model(str(Path(tmp) / "tiny"), seed=7).path
         layers = [int(x) for x in args.layers.split(",")]

@@ -1,4 +1,4 @@
-"""The capture data suite: a real tokenizer (the tiny local one of vllm_hs_compat.demo.models, trained once per
+"""The capture data suite: a real tokenizer (the tiny local one of vllm_hs_compat.reference.models, trained once per
 session and loaded through transformers) and row files written per test."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The tiny tokenizer, saved by make_tokenizer (it carries the package's chat template) and loaded back."""
     from transformers import AutoTokenizer
 
-    from vllm_hs_compat.demo.models import make_tokenizer
+    from vllm_hs_compat.reference.models import make_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-tokenizer")
     make_tokenizer(str(path))

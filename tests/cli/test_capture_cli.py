@@ -11,7 +11,7 @@ import pytest
 
 from vllm_hs_compat.capture.store import read_index
 from vllm_hs_compat.cli import main
-from vllm_hs_compat.demo.models import make_tokenizer
+from vllm_hs_compat.reference.models import make_tokenizer
 
 
 @pytest.fixture(scope="module")

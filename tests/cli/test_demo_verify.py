@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from vllm_hs_compat.capture.data import CONVERSATIONS
-from vllm_hs_compat.demo import reference as R
-from vllm_hs_compat.demo.models import make_model
 from vllm_hs_compat.demo.trainer_proc import verify_item
+from vllm_hs_compat.reference import forward as R
+from vllm_hs_compat.reference.models import make_model
 
 LAYERS = [1, 2, 3, 4]
 

@@ -1,6 +1,6 @@
 """The acceptance length (``vllm-hs-compat evaluate``, the demo's before/after figure) on a tiny local verifier.
 
-Greedy verification over the verifier's transformers forward (:mod:`vllm_hs_compat.demo.acceptance`):
+Greedy verification over the verifier's transformers forward (:mod:`vllm_hs_compat.drafter.acceptance`):
 
 * controls that pin the scale: a drafter that proposes the verifier's own greedy continuation is accepted every
   time (exactly ``k + 1``), a random one almost never (``1.0`` here);
@@ -22,11 +22,11 @@ import torch
 from vllm_hs_compat.capture.data import CONVERSATIONS
 from vllm_hs_compat.cli import main
 from vllm_hs_compat.commands.evaluate import prompts_of
-from vllm_hs_compat.demo import acceptance as A
-from vllm_hs_compat.demo import reference as R
-from vllm_hs_compat.demo.drafter import Eagle3Head, load_drafter, make_item, save_drafter, train
-from vllm_hs_compat.demo.models import make_model
+from vllm_hs_compat.drafter import acceptance as A
+from vllm_hs_compat.drafter.head import Eagle3Head, load_drafter, make_item, save_drafter, train
 from vllm_hs_compat.errors import DrafterError
+from vllm_hs_compat.reference import forward as R
+from vllm_hs_compat.reference.models import make_model
 
 AUX = (1, 2, 3)
 K = 3

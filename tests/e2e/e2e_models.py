@@ -1,9 +1,9 @@
-"""The tiny random-weight verifiers of the e2e tests: the package's own maker (:mod:`vllm_hs_compat.demo.models`,
+"""The tiny random-weight verifiers of the e2e tests: the package's own maker (:mod:`vllm_hs_compat.reference.models`,
 shared with ``vllm-hs-compat demo``), plus the layer ids the tests capture."""
 
 from __future__ import annotations
 
-from vllm_hs_compat.demo.models import (  # noqa: F401 - re-exported for the tests and the engine benchmark
+from vllm_hs_compat.reference.models import (  # noqa: F401 - re-exported for the tests and the engine benchmark
     HEAD_DIM,
     HIDDEN,
     KINDS,

@@ -1,5 +1,5 @@
 """The transformers forward of the same weights: what every captured row must equal (to bf16 precision).  The
-forward itself is the package's (:mod:`vllm_hs_compat.demo.reference`, shared with ``vllm-hs-compat demo`` and
+forward itself is the package's (:mod:`vllm_hs_compat.reference.forward`, shared with ``vllm-hs-compat demo`` and
 ``verify``); the soundness check of the hybrid reference stays here.
 
 Layer id ``k < num_layers`` is HF ``hidden_states[k]`` (``k = 0``: the embeddings; ``k``: the input of decoder layer
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hs_compat.demo import reference as _ref
+from vllm_hs_compat.reference import forward as _ref
 
 load_hf = _ref.load_hf
 reference = _ref.reference

@@ -33,9 +33,9 @@ import torch
 
 from vllm_hs_compat.capture.data import CONVERSATIONS
 from vllm_hs_compat.capture.store import read_index, read_summary
-from vllm_hs_compat.demo import reference as R
-from vllm_hs_compat.demo.models import make_model
 from vllm_hs_compat.export.files import read_record
+from vllm_hs_compat.reference import forward as R
+from vllm_hs_compat.reference.models import make_model
 
 pytestmark = [
     pytest.mark.e2e,

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from vllm_hs_compat.commands import verify as V
-from vllm_hs_compat.demo import reference as R
+from vllm_hs_compat.reference import forward as R
 
 pytestmark = pytest.mark.e2e
 
@@ -119,7 +119,7 @@ verify_only = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from vllm_hs_compat.demo.models import make_model
+    from vllm_hs_compat.reference.models import make_model
 
     return make_model(str(tmp_path_factory.mktemp("verify") / "dense"), "dense", seed=3).path
 

@@ -43,7 +43,7 @@ import e2e_report
 import pytest
 
 from vllm_hs_compat.commands.serve import READY
-from vllm_hs_compat.demo import reference as R
+from vllm_hs_compat.reference import forward as R
 
 pytestmark = [
     pytest.mark.e2e,

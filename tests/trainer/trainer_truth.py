@@ -1,5 +1,5 @@
-"""Ground truth for the trainer-format tests: a tiny random-weight verifier (vllm_hs_compat.demo.models) whose
-every hidden state and logit is known from the transformers forward (vllm_hs_compat.demo.reference), and capture
+"""Ground truth for the trainer-format tests: a tiny random-weight verifier (vllm_hs_compat.reference.models) whose
+every hidden state and logit is known from the transformers forward (vllm_hs_compat.reference.forward), and capture
 records built from it exactly as vLLM's convention defines them (layer id i = HF hidden_states[i]; id
 num_hidden_layers = the final norm's input).  No vLLM is needed: the records go through the package's own record
 and file-sink API."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
-from vllm_hs_compat.demo.models import make_model
-from vllm_hs_compat.demo.reference import convention_plane, hf_planes, load_hf
+from vllm_hs_compat.reference.forward import convention_plane, hf_planes, load_hf
+from vllm_hs_compat.reference.models import make_model
 
 #: vLLM ids of the auxiliary planes on the 4-layer tiny verifier; the base plane is id 4.
 AUX = (1, 2, 3)

@@ -120,7 +120,7 @@ def _prompts(model_dir: str, n: int, seed: int) -> list[list[int]]:
     so vLLM's prefix cache hits), several are longer than one scheduler step (chunked prefill)."""
     from transformers import AutoTokenizer
 
-    from vllm_hs_compat.demo.models import corpus
+    from vllm_hs_compat.reference.models import corpus
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
@@ -295,7 +295,7 @@ def _run(args: argparse.Namespace, out: Path, display: IO[str]) -> dict[str, Any
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from vllm_hs_compat.demo.models import make_model
+    from vllm_hs_compat.reference.models import make_model
 
     console = Console(file=display, width=None if display.isatty() else 110)
     columns = (
@@ -609,7 +609,7 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from vllm_hs_compat.demo.reference import ROW_TOL
+    from vllm_hs_compat.reference.forward import ROW_TOL
 
     console = Console(width=None if sys.stdout.isatty() else 110)
     capture = s.get("capture")

@@ -3,7 +3,7 @@
 Greedy verification simulated over the verifier's transformers forward (the same weights vLLM serves): the drafter
 proposes ``--k`` tokens from the verifier's planes at its auxiliary layer ids, the verifier's greedy tokens accept
 a prefix, and each verification step yields ``accepted + 1`` tokens; the figure is the mean over every step
-(:mod:`vllm_hs_compat.demo.acceptance`; docs/cli.md says why a simulation and not vLLM's own EAGLE-3 path).  The
+(:mod:`vllm_hs_compat.drafter.acceptance`; docs/cli.md says why a simulation and not vLLM's own EAGLE-3 path).  The
 prompts are the rows of ``--data`` templated up to their last assistant turn (the generation prompt included),
 through the same code as ``vllm-hs-compat capture --on-policy``.  Needs transformers; no vLLM.
 """
@@ -84,9 +84,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         from transformers import AutoTokenizer
     except ImportError:
         raise ToolError('evaluate needs transformers: pip install "vllm-hs-compat[capture]"') from None
-    from vllm_hs_compat.demo.acceptance import DrafterProposer, Verifier, measure
-    from vllm_hs_compat.demo.drafter import load_drafter
-    from vllm_hs_compat.demo.reference import load_hf
+    from vllm_hs_compat.drafter.acceptance import DrafterProposer, Verifier, measure
+    from vllm_hs_compat.drafter.head import load_drafter
+    from vllm_hs_compat.reference.forward import load_hf
 
     for flag in ("k", "new_tokens"):
         if getattr(args, flag) < 1:

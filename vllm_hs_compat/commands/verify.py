@@ -105,7 +105,7 @@ def expected_label(layer_id: int, num_layers: int) -> str:
 def analyse(records: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]], hf_model: Any) -> list[PlaneReport]:
     """``records``: ``(token_ids, layer_ids, rows [T, P, C])`` each; planes compared by the records' own layer
     ids.  For every layer id: the candidate with the smallest worst-row error over all records."""
-    from vllm_hs_compat.demo.reference import ROW_TOL, hf_planes, plane_error
+    from vllm_hs_compat.reference.forward import ROW_TOL, hf_planes, plane_error
 
     num_layers = int(hf_model.config.num_hidden_layers)
     errs: dict[int, dict[str, list[Any]]] = {}
@@ -226,7 +226,7 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from vllm_hs_compat.adapters import get_adapter, installed_vllm_version
-    from vllm_hs_compat.demo.reference import ROW_TOL, load_hf
+    from vllm_hs_compat.reference.forward import ROW_TOL, load_hf
 
     num_layers = _num_layers(args.model, args.trust_remote_code)
     layers = parse_layers(args.layers) if args.layers else default_layers(num_layers)

@@ -173,9 +173,9 @@ def verify_item(
 ) -> RecordResult:
     """One record against the transformers forward of the same weights: its token ids must be a prompt the
     engine was sent (``prompts``) or, with ``expected``, exactly the ids and loss mask transformers' own chat
-    templating gives its sample; every plane within :data:`~vllm_hs_compat.demo.reference.ROW_TOL` of its
+    templating gives its sample; every plane within :data:`~vllm_hs_compat.reference.forward.ROW_TOL` of its
     reference."""
-    from vllm_hs_compat.demo.reference import ROW_TOL, record_errors, reference
+    from vllm_hs_compat.reference.forward import ROW_TOL, record_errors, reference
 
     rows = planes_of(item)
     ids = [int(x) for x in item["input_ids"]]
@@ -214,9 +214,9 @@ def verify_item(
 
 
 def _acceptance(model: str, head: Any, aux_layer_ids: list[int], args: TrainerArgs) -> dict[str, Any]:
-    """The drafter's mean acceptance length (:mod:`vllm_hs_compat.demo.acceptance`) on ``args.eval_prompts``."""
-    from vllm_hs_compat.demo.acceptance import DrafterProposer, Verifier, measure
-    from vllm_hs_compat.demo.reference import load_hf
+    """The drafter's mean acceptance length (:mod:`vllm_hs_compat.drafter.acceptance`) on ``args.eval_prompts``."""
+    from vllm_hs_compat.drafter.acceptance import DrafterProposer, Verifier, measure
+    from vllm_hs_compat.reference.forward import load_hf
 
     t = time.monotonic()
     verifier = Verifier(load_hf(model, torch.float32), aux_layer_ids)
@@ -225,9 +225,9 @@ def _acceptance(model: str, head: Any, aux_layer_ids: list[int], args: TrainerAr
 
 
 def run(args: TrainerArgs) -> int:
-    from vllm_hs_compat.demo.drafter import Eagle3Head, make_item, save_drafter, train
-    from vllm_hs_compat.demo.reference import final_norm, load_hf
+    from vllm_hs_compat.drafter.head import Eagle3Head, make_item, save_drafter, train
     from vllm_hs_compat.export.control import read_token
+    from vllm_hs_compat.reference.forward import final_norm, load_hf
 
     torch.set_num_threads(1)  # the engine shares this machine
     emit("start", pid=os.getpid())

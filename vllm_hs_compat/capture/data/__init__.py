@@ -1,7 +1,7 @@
-"""Data files shipped with the package for the tiny local model (:mod:`vllm_hs_compat.demo.models`).
+"""Data files shipped with the package for the tiny local model (:mod:`vllm_hs_compat.reference.models`).
 
 * :data:`TINY_CHAT_TEMPLATE` -- a chat template with ``{% generation %}`` markers; :func:`make_tokenizer
-  <vllm_hs_compat.demo.models.make_tokenizer>` saves it as the tiny tokenizer's own ``chat_template``;
+  <vllm_hs_compat.reference.models.make_tokenizer>` saves it as the tiny tokenizer's own ``chat_template``;
 * :data:`CONVERSATIONS` -- a small multi-turn conversation set (OpenAI ``messages`` rows with ids), written for it.
 """
 
