@@ -51,6 +51,10 @@ BAD: list[tuple[dict[str, Any], list[str]]] = [
     ({"read": {"lone_read": False}}, ["'lone_read'", "lone_reads", "--kv-transfer-config"]),
     ({"read": {"lone_reads": "no"}}, ['"read".lone_reads', "true or false", "'no'"]),
     ({"read": "direct"}, ['"read" must be a JSON object', "'direct'"]),
+    ({"self_test": {"corrupt_record": -1}}, ['"self_test"', "corrupt_record", "-1"]),
+    ({"self_test": {"corrupt_record": True}}, ['"self_test"', "True"]),
+    ({"self_test": {"corrupt": 3}}, ['"self_test"', "'corrupt'"]),
+    ({"self_test": 3}, ['"self_test" must be', "3"]),
 ]
 
 

@@ -214,6 +214,31 @@ def test_the_worker_reads_each_saved_record_exactly_into_the_file_sink(make_work
     assert not torch.equal(other.hidden_states, want)
 
 
+def test_the_self_test_hook_corrupts_exactly_the_named_record_before_its_checksum(
+    make_worker: Any, tmp_path: Path
+) -> None:
+    """``"self_test": {"corrupt_record": 1}`` (``demo --corrupt-record``): the second record built has one row of its
+    first plane negated and a checksum that matches the corrupted rows (it reads back without error); the records
+    around it are exact.  Control: the same saves without the hook give the exact rows for all three."""
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    for name, extra in (("hook", {"self_test": {"corrupt_record": 1}}), ("control", {})):
+        out = tmp_path / name
+        w = make_worker({"sink": "file", "file": {"path": str(out)}, **extra})
+        s = _scheduler({"capture": "all"})
+        for rid, blocks in (("r0", [3, 7, 9]), ("r1", [4, 5, 6]), ("r2", [8, 2, 1])):
+            w.on_step(_save(s, rid, blocks))
+            assert _drain(w) == {rid}
+        got[name] = {
+            rid: files.read_record(files.record_paths(out, rid)[1]).hidden_states for rid in ("r0", "r1", "r2")
+        }
+    hook, control = got["hook"], got["control"]
+    assert torch.equal(hook["r0"], control["r0"]) and torch.equal(hook["r2"], control["r2"])
+    diff = (hook["r1"] != control["r1"]).nonzero().tolist()
+    mid = control["r1"].shape[0] // 2
+    assert {(r, p) for r, p, _ in diff} == {(mid, 0)}, diff
+    assert torch.equal(hook["r1"][mid, 0], -control["r1"][mid, 0])
+
+
 def test_a_non_owner_reports_saves_done_and_writes_nothing(make_worker: Any, tmp_path: Path) -> None:
     w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}}, owner_tp_rank=1)
     assert not w.owner

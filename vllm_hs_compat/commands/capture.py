@@ -496,7 +496,14 @@ def _engine(args: argparse.Namespace, plan_: Plan, store: Any) -> Any:
     if args.tensor_parallel_size != 1:
         extra_args["tensor_parallel_size"] = args.tensor_parallel_size
     storage = str(plan_.run_config.get("storage", "captured"))
-    extra = {"capture": plan_.capture, "sink": "file", "file": {"path": str(store.staging_dir()), "storage": storage}}
+    extra: dict[str, Any] = {
+        "capture": plan_.capture,
+        "sink": "file",
+        "file": {"path": str(store.staging_dir()), "storage": storage},
+    }
+    self_test = getattr(args, "self_test", None)  # set by `vllm-hs-compat demo --corrupt-record N` only
+    if self_test:
+        extra["self_test"] = dict(self_test)
     progress(f"starting the engine ({plan_.model}, layers {plan_.layers})")
     return build_llm(plan_.model, plan_.layers, extra, max_model_len=plan_.max_model_len, **extra_args)
 

@@ -148,25 +148,6 @@ def _prompts(model_dir: str, n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _install_fault(index: int) -> None:
-    """Corrupt the ``index``-th record this process's connector makes: one row of its first plane negated, BEFORE
-    the record is built and handed to the sink (so the file's or the export's checksum is of the corrupted rows)."""
-    from vllm_hs_compat.connector.worker import CaptureWorker
-
-    original = CaptureWorker._record
-    count = {"n": 0}
-
-    def _record(self: CaptureWorker, save: Any, rows: Any) -> Any:
-        n = count["n"]
-        count["n"] += 1
-        if n == index:
-            rows = rows.clone()
-            rows[rows.shape[0] // 2, 0].neg_()
-        return original(self, save, rows)
-
-    CaptureWorker._record = _record  # type: ignore[method-assign]
-
-
 # --- the run ---------------------------------------------------------------------------------------------------
 class _Trainer:
     """The trainer process and a thread reading its JSON-lines events."""
@@ -318,8 +299,6 @@ def _run(args: argparse.Namespace, out: Path, display: IO[str]) -> dict[str, Any
         model = make_model(str(out / "model"), "dense", seed=args.seed)
         progress.advance(task)
         times["model_s"] = time.monotonic() - t
-        if args.corrupt_record is not None:
-            _install_fault(args.corrupt_record)
         if args.serve:
             return _run_serve(args, out, model.path, progress, times)
         return _run_capture(args, out, model.path, progress, times)
@@ -407,6 +386,7 @@ def _run_capture(
     t = time.monotonic()
     task = progress.add_task(f"capture {n} conversations -> {tree.name}/ (vLLM engine + connector)", total=n)
     cap_args = _capture_args(model, tree, n)
+    cap_args.self_test = _self_test(args)
     summary = capture_cmd.capture(cap_args)
     progress.update(task, completed=int(summary.get("captured", 0)))
     times["capture_s"] = time.monotonic() - t
@@ -447,7 +427,7 @@ def _run_serve(
     prompts = _prompts(model, n, args.seed)
     t = time.monotonic()
     task = progress.add_task("vLLM engine start (extract_hidden_states + connector)", total=1)
-    llm = _engine(model, out, args.transport, num_records=n)
+    llm = _engine(model, out, args.transport, num_records=n, self_test=_self_test(args))
     progress.advance(task)
     times["engine_start_s"] = time.monotonic() - t
     serve = progress.add_task("serving prompts (vLLM)", total=n)
@@ -481,13 +461,24 @@ def _run_serve(
     return _summarise(view.done, tickets, len(prompts), args, times, out, trainer_rc=rc)
 
 
-def _engine(model: str, out: Path, transport: str, num_records: int) -> Any:
+def _self_test(args: argparse.Namespace) -> dict[str, int] | None:
+    """``--corrupt-record N`` as the connector's explicit fault hook (``"self_test"`` in its config)."""
+    return None if args.corrupt_record is None else {"corrupt_record": int(args.corrupt_record)}
+
+
+def _engine(model: str, out: Path, transport: str, num_records: int, self_test: dict[str, int] | None = None) -> Any:
     from vllm_hs_compat.demo.engine import build_llm
 
     # One 256 KiB slot holds the largest record (200 tokens x 4 planes x 64 x 2 B = 100 KiB); a slot per record,
     # so a trainer that falls behind never makes the pool drop one.
     export = {"backend": transport, "num_slots": max(64, num_records), "slot_bytes": 256 << 10}
-    extra = {"capture": "prompt", "sink": "export", "export": {**export, "token_file": str(out / "export.token")}}
+    extra: dict[str, Any] = {
+        "capture": "prompt",
+        "sink": "export",
+        "export": {**export, "token_file": str(out / "export.token")},
+    }
+    if self_test:
+        extra["self_test"] = self_test
     return build_llm(model, LAYER_IDS, extra)
 
 

@@ -35,7 +35,11 @@ def export_keys() -> frozenset[str]:
     return ExportSettings.keys()
 
 
-KNOWN_KEYS: Final = frozenset({"capture", "window", "sink", "export", "file", "callback", "check_requests", "read"})
+KNOWN_KEYS: Final = frozenset(
+    {"capture", "window", "sink", "export", "file", "callback", "check_requests", "read", "self_test"}
+)
+#: Keys of ``"self_test"``: faults a user injects on purpose to see a reader's verification fail.
+SELF_TEST_KEYS: Final = frozenset({"corrupt_record"})
 #: Keys of ``"file"``: the directory, and the trainer format written there (see vllm_hs_compat.trainer.formats).
 FILE_KEYS: Final = frozenset(
     {
@@ -104,6 +108,11 @@ class ConnectorConfig:
     """``"read"``: how the worker reads rows to host (``path``, ``lone_reads``, ``lone_chunks``; see
     :class:`~vllm_hs_compat.core.transfer.ReadOptions`).  None: the environment's defaults, read when the worker
     starts."""
+    corrupt_record: int | None = None
+    """``"self_test": {"corrupt_record": N}``: the N-th record this worker makes (0-based, in the order records
+    are built) gets one row of its first plane negated *before* it is built and checksummed, so the sink stores and
+    checksums the corrupted rows and only a comparison with a reference forward can see it (``vllm-hs-compat
+    demo --corrupt-record N``).  A self-test of a reader's verification: never set it in production."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -183,7 +192,23 @@ class ConnectorConfig:
                 read = ReadOptions.parse(extra["read"], what=f'{WHAT}: "read"')
             except TransferError as e:
                 raise CaptureConfigError(f"{e}; {FIX}") from None
-        return cls(capture, sink, dict(export), file_path, callback, checks, file_options, read)
+        corrupt = None
+        if "self_test" in extra:
+            st = extra["self_test"]
+            bad_st = sorted(str(k) for k in st) if isinstance(st, Mapping) else []
+            bad_st = [k for k in bad_st if k not in SELF_TEST_KEYS]
+            corrupt = st.get("corrupt_record") if isinstance(st, Mapping) else None
+            if (
+                not isinstance(st, Mapping)
+                or bad_st
+                or isinstance(corrupt, bool)
+                or not isinstance(corrupt, int)
+                or corrupt < 0
+            ):
+                raise CaptureConfigError(
+                    f'{WHAT}: "self_test" must be {{"corrupt_record": <int >= 0>}}, found {st!r}; {FIX}'
+                )
+        return cls(capture, sink, dict(export), file_path, callback, checks, file_options, read, corrupt)
 
 
 def names_this_connector(kv_transfer_config: Any) -> bool:

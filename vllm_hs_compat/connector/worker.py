@@ -100,6 +100,7 @@ class CaptureWorker:
         self._queue: queue.Queue[tuple[SaveRequest, PendingRows, int] | None] = queue.Queue()
         self._backlog = 0
         self._backlog_lock = threading.Lock()
+        self._made = 0  # records built (the order "self_test": {"corrupt_record": N} counts in)
         self._thread: threading.Thread | None = None
         self.counters = {
             "saves": 0,
@@ -329,6 +330,11 @@ class CaptureWorker:
             log.exception("vllm-hs-compat: the sink could not record the failure of %r", save.record_id)
 
     def _record(self, save: SaveRequest, rows: torch.Tensor) -> CaptureRecord:
+        made, self._made = self._made, self._made + 1
+        if made == self.config.corrupt_record:  # "self_test" (ConnectorConfig.corrupt_record): before the checksum
+            rows = rows.clone()
+            rows[rows.shape[0] // 2, 0].neg_()
+            log.warning("self_test: record %r corrupted on purpose (corrupt_record=%d)", save.record_id, made)
         meta = RecordMeta.for_tensor(
             save.record_id,
             rows,
