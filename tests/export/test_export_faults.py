@@ -274,7 +274,7 @@ def test_long_context_records_stream_in_full_with_the_default_batch(
     for i in range(n):
         rows = make_rows(i, LONG, 1, 1, "uint8")
         meta = make_meta(f"long-{i}", rows, i)
-        want.append((meta.request_id, digest(rows), _ids_digest(meta.token_ids)))
+        want.append((meta.record_id, digest(rows), _ids_digest(meta.token_ids)))
         if i == first:  # the pool is full: start streaming, keep publishing as room comes back
             peer.ok("consumer", endpoint=p.endpoint, token=p.token, landing_bytes=64 * MiB, timeout_s=30.0)
             peer.send("iter", default_batch=True, wait_s=1.0, idle_s=15.0, max=n, brief=True)

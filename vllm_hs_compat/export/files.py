@@ -89,7 +89,7 @@ def write_record(directory: str | os.PathLike[str], record: CaptureRecord, *, st
 
     if storage not in STORAGES:
         raise ExportConfigError(f"record storage {storage!r}; expected one of {list(STORAGES)}")
-    tensors_path, manifest_path, _ = record_paths(directory, record.meta.request_id)
+    tensors_path, manifest_path, _ = record_paths(directory, record.meta.record_id)
     rows = record.hidden_states.detach().contiguous().cpu()
     meta = record.meta
     if meta.checksum is None:
