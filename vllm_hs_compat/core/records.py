@@ -600,7 +600,8 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
         """Every check of :meth:`_validate_fields` in one pass, for the common record (no token ids to check, as a
         descriptor's, or few; no sample fields): False when it cannot tell, and then :meth:`_validate_fields` names
         what is wrong.  (This runs for every descriptor decoded: 1 us here against 4 us there.)"""
-        shape, rid, ids, checksum = self.shape, self.record_id, self.token_ids, self.checksum
+        (rid, ids, layers, pre_norm, dtype, shape, checksum, algorithm, vllm_version, adapter, start, prompt,
+         sample_id, source, spans, metadata_json, schema) = msgspec.structs.astuple(self)  # fmt: skip
         if not (
             len(shape) == 3
             and type(shape[0]) is int
@@ -611,35 +612,35 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
             and 1 <= shape[2] <= _MAX_HIDDEN
             and type(rid) is str
             and 0 < len(rid) <= _MAX_ID_CHARS
-            and type(self.schema_version) is int
-            and self.schema_version in SCHEMA_VERSIONS
-            and type(self.dtype) is str
-            and self.dtype in _ITEMSIZE
-            and type(self.pre_norm) is bool
+            and type(schema) is int
+            and schema in SCHEMA_VERSIONS
+            and type(dtype) is str
+            and dtype in _ITEMSIZE
+            and type(pre_norm) is bool
             and (checksum is None or (type(checksum) is int and 0 <= checksum <= _MAX_CHECKSUM))
-            and type(self.checksum_algorithm) is str
-            and self.checksum_algorithm in CHECKSUM_ALGORITHMS
-            and type(self.vllm_version) is str
-            and len(self.vllm_version) <= 64
-            and type(self.adapter) is str
-            and len(self.adapter) <= 128
-            and type(self.start) is int
-            and 0 <= self.start <= _MAX_TOKENS
-            and type(self.num_prompt_tokens) is int
-            and 0 <= self.num_prompt_tokens <= _MAX_TOKENS
-            and self.loss_mask_spans is None
-            and self.metadata_json == EMPTY_METADATA
-            and type(self.sample_id) is str
-            and type(self.source) is str
-            and len(self.sample_id) <= MAX_SAMPLE_ID_CHARS
-            and len(self.source) <= MAX_SOURCE_CHARS
-            and (self.schema_version >= 2 or not (self.sample_id or self.source))
-            and len(self.layer_ids) == shape[1]
+            and type(algorithm) is str
+            and algorithm in CHECKSUM_ALGORITHMS
+            and type(vllm_version) is str
+            and len(vllm_version) <= 64
+            and type(adapter) is str
+            and len(adapter) <= 128
+            and type(start) is int
+            and 0 <= start <= _MAX_TOKENS
+            and type(prompt) is int
+            and 0 <= prompt <= _MAX_TOKENS
+            and spans is None
+            and metadata_json == EMPTY_METADATA
+            and type(sample_id) is str
+            and type(source) is str
+            and len(sample_id) <= MAX_SAMPLE_ID_CHARS
+            and len(source) <= MAX_SOURCE_CHARS
+            and (schema >= 2 or not (sample_id or source))
+            and len(layers) == shape[1]
             and (not ids or len(ids) == shape[0])
         ):
             return False
         prev = -1
-        for x in self.layer_ids:
+        for x in layers:
             if type(x) is not int or x <= prev:
                 return False
             prev = x
