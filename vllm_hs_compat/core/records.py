@@ -20,6 +20,7 @@ Checksums (a transport-integrity check, not a defence against deliberate tamperi
 from __future__ import annotations
 
 import array
+import contextvars
 import copy
 import ctypes
 import dataclasses
@@ -28,7 +29,7 @@ import math
 import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 import torch
@@ -513,6 +514,8 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
     schema_version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if _TYPED_BY_DECODER.get() and self._relations_hold():
+            return  # decode_typed: the decoder checked every field's type and bounds, and the relations hold
         self.validate()
 
     # --- derived -------------------------------------------------------------------------------------------
@@ -650,6 +653,31 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
             checked = _check_ints(ids, "token_ids", 0, _MAX_VOCAB_ID)
             if checked != ids:  # e.g. 0-d tensors given: store plain ints
                 msgspec.structs.force_setattr(self, "token_ids", checked)
+        return True
+
+    def _relations_hold(self) -> bool:
+        """What relates the fields to each other and to the known names (dtype, checksum algorithm, schema), for
+        a value whose every field a msgspec decoder has just checked against its annotated type and bounds
+        (:func:`decode_typed`); False when something is off or needs the sample fields' checks, and then
+        :meth:`validate` names it.  (0.3 us against :meth:`validate`'s 1.4 for a descriptor's metadata.)"""
+        (_, ids, layers, _, dtype, shape, _, algorithm, _, _, _, _,
+         sample_id, source, spans, metadata_json, schema) = msgspec.structs.astuple(self)  # fmt: skip
+        if not (
+            schema in SCHEMA_VERSIONS
+            and dtype in _ITEMSIZE
+            and algorithm in CHECKSUM_ALGORITHMS
+            and len(layers) == shape[1]
+            and (not ids or len(ids) == shape[0])
+            and spans is None
+            and metadata_json == EMPTY_METADATA
+            and (schema >= 2 or not (sample_id or source))
+        ):
+            return False
+        prev = -1
+        for x in layers:
+            if x <= prev:
+                return False
+            prev = x
         return True
 
     def _validate_fields(self) -> None:
@@ -866,6 +894,25 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
             loss_mask_spans=sample.loss_mask_spans,
             metadata_json=sample.metadata_json,
         )
+
+
+#: True while :func:`decode_typed` decodes: the ``RecordMeta`` values made then were type- and bounds-checked by the
+#: decoder (in C, from their annotated field types), so their ``__post_init__`` checks only the relations.
+_TYPED_BY_DECODER: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("hs_compat_typed", default=False)
+
+_T = TypeVar("_T")
+
+
+def decode_typed(decoder: msgspec.msgpack.Decoder[_T], data: bytes | memoryview) -> _T:
+    """``decoder.decode(data)``, the ``RecordMeta`` values in it validated once: the decoder checks each field's
+    type and bounds (in C), their ``__post_init__`` only what relates the fields (a value built in Python, or
+    decoded elsewhere, is checked in full by :meth:`RecordMeta.validate`).  Only a msgspec decoder may run here:
+    that is what makes the types sure."""
+    token = _TYPED_BY_DECODER.set(True)
+    try:
+        return decoder.decode(data)
+    finally:
+        _TYPED_BY_DECODER.reset(token)
 
 
 _SAMPLE_DICT_FIELDS: Final = frozenset({"sample_id", "source", "loss_mask_spans", "metadata"})

@@ -44,7 +44,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from vllm_hs_compat.core.records import RecordMeta
+from vllm_hs_compat.core.records import RecordMeta, decode_typed
 from vllm_hs_compat.core.vocabulary import EXPORT_KEY
 from vllm_hs_compat.errors import (
     ExportConfigError,
@@ -362,7 +362,7 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes | memoryview, what: str) -> Any:
     try:
-        return decoder.decode(body)
+        return decode_typed(decoder, body)  # (a descriptor's RecordMeta: validated once, see decode_typed)
     except msgspec.ValidationError as e:
         raise ProtocolError(f"{what} does not fit the wire-{WIRE_VERSION} schema: {e}") from None
     except msgspec.DecodeError as e:
