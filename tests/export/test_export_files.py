@@ -21,6 +21,22 @@ def _record(rid: str, tokens: int = 7) -> CaptureRecord:
     return CaptureRecord(meta, rows)
 
 
+def test_a_record_without_its_token_ids_is_refused_by_the_sink_and_by_check(tmp_path: Path) -> None:
+    """A descriptor's metadata (no token ids: they travel in the pool) is not a record's: the file sink and
+    CaptureRecord.check refuse it by name; the control, the same record with its ids, is written and checks."""
+    rec = _record("whole")
+    header = CaptureRecord(rec.meta.without_token_ids(), rec.hidden_states)
+    assert rec.meta.has_token_ids and not header.meta.has_token_ids
+    with pytest.raises(RecordFormatError, match="no token ids"):
+        files.write_record(tmp_path, header)
+    with pytest.raises(RecordFormatError, match="no token ids"):
+        header.check()
+    assert not list(tmp_path.iterdir())
+    rec.check()
+    back = files.read_record(files.write_record(tmp_path, rec)).meta
+    assert back == rec.meta.with_checksum(back.checksum or 0)
+
+
 def test_roundtrip_keeps_rows_tokens_and_manifest(tmp_path: Path) -> None:
     rec = _record("cmpl-1")
     manifest = files.write_record(tmp_path, rec)

@@ -122,3 +122,14 @@ def test_sample_fields_in_the_file_manifest_and_schema_1_files_still_read(tmp_pa
     path.write_text(json.dumps(raw))
     with pytest.raises(RecordFormatError, match="before position 3"):
         files.read_record(path)
+
+
+def test_the_producer_refuses_a_record_without_its_token_ids(producer: ExportProducer) -> None:
+    """A descriptor's metadata (no token ids) published as a record is refused and counted ``bad_records``; the
+    control, the same record with its ids, is published."""
+    rows, meta = sampled("no-ids", 1, "sample")
+    with pytest.raises(RecordFormatError, match="no token ids"):
+        producer.publish(meta.without_token_ids(), rows)
+    assert producer.stats()["bad_records"] == 1
+    producer.publish(meta, rows)
+    assert producer.stats()["bad_records"] == 1 and producer.flush(5)
