@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 import time
 from typing import Any
@@ -96,11 +97,21 @@ def _metas(draw: st.DrawFn) -> dict[str, Any]:
 @given(_metas())
 def test_metadata_is_validated_once_and_the_same_way_decoded_or_built(d: dict[str, Any]) -> None:
     """The wire decoder (decode_typed: types and bounds checked by msgspec, then only the fields' relations in
-    Python), msgspec's decoder alone (every check in Python after it) and a RecordMeta built in Python accept and
-    refuse the same values, and make the same value.  Both sides are drawn: the unchanged record is accepted, most
+    Python), msgspec's decoder alone (every check in Python after it) and a RecordMeta built in Python (its fast
+    path for the common record) accept and refuse the same values as the checks that name what is wrong, run alone,
+    and make the same value.  Both sides are drawn: the unchanged record is accepted, most
     single changes are refused (the control: a decoder that skipped a relation accepts what the others refuse)."""
     from vllm_hs_compat.core.records import decode_typed
 
+    # the reference: the checks that name what is wrong (RecordMeta._validate_fields), run alone on these values
+    probe = copy.copy(RecordMeta("r", (1,), (0,), True, "uint8", (1, 1, 1)))  # (a copy runs no __post_init__)
+    for k, v in d.items():
+        msgspec.structs.force_setattr(probe, k, tuple(v) if k in ("token_ids", "layer_ids", "shape") else v)
+    try:
+        probe._validate_fields()
+        valid = True
+    except RecordFormatError:
+        valid = False
     raw = msgspec.msgpack.encode(d)
     made = []
     for make in (
@@ -113,6 +124,7 @@ def test_metadata_is_validated_once_and_the_same_way_decoded_or_built(d: dict[st
         except (msgspec.ValidationError, RecordFormatError):
             made.append(None)
     assert made[0] == made[1] == made[2], made
+    assert (made[2] is not None) == valid, (made, valid)
 
 
 @settings(max_examples=200, deadline=None)
