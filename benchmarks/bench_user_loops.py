@@ -73,7 +73,7 @@ def check(rec: Any, nbytes: int) -> int:
     (a record whose memory is not mapped, or was handed out twice, would show here or crash)."""
     t = rec.hidden_states
     if t.numel() * t.element_size() != nbytes:
-        raise RuntimeError(f"record {rec.meta.request_id}: {t.numel() * t.element_size()} bytes, expected {nbytes}")
+        raise RuntimeError(f"record {rec.meta.record_id}: {t.numel() * t.element_size()} bytes, expected {nbytes}")
     return int(t.reshape(-1).view(torch.uint8)[::4096].sum())
 
 

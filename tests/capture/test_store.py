@@ -385,18 +385,18 @@ def test_a_foreign_folder_is_not_taken_over(tmp_path: Path) -> None:
 
 def test_a_record_made_for_another_sample_is_not_adopted(tmp_path: Path) -> None:
     """Records of schema 2 name their sample; one that names another sample is a failure (wrong_sample)."""
-    import dataclasses
+    import msgspec
 
     from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 
-    if "sample_id" not in {f.name for f in dataclasses.fields(RecordMeta)}:
+    if "sample_id" not in RecordMeta.__struct_fields__:
         pytest.skip("records of this build do not carry a sample id (schema 1)")
     with CaptureStore(tmp_path, run_config=RUN_CONFIG) as store:
         for named, expect in (("s0009", "wrong_sample"), ("s0008", "ok")):  # the second is the control
             info, manifest = stage(store.staging_dir(), 8)
             rec = files.read_record(manifest)
             manifest.unlink()
-            meta = dataclasses.replace(rec.meta, sample_id=named)  # type: ignore[call-arg]
+            meta = msgspec.structs.replace(rec.meta, sample_id=named)
             manifest = files.write_record(store.staging_dir(), CaptureRecord(meta, rec.hidden_states))
             row = store.adopt(info, manifest)
             assert (row.reason or row.status) == expect, row

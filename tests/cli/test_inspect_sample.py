@@ -3,10 +3,10 @@ record carries none."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -18,7 +18,7 @@ from vllm_hs_compat.export.files import write_record
 def record(rid: str, **sample: object) -> CaptureRecord:
     rows = torch.randn(8, 2, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     meta = RecordMeta.for_tensor(rid, rows, list(range(8)), (3, 12), pre_norm=True, start=2, num_prompt_tokens=5)
-    return CaptureRecord(dataclasses.replace(meta, **sample), rows)  # type: ignore[arg-type]
+    return CaptureRecord(msgspec.structs.replace(meta, **sample), rows)
 
 
 def test_inspect_shows_the_sample_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -315,3 +315,116 @@ def test_a_full_export_pool_fails_the_record_as_pool_full_at_fetch(make_worker: 
     assert f"{V.REASON_POOL_FULL}: PoolFullError" in str(info2.value)
     assert json.dumps(tickets["second"])  # the params a client receives are plain JSON
     assert dataclasses.is_dataclass(w.facts)
+
+
+# --- one record's metadata from the connector to the trainer ----------------------------------------------------
+#: a request whose record sets every metadata field away from its default (window: rows are positions 2..7)
+SAMPLED = {
+    "hs_capture": {
+        "capture": "all",
+        "window": [2, None],
+        "sample": {"id": "row-17", "source": "chat.jsonl:17", "loss_mask_spans": [[3, 6]], "metadata": {"k": [1]}},
+    }
+}
+
+
+def _published(make_worker: Any, tmp_path: Path, rids: list[str]) -> tuple[Any, dict[str, Any]]:
+    """A worker with a real export sink (shm) publishes one record per id from ``SAMPLED`` requests; returns its
+    producer and each record as the connector made it (its metadata before the producer adds the checksum)."""
+    w = make_worker({"sink": "export", "export": {"backend": "shm", "token_file": str(tmp_path / "token")}})
+    made: dict[str, Any] = {}
+    record = w._record
+
+    def spy(save: Any, rows: torch.Tensor) -> Any:  # observes the connector's record, changes nothing
+        rec = record(save, rows)
+        made[rec.meta.record_id] = rec
+        return rec
+
+    w._record = spy
+    s = _scheduler()
+    for rid in rids:
+        w.on_step(_save(s, rid, [3, 7, 9], params=SAMPLED))
+    assert _drain(w) == set(rids)
+    return w.sink.producer, made
+
+
+def _differences(got: Any, want: Any) -> list[str]:
+    """The metadata fields in which ``got`` differs from ``want`` (every field of the one record type)."""
+    from vllm_hs_compat.core.records import RecordMeta
+
+    return [f for f in RecordMeta.__struct_fields__ if getattr(got, f) != getattr(want, f)]
+
+
+def test_a_records_metadata_reaches_the_consumer_and_the_trainer_item_unchanged(
+    make_worker: Any, tmp_path: Path
+) -> None:
+    """connector (RecordMeta.for_tensor in the worker) -> wire (the descriptor in the producer's pool) -> consumer
+    (fetch, and a batch's records) -> trainer item (HiddenStatesDataset): every field arrives as the connector made
+    it, the producer's checksum added.  The negative control is the next test: a field dropped on the wire."""
+    from vllm_hs_compat.export import ExportConsumer
+    from vllm_hs_compat.export import protocol as P
+    from vllm_hs_compat.trainer import HiddenStatesDataset
+
+    producer, made = _published(make_worker, tmp_path, ["item"])
+    want = made["item"].meta
+    assert want.start == 2 and want.sample_id == "row-17" and want.loss_mask_spans == ((3, 6),)  # fields set
+    wire = P.decode_descriptor(producer.pool._by_record["item"].wire).meta
+    assert wire.checksum is not None and not wire.token_ids
+    assert _differences(wire, want.with_checksum(wire.checksum).without_token_ids()) == []
+    (item,) = list(
+        HiddenStatesDataset.from_export(producer.endpoint, producer.token, layout="planes", max_records=1, wait_s=5)
+    )
+    assert item["record_id"] == want.record_id and item["sample_id"] == want.sample_id
+    assert (item["start"], item["num_prompt_tokens"]) == (want.start, want.num_prompt_tokens)
+    assert item["layer_ids"].tolist() == list(want.layer_ids) and item["input_ids"].tolist() == list(want.token_ids)
+    assert item["loss_mask_from"] == "record" and torch.equal(item["loss_mask"], want.loss_mask())
+    assert torch.equal(item["hidden_states"], made["item"].hidden_states)
+
+    producer, made = _published(make_worker, tmp_path / "2", ["fetched", "batched"])
+    with ExportConsumer(producer.endpoint, producer.token) as c:
+        rec = c.fetch("fetched", wait_s=5)
+        assert _differences(rec.meta, made["fetched"].meta.with_checksum(rec.meta.checksum or 0)) == []
+        (batch,) = c.fetch_batch(["batched"], wait_s=5)
+        (brec,) = batch.records()  # type: ignore[union-attr]
+        assert _differences(brec.meta, made["batched"].meta.with_checksum(brec.meta.checksum or 0)) == []
+        assert torch.equal(brec.hidden_states, made["batched"].hidden_states)
+
+
+#: metadata fields dropped from a descriptor's map on the wire by the negative control (all but layer_ids have defaults)
+DROPPED = [
+    "sample_id",
+    "source",
+    "loss_mask_spans",
+    "metadata_json",
+    "start",
+    "num_prompt_tokens",
+    "adapter",
+    "layer_ids",
+]
+
+
+def test_negative_control_a_field_dropped_on_the_wire_is_caught(make_worker: Any, tmp_path: Path) -> None:
+    """Each record's descriptor with one metadata field removed from its map on the wire: a field with a default
+    comes back at its default, which the comparison above names (and only it); a field without one makes the
+    descriptor undecodable, which the consumer refuses by name."""
+    import msgspec
+
+    from vllm_hs_compat.errors import DescriptorError
+    from vllm_hs_compat.export import ExportConsumer
+
+    producer, made = _published(make_worker, tmp_path, DROPPED)
+    for field in DROPPED:
+        lease = producer.pool._by_record[field]
+        desc = msgspec.msgpack.decode(lease.wire)
+        del desc["meta"][field]
+        lease.wire = msgspec.msgpack.encode(desc)
+    found: dict[str, Any] = {}
+    with ExportConsumer(producer.endpoint, producer.token) as c:
+        for field in DROPPED:
+            try:
+                rec = c.fetch(field, wait_s=5)
+            except DescriptorError as e:
+                found[field] = "layer_ids" in str(e) and "DescriptorError"
+            else:
+                found[field] = _differences(rec.meta, made[field].meta.with_checksum(rec.meta.checksum or 0))
+    assert found == {f: [f] for f in DROPPED[:-1]} | {"layer_ids": "DescriptorError"}

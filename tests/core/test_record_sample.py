@@ -22,7 +22,7 @@ from vllm_hs_compat.errors import RecordFormatError
 
 def meta(**kw: object) -> RecordMeta:
     base: dict[str, object] = dict(
-        request_id="r",
+        record_id="r",
         token_ids=tuple(range(10)),
         layer_ids=(3, 7),
         pre_norm=True,

@@ -415,7 +415,7 @@ def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]
             # The package's own reader: checksum and the manifest/tensor token ids are verified.
             rec = files.read_record(manifest)
             recs[idx] = e2e_pairing.Record(
-                label=f"{idx}:{rec.meta.request_id}",
+                label=f"{idx}:{rec.meta.record_id}",
                 token_ids=list(rec.meta.token_ids),
                 layer_ids=list(rec.meta.layer_ids),
                 hidden_states=rec.hidden_states,

@@ -51,7 +51,7 @@ def main(path: str) -> int:
     # Anything published beyond the tickets (a second writer, a duplicate) is still in the producer's pool.
     for c in consumers.values():
         for rec in c.iter_records(wait_s=0.5, idle_timeout_s=2.0):
-            summary["extra"].append({"record_id": rec.meta.request_id, "tokens": int(rec.hidden_states.shape[0])})
+            summary["extra"].append({"record_id": rec.meta.record_id, "tokens": int(rec.hidden_states.shape[0])})
         summary.setdefault("counters", []).append(dict(c.counters))
         transport = c.hello.get("transport", {})
         # The shm transport names the pool file and the pid of the process that owns it: the producer.

@@ -299,7 +299,7 @@ def test_n2_reaches_every_choice_with_its_own_ticket(
     (holder,) = {c["hs_export"]["record_id"] for c in choices}
     assert {c["hs_record"].get("same_as") for c in choices} == {None, holder}
     rec = _fetch(choices[0])
-    assert rec.meta.request_id == holder and list(rec.meta.token_ids) == prompt
+    assert rec.meta.record_id == holder and list(rec.meta.token_ids) == prompt
 
 
 def test_sample_fields_sent_over_http_arrive_in_each_record(
@@ -361,7 +361,7 @@ def test_streaming_chunks_carry_no_ticket(server: Server) -> None:
         got = list(trainer.iter_records(wait_s=1.0, idle_timeout_s=5.0))
     finally:
         trainer.close()
-    assert [list(r.meta.token_ids) for r in got] == [body["prompt"]], [r.meta.request_id for r in got]
+    assert [list(r.meta.token_ids) for r in got] == [body["prompt"]], [r.meta.record_id for r in got]
     # Control: the same request without stream carries its ticket.
     plain = server.complete(body["prompt"], max_tokens=3, kv_transfer_params={"hs_capture": {"enabled": False}})
     assert plain["kv_transfer_params"]["hs_record"]["status"] == "skipped"

@@ -37,14 +37,14 @@ def summary(res: CaptureRecord | HsCompatError, brief: bool = False) -> dict[str
     if isinstance(res, CaptureRecord) and brief:  # long records: digests instead of the token ids
         return {
             "ok": True,
-            "record_id": res.meta.request_id,
+            "record_id": res.meta.record_id,
             "sha256": digest(res.hidden_states),
             "ids_sha256": hashlib.sha256(array.array("I", res.meta.token_ids).tobytes()).hexdigest(),
         }
     if isinstance(res, CaptureRecord):
         return {
             "ok": True,
-            "record_id": res.meta.request_id,
+            "record_id": res.meta.record_id,
             "sha256": digest(res.hidden_states),
             "shape": list(res.hidden_states.shape),
             "meta": res.meta.to_dict(),

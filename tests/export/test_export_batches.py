@@ -4,7 +4,6 @@ straight into the packed layout), every failure of one record its own named erro
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -58,9 +57,9 @@ def publish_all(p: ExportProducer, n: int, shapes: list[tuple[int, int, int, str
     for i in range(n):
         t, planes, hidden, dtype = shapes[i % len(shapes)]
         rows = make_rows(100 + i, t + i % 3, planes, hidden, dtype)
-        meta = dataclasses.replace(make_meta(f"r-{i}", rows, i), start=i, num_prompt_tokens=2 * i + 1)
+        meta = msgspec.structs.replace(make_meta(f"r-{i}", rows, i), start=i, num_prompt_tokens=2 * i + 1)
         p.publish(meta, rows)
-        out[meta.request_id] = (rows, meta)
+        out[meta.record_id] = (rows, meta)
     return out
 
 
@@ -80,7 +79,7 @@ def check_batch(b: RecordBatch, sent: dict[str, Any]) -> None:
         assert (int(b.start[i]), int(b.num_prompt_tokens[i])) == (meta.start, meta.num_prompt_tokens)
         rec = b[i]
         rec.check()  # the record view's checksum matches its bytes
-        assert rec.meta == dataclasses.replace(meta, checksum=rec.meta.checksum)
+        assert rec.meta == msgspec.structs.replace(meta, checksum=rec.meta.checksum)
         assert rec.meta.checksum == b.checksums[i]
 
 
@@ -358,7 +357,7 @@ def test_a_descriptor_whose_nonce_is_not_hex_fails_its_record_alone_on_both_path
         check_batch(b, sent)
         assert isinstance(err, DescriptorError) and "'r-1'" in str(err) and "expires at the producer" in str(err)
         rest = list(c.iter_records(batch=3, wait_s=0.2, idle_timeout_s=0.5, on_error="skip"))  # the record path
-        assert [r.meta.request_id for r in rest] == ["r-3", "r-5"]
+        assert [r.meta.record_id for r in rest] == ["r-3", "r-5"]
         assert c.stats()["bad_descriptors"] == 2 and c.stats()["abandoned"] == 0
     wait_until(lambda: p.occupancy() == 0, 5.0, "the two leases to expire")
     st = p.stats()
@@ -374,7 +373,7 @@ def test_releases_far_from_the_deadline_are_posted_and_the_ledger_still_settles_
     sent = publish_all(p, 12, [(5, 2, 64, "bfloat16")])
     with ExportConsumer(p.endpoint, p.token) as c:
         recs = [c.fetch(f"r-{i}") for i in range(4)]  # one posted release each
-        assert [r.meta.request_id for r in recs] == ["r-0", "r-1", "r-2", "r-3"]
+        assert [r.meta.record_id for r in recs] == ["r-0", "r-1", "r-2", "r-3"]
         batches = [b for b in c.next_batches(max_records=8, wait_s=0.5) if isinstance(b, RecordBatch)]
         for b in batches:
             check_batch(b, sent)
@@ -493,12 +492,12 @@ def test_fetch_batch_waits_for_records_published_after_it_was_called(backend: st
     later.start()
     try:
         with ExportConsumer(p.endpoint, p.token) as c:
-            got = c.fetch_batch([m.request_id for m in metas], wait_s=10.0)
+            got = c.fetch_batch([m.record_id for m in metas], wait_s=10.0)
             assert all(isinstance(g, RecordBatch) for g in got)
             recs = {rid: b[i] for b in got if isinstance(b, RecordBatch) for i, rid in enumerate(b.record_ids)}
-            assert sorted(recs) == [m.request_id for m in metas]
+            assert sorted(recs) == [m.record_id for m in metas]
             for m, r in zip(metas, rows, strict=True):
-                assert torch.equal(recs[m.request_id].hidden_states.view(torch.uint8), r.view(torch.uint8))
+                assert torch.equal(recs[m.record_id].hidden_states.view(torch.uint8), r.view(torch.uint8))
             with pytest.raises(ExportConfigError):
                 c.fetch_batch([""])
     finally:
@@ -534,7 +533,7 @@ def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
             return orig(items, *a)
 
         monkeypatch.setattr(t, name, spy)
-        (b,), errors = split(c.fetch_batch([m.request_id for m in metas]))
+        (b,), errors = split(c.fetch_batch([m.record_id for m in metas]))
         assert b.record_ids == ("big-0", "big-1", "big-3")
         for i, k in enumerate((0, 1, 3)):
             a, z = int(b.cu_tokens[i]), int(b.cu_tokens[i + 1])
@@ -593,17 +592,17 @@ def _stream_keeping_firsts(c: ExportConsumer, sent: dict[str, Any], batch: int) 
     order: list[str] = []
     faults: list[str] = []
     for rec in c.iter_records(batch=batch, wait_s=0.2, idle_timeout_s=0.5):
-        rid = rec.meta.request_id
+        rid = rec.meta.record_id
         if len(order) % batch == 0:
             kept.append(rec)
         order.append(rid)
         del rec  # (no cycles: a batch's space comes back as soon as no record of it is referenced)
         for k in kept:
-            rows, meta = sent[k.meta.request_id]
+            rows, meta = sent[k.meta.record_id]
             if not torch.equal(k.hidden_states.view(torch.uint8), rows.view(torch.uint8)):
-                faults.append(f"{k.meta.request_id} overwritten after {rid}")
-            elif k.meta != dataclasses.replace(meta, checksum=k.meta.checksum):
-                faults.append(f"{k.meta.request_id}: metadata differs")
+                faults.append(f"{k.meta.record_id} overwritten after {rid}")
+            elif k.meta != msgspec.structs.replace(meta, checksum=k.meta.checksum):
+                faults.append(f"{k.meta.record_id}: metadata differs")
     return order, faults
 
 

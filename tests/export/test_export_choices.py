@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from hsx_testdata import digest
@@ -96,7 +97,7 @@ def _publish(s: CaptureScheduler, producer: ExportProducer, children: dict[str, 
         meta = RecordMeta.for_tensor(
             save.record_id, rows, list(save.token_ids), (1, 2), pre_norm=True, vllm_version="0.32.0", adapter="v0_29"
         )
-        meta = dataclasses.replace(meta, start=save.start, num_prompt_tokens=save.num_prompt_tokens)
+        meta = msgspec.structs.replace(meta, start=save.start, num_prompt_tokens=save.num_prompt_tokens)
         producer.publish(meta, rows, save.publication)
         out[save.record_id] = digest(rows)
     s._pending = []

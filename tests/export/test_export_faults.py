@@ -274,7 +274,7 @@ def test_long_context_records_stream_in_full_with_the_default_batch(
     for i in range(n):
         rows = make_rows(i, LONG, 1, 1, "uint8")
         meta = make_meta(f"long-{i}", rows, i)
-        want.append((meta.request_id, digest(rows), _ids_digest(meta.token_ids)))
+        want.append((meta.record_id, digest(rows), _ids_digest(meta.token_ids)))
         if i == first:  # the pool is full: start streaming, keep publishing as room comes back
             peer.ok("consumer", endpoint=p.endpoint, token=p.token, landing_bytes=64 * MiB, timeout_s=30.0)
             peer.send("iter", default_batch=True, wait_s=1.0, idle_s=15.0, max=n, brief=True)
@@ -409,13 +409,12 @@ def test_the_pool_of_a_killed_producer_is_swept(private_shm: str) -> None:
 def test_a_bad_descriptor_fails_its_record_alone(backend: str, make_producer: Make, peer: Peer) -> None:
     p = make_producer(lease_ttl_s=1.0)
     hs = [publish(p, f"d{i}", 8, seed=i) for i in range(4)]
-    # d1: decodable but inconsistent (layer ids of 1 plane for 2); d3: truncated bytes.  As a producer bug or a
-    # corrupted reply would make them.
+    # d1: msgpack of the schema's shape but inconsistent (layer ids of 1 plane for 2: no RecordMeta can be made of
+    # it, so it is edited as a map); d3: truncated bytes.  As a producer bug or a corrupted reply would make them.
     l1, l3 = p.pool._by_record["d1"], p.pool._by_record["d3"]
-    d1 = msgspec.msgpack.decode(l1.wire, type=P.RecordDesc)
-    l1.wire = P.encode(
-        msgspec.structs.replace(d1, meta=msgspec.structs.replace(d1.meta, layer_ids=d1.meta.layer_ids[:1]))
-    )
+    d1 = msgspec.msgpack.decode(l1.wire)
+    d1["meta"]["layer_ids"] = d1["meta"]["layer_ids"][:1]
+    l1.wire = msgspec.msgpack.encode(d1)
     l3.wire = l3.wire[: len(l3.wire) // 2]
     peer.ok("consumer", endpoint=p.endpoint, token=p.token, landing_bytes=4 * MiB, timeout_s=10.0)
     res = peer.ok("iter", batch=8, idle_s=0.5)["results"]

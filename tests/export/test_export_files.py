@@ -21,6 +21,22 @@ def _record(rid: str, tokens: int = 7) -> CaptureRecord:
     return CaptureRecord(meta, rows)
 
 
+def test_a_record_without_its_token_ids_is_refused_by_the_sink_and_by_check(tmp_path: Path) -> None:
+    """A descriptor's metadata (no token ids: they travel in the pool) is not a record's: the file sink and
+    CaptureRecord.check refuse it by name; the control, the same record with its ids, is written and checks."""
+    rec = _record("whole")
+    header = CaptureRecord(rec.meta.without_token_ids(), rec.hidden_states)
+    assert rec.meta.has_token_ids and not header.meta.has_token_ids
+    with pytest.raises(RecordFormatError, match="no token ids"):
+        files.write_record(tmp_path, header)
+    with pytest.raises(RecordFormatError, match="no token ids"):
+        header.check()
+    assert not list(tmp_path.iterdir())
+    rec.check()
+    back = files.read_record(files.write_record(tmp_path, rec)).meta
+    assert back == rec.meta.with_checksum(back.checksum or 0)
+
+
 def test_roundtrip_keeps_rows_tokens_and_manifest(tmp_path: Path) -> None:
     rec = _record("cmpl-1")
     manifest = files.write_record(tmp_path, rec)
@@ -30,7 +46,7 @@ def test_roundtrip_keeps_rows_tokens_and_manifest(tmp_path: Path) -> None:
     assert got.meta.start == 2 and got.meta.num_prompt_tokens == 5 and got.meta.checksum is not None
     info = json.loads(manifest.read_text())
     assert info["shape"] == [7, 3, 16] and info["pre_norm"] is True and info["tensors"] == "cmpl-1.safetensors"
-    assert [r.meta.request_id for r in files.iter_records(tmp_path)] == ["cmpl-1"]
+    assert [r.meta.record_id for r in files.iter_records(tmp_path)] == ["cmpl-1"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
@@ -39,7 +55,7 @@ def test_unsafe_ids_get_distinct_file_names(tmp_path: Path) -> None:
     assert len(stems) == 5 and all("/" not in s and not s.startswith(".") for s in stems)
     for rid in ("a/b", "a_b"):
         files.write_record(tmp_path, _record(rid))
-    assert sorted(r.meta.request_id for r in files.iter_records(tmp_path)) == ["a/b", "a_b"]
+    assert sorted(r.meta.record_id for r in files.iter_records(tmp_path)) == ["a/b", "a_b"]
 
 
 def test_failure_and_damage_are_named(tmp_path: Path) -> None:
@@ -129,7 +145,7 @@ def test_the_dataset_reads_a_compact_tree_as_it_reads_a_captured_one(tmp_path: P
     items = {item["record_id"]: item for item in HiddenStatesDataset.from_files(tmp_path)}
     assert sorted(items) == ["r0", "r1", "r2"]
     for rec in recs:
-        got = items[rec.meta.request_id]["hidden_states"]
+        got = items[rec.meta.record_id]["hidden_states"]
         assert got.dtype == torch.bfloat16 and files.relative_error(got, rec.hidden_states[:, -1])[0] < 0.07
 
 

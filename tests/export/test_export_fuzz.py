@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 import time
 from typing import Any
@@ -52,7 +53,9 @@ def test_random_requests_decode_to_a_valid_struct_or_a_protocol_error(op: str, f
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(list(RecordMeta.__dataclass_fields__) + ["x"]), plain, max_size=12))
+@given(
+    st.dictionaries(st.sampled_from([*RecordMeta.__struct_fields__, "request_id", "metadata", "x"]), plain, max_size=12)
+)
 def test_random_metadata_maps_raise_only_record_format_error(d: dict[str, Any]) -> None:
     try:
         RecordMeta.from_dict(d)
@@ -60,12 +63,76 @@ def test_random_metadata_maps_raise_only_record_format_error(d: dict[str, Any]) 
         pass
 
 
+#: values of each metadata field, valid and not, alone and in relation to the others (lengths, order, ranges)
+META_FIELDS = {
+    "record_id": ["r", "", "x" * 513],
+    "token_ids": [[1, 2], [], [1], [7, -1], [1, 2**32]],
+    "layer_ids": [[0, 3], [3, 0], [3, 3], [5], [0, 2**20 + 1]],
+    "pre_norm": [True, False, 1],
+    "dtype": ["bfloat16", "uint8", "complex64"],
+    "shape": [[2, 2, 8], [2, 2, 1], [0, 2, 8], [2, 2], [2, 4097, 8]],
+    "checksum": [None, 0, 2**64 - 1, -1],
+    "checksum_algorithm": ["xxh3_64", "crc32", "md5"],
+    "vllm_version": ["", "0.32.0", "v" * 65],
+    "start": [0, 2, -1],
+    "num_prompt_tokens": [0, 5],
+    "sample_id": ["", "s"],
+    "source": ["", "d:1"],
+    "loss_mask_spans": [None, [], [[2, 3]], [[3, 2]], [[2, 3], [2, 4]], [[0, 1]], [[2, 4]]],
+    "metadata_json": ["{}", '{"a":1}', '{"a": 1}', "[]"],
+    "schema_version": [2, 1, 3],
+}
+
+
+@st.composite
+def _metas(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid record's fields (the first value of each) with up to three of them drawn from their lists."""
+    d = {k: v[0] for k, v in META_FIELDS.items()}
+    for k in draw(st.lists(st.sampled_from(list(META_FIELDS)), max_size=3, unique=True)):
+        d[k] = draw(st.sampled_from(META_FIELDS[k]))
+    return d
+
+
+@settings(max_examples=400, deadline=None)
+@given(_metas())
+def test_metadata_is_validated_once_and_the_same_way_decoded_or_built(d: dict[str, Any]) -> None:
+    """The wire decoder (decode_typed: types and bounds checked by msgspec, then only the fields' relations in
+    Python), msgspec's decoder alone (every check in Python after it) and a RecordMeta built in Python (its fast
+    path for the common record) accept and refuse the same values as the checks that name what is wrong, run alone,
+    and make the same value.  Both sides are drawn: the unchanged record is accepted, most
+    single changes are refused (the control: a decoder that skipped a relation accepts what the others refuse)."""
+    from vllm_hs_compat.core.records import decode_typed
+
+    # the reference: the checks that name what is wrong (RecordMeta._validate_fields), run alone on these values
+    probe = copy.copy(RecordMeta("r", (1,), (0,), True, "uint8", (1, 1, 1)))  # (a copy runs no __post_init__)
+    for k, v in d.items():
+        msgspec.structs.force_setattr(probe, k, tuple(v) if k in ("token_ids", "layer_ids", "shape") else v)
+    try:
+        probe._validate_fields()
+        valid = True
+    except RecordFormatError:
+        valid = False
+    raw = msgspec.msgpack.encode(d)
+    made = []
+    for make in (
+        lambda: decode_typed(msgspec.msgpack.Decoder(RecordMeta), raw),
+        lambda: msgspec.msgpack.decode(raw, type=RecordMeta),
+        lambda: RecordMeta(**d),
+    ):
+        try:
+            made.append(make())
+        except (msgspec.ValidationError, RecordFormatError):
+            made.append(None)
+    assert made[0] == made[1] == made[2], made
+    assert (made[2] is not None) == valid, (made, valid)
+
+
 @settings(max_examples=200, deadline=None)
 @given(plain)
 def test_random_descriptors_raise_only_named_errors(d: Any) -> None:
     meta = RecordMeta("r", (1,), (0,), True, "uint8", (1, 1, 8), checksum=3)
     good = msgspec.to_builtins(
-        P.RecordDesc("r", 1, "ab" * 8, 0, 8, 8, 12, 5, "ab", P.meta_to_wire(meta)), builtin_types=(bytes,)
+        P.RecordDesc(1, "ab" * 8, 0, 8, 8, 12, 5, "ab", meta.without_token_ids()), builtin_types=(bytes,)
     )
     assert Claim.parse(good).extent == 12
     for cand in (d, {**good, "meta": d}, {**good, "offset": d}, {**good, "nbytes": d}, {**good, "extent": d}):

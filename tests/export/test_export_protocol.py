@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.control import Call, ControlClient, ControlServer, curve_keys, parse_endpoint, server_key
 
@@ -80,6 +81,23 @@ def test_headers_name_the_wire_version() -> None:
         P.check_header(P.HEADER_PREFIX + b"\x09")
     with pytest.raises(E.ProtocolError):
         P.check_header(b"GET / HTTP/1.1")
+
+
+def test_a_wire_3_peer_is_refused_by_name_and_its_descriptor_cannot_be_misread() -> None:
+    """Wire 4 carries the record's RecordMeta in the descriptor; a release of wire 3 (MetaWire, request_id) is
+    refused at its header naming both versions and the fix, and even a wire-3 descriptor that got past the header
+    would not decode as a wire-4 one (the control: the same record as wire 4 writes it decodes)."""
+    assert (P.WIRE_VERSION, P.HEADER) == (4, b"hsx\x00\x04")
+    with pytest.raises(E.WireVersionError, match="wire version 3, this side speaks 4; run the same vllm-hs-compat"):
+        P.check_header(P.HEADER_PREFIX + b"\x03")
+    meta = RecordMeta("r", (), (0,), True, "uint8", (1, 1, 8), checksum=3)
+    transport = {"lease": 1, "nonce": "ab" * 8, "offset": 0, "nbytes": 8, "ids_offset": 8, "extent": 12}
+    transport |= {"ids_checksum": 5, "producer": "ab"}
+    v3_meta = {"schema_version": 2, "request_id": "r", "layer_ids": [0], "pre_norm": True, "dtype": "uint8"}
+    v3_meta |= {"shape": [1, 1, 8], "checksum": 3, "checksum_algorithm": "xxh3_64"}
+    with pytest.raises(E.ProtocolError):
+        P.decode_descriptor(msgspec.msgpack.encode({"record_id": "r", **transport, "meta": v3_meta}))
+    assert P.decode_descriptor(P.encode(P.RecordDesc(meta=meta, **transport))).meta == meta
 
 
 def test_the_ticket_is_plain_json_data_and_validated() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import numpy as np
@@ -69,7 +70,7 @@ def test_unknown_or_removed_checksum_algorithms_are_named() -> None:
 
 def meta(**kw: object) -> RecordMeta:
     base: dict[str, object] = dict(
-        request_id="r", token_ids=(1, 2), layer_ids=(3, 7), pre_norm=True, dtype="bfloat16", shape=(2, 2, 8)
+        record_id="r", token_ids=(1, 2), layer_ids=(3, 7), pre_norm=True, dtype="bfloat16", shape=(2, 2, 8)
     )
     base.update(kw)
     return RecordMeta(**base)  # type: ignore[arg-type]
@@ -94,7 +95,7 @@ def test_meta_round_trips_through_a_plain_dict() -> None:
         ({"checksum": -1}, "checksum"),
         ({"checksum": 1 << 64}, "checksum"),
         ({"checksum_algorithm": "md5"}, "checksum"),
-        ({"request_id": ""}, "request_id"),
+        ({"record_id": ""}, "record_id"),
         ({"token_ids": (1, -5)}, "token_ids"),
         ({"pre_norm": 1}, "pre_norm"),
         ({"schema_version": 3}, "schema"),
@@ -104,6 +105,23 @@ def test_meta_round_trips_through_a_plain_dict() -> None:
 def test_meta_validation_names_the_problem(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(RecordFormatError, match=needle):
         meta(**kw)
+
+
+def test_request_id_still_works_with_a_deprecation_warning() -> None:
+    """The id's old name (``request_id``, before ``record_id`` was its one name) works for one more release, as a
+    keyword and as an attribute, and says so each time; the control: the new name does not warn."""
+    with pytest.warns(DeprecationWarning, match="'request_id' is now 'record_id'"):
+        old = RecordMeta(  # type: ignore[call-arg]
+            request_id="r", token_ids=(1, 2), layer_ids=(3, 7), pre_norm=True, dtype="bfloat16", shape=(2, 2, 8)
+        )
+    assert old == meta()
+    with pytest.warns(DeprecationWarning, match="'request_id' is now 'record_id'"):
+        assert old.request_id == "r"
+    with pytest.raises(TypeError, match="both"), pytest.warns(DeprecationWarning):
+        RecordMeta("r", (1, 2), (3, 7), True, "bfloat16", (2, 2, 8), request_id="r")  # type: ignore[call-arg]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert meta().record_id == "r"
 
 
 @pytest.mark.parametrize(

@@ -287,7 +287,7 @@ def run_kills(
     # while that thread held an import lock would hang the child on it)
     publish(p, "warm-up", 0, tokens)
     with ExportConsumer(p.endpoint, p.token, landing_bytes=MiB) as c:
-        published.add(c.fetch("warm-up").meta.request_id)
+        published.add(c.fetch("warm-up").meta.record_id)
     seen: list[str] = ["warm-up"]
 
     def publisher() -> None:

@@ -3,7 +3,6 @@ every read path, schema-1 records still read, a descriptor whose sample fields d
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +28,9 @@ def producer() -> Iterator[ExportProducer]:
 
 def sampled(rid: str, seed: int, kind: str) -> tuple[Any, RecordMeta]:
     rows = make_rows(seed, 6, 2, 16)
-    meta = dataclasses.replace(make_meta(rid, rows, seed), start=3, num_prompt_tokens=5)
+    meta = msgspec.structs.replace(make_meta(rid, rows, seed), start=3, num_prompt_tokens=5)
     if kind == "sample":
-        meta = dataclasses.replace(
+        meta = msgspec.structs.replace(
             meta,
             sample_id=f"row-{seed}",
             source=f"chat.jsonl:{seed}",
@@ -39,7 +38,7 @@ def sampled(rid: str, seed: int, kind: str) -> tuple[Any, RecordMeta]:
             metadata_json=canonical_metadata({"seed": seed, "tags": ["a", "ü"]}),
         )
     elif kind == "v1":
-        meta = dataclasses.replace(meta, schema_version=1)
+        meta = msgspec.structs.replace(meta, schema_version=1)
     return rows, meta
 
 
@@ -51,12 +50,12 @@ def publish(p: ExportProducer) -> dict[str, RecordMeta]:
     for i, kind in enumerate(KINDS):
         rows, meta = sampled(f"r-{i}", i, kind)
         p.publish(meta, rows)
-        sent[meta.request_id] = meta
+        sent[meta.record_id] = meta
     return sent
 
 
 def same(got: RecordMeta, want: RecordMeta) -> None:
-    assert got == dataclasses.replace(want, checksum=got.checksum)
+    assert got == msgspec.structs.replace(want, checksum=got.checksum)
 
 
 def test_sample_fields_travel_the_export_on_every_read_path(producer: ExportProducer) -> None:
@@ -71,7 +70,7 @@ def test_sample_fields_travel_the_export_on_every_read_path(producer: ExportProd
                 same(b[i].meta, sent[rid])
                 assert b.sample(i) == sent[rid].sample
             for rec in b.records():
-                same(rec.meta, sent[rec.meta.request_id])
+                same(rec.meta, sent[rec.meta.record_id])
         m = batches[0].meta(0)
         assert m.loss_mask().tolist() == [1, 0, 1, 1, 1, 1]  # type: ignore[union-attr]
         assert m.metadata == {"seed": 0, "tags": ["a", "ü"]}
@@ -81,18 +80,19 @@ def test_sample_fields_travel_the_export_on_every_read_path(producer: ExportProd
         same(c.fetch("r-0").meta, sent["r-0"])
         same(c.fetch("r-2").meta, sent["r-2"])
         recs = list(c.iter_records(batch=8, wait_s=0.2, idle_timeout_s=0.3))
-        assert sorted(r.meta.request_id for r in recs) == ["r-1", "r-3"]
+        assert sorted(r.meta.record_id for r in recs) == ["r-1", "r-3"]
         for r in recs:
-            same(r.meta, sent[r.meta.request_id])
+            same(r.meta, sent[r.meta.record_id])
 
 
 def test_a_descriptor_whose_spans_leave_its_record_fails_alone(producer: ExportProducer) -> None:
-    """The wire bounds each field; the spans' order and range are checked against the record it describes."""
+    """The wire bounds each field; the spans' order and range are checked against the record it describes (as the
+    descriptor is decoded: a RecordMeta that describes no record cannot be made, so the bad one is sent as a map)."""
     sent = publish(producer)
     lease = producer.pool._by_record["r-3"]
-    desc = P.decode_descriptor(lease.wire)
-    bad = msgspec.structs.replace(desc.meta, loss_mask_spans=[(3, 4), (8, 10)])  # rows are positions 3..8
-    lease.wire = P.encode(msgspec.structs.replace(desc, meta=bad))
+    desc = msgspec.to_builtins(P.decode_descriptor(lease.wire))
+    desc["meta"]["loss_mask_spans"] = [[3, 4], [8, 10]]  # rows are positions 3..8
+    lease.wire = msgspec.msgpack.encode(desc)
     with ExportConsumer(producer.endpoint, producer.token) as c:
         got = c.next_batches(max_records=16, wait_s=0.5)
         errors = [g for g in got if not isinstance(g, RecordBatch)]
@@ -122,3 +122,14 @@ def test_sample_fields_in_the_file_manifest_and_schema_1_files_still_read(tmp_pa
     path.write_text(json.dumps(raw))
     with pytest.raises(RecordFormatError, match="before position 3"):
         files.read_record(path)
+
+
+def test_the_producer_refuses_a_record_without_its_token_ids(producer: ExportProducer) -> None:
+    """A descriptor's metadata (no token ids) published as a record is refused and counted ``bad_records``; the
+    control, the same record with its ids, is published."""
+    rows, meta = sampled("no-ids", 1, "sample")
+    with pytest.raises(RecordFormatError, match="no token ids"):
+        producer.publish(meta.without_token_ids(), rows)
+    assert producer.stats()["bad_records"] == 1
+    producer.publish(meta, rows)
+    assert producer.stats()["bad_records"] == 1 and producer.flush(5)

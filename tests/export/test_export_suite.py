@@ -6,7 +6,6 @@ otherwise; every wait has a deadline.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -42,6 +41,7 @@ from vllm_hs_compat.export import (
     nixl_available,
 )
 from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.consumer import Claim
 from vllm_hs_compat.export.consumer import landing as consumer_landing
 from vllm_hs_compat.export.consumer import reads as consumer_reads
 from vllm_hs_compat.export.control import ControlClient, server_key
@@ -224,8 +224,8 @@ def test_consumer_killed_mid_read_slots_are_reclaimed_within_ttl(
         with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB) as c:
             again = list(c.iter_records(batch=8, wait_s=0.2, idle_timeout_s=0.5))
         assert len(again) == st["redelivered"]
-        assert all(digest(r.hidden_states) == sent[r.meta.request_id] for r in again)
-        assert {r.meta.request_id for r in again} >= {f"k-{i}" for i in range(1, 6)}
+        assert all(digest(r.hidden_states) == sent[r.meta.record_id] for r in again)
+        assert {r.meta.record_id for r in again} >= {f"k-{i}" for i in range(1, 6)}
         st = p.stats()
         assert st["delivered"] == 6 and st["expired_claimed"] == 0  # before this change: delivered 1, lost 5
     else:
@@ -329,7 +329,7 @@ def test_out_of_range_descriptors_are_refused(backend: str, make_producer: Make)
     publish(p, "r", 10, 2, 64)
     with ExportConsumer(p.endpoint, p.token) as c:
         claim = c.claim("r")
-        (res,) = c.read([dataclasses.replace(claim, offset=p.pool.pool_bytes - 8)])
+        (res,) = c.read([Claim(msgspec.structs.replace(claim.desc, offset=p.pool.pool_bytes - 8))])
         assert isinstance(res, DescriptorError)
         wait_until(drained(p), 3.0, "the refused lease to be given back")
         t = c._transport
@@ -820,7 +820,7 @@ def _keep_loop(
         kept = kept[-(keep + 1) :]
         spans = sorted((r.hidden_states.data_ptr(), r.meta.nbytes) for r, _ in kept)
         faults += [f"overlap at fetch {i}" for (a, m), (b, _) in zip(spans, spans[1:], strict=False) if a + m > b]
-        faults += [f"{r.meta.request_id} changed at fetch {i}" for r, h0 in kept if digest(r.hidden_states) != h0]
+        faults += [f"{r.meta.record_id} changed at fetch {i}" for r, h0 in kept if digest(r.hidden_states) != h0]
         stats.append(c.stats())
     return faults, stats
 
@@ -882,7 +882,7 @@ def test_control_plane_binds_loopback_by_default_one_port_per_producer(backend: 
     assert entry["cap"].startswith("c2.") and entry["server_key"] == a.server_key
     json.dumps(params)  # plain data, fit for an OpenAI response
     with ExportConsumer.from_params(params, token=a.token) as c:
-        assert c.fetch(entry["record_id"]).meta.request_id == "kp"
+        assert c.fetch(entry["record_id"]).meta.record_id == "kp"
 
 
 def test_consumer_process_exit_leaves_the_pool_intact(backend: str, make_producer: Make) -> None:
@@ -984,7 +984,7 @@ def test_strided_rows_and_skip_on_error_streams(backend: str, make_producer: Mak
     p.transport.buffer[lease.offset + 3] ^= 0x01
     with ExportConsumer(p.endpoint, p.token) as c:
         got = list(c.iter_records(batch=8, wait_s=0.2, idle_timeout_s=0.5, on_error="skip"))
-        assert [r.meta.request_id for r in got] == ["strided", "after"]
+        assert [r.meta.record_id for r in got] == ["strided", "after"]
         assert torch.equal(got[0].hidden_states.view(torch.uint8), rows.contiguous().view(torch.uint8))
         assert digest(got[1].hidden_states) == digest(make_rows(4, 16, 2, 64))
         assert c.stats()["checksum_failures"] == 1
@@ -1005,7 +1005,7 @@ def test_record_larger_than_the_landing_buffer_fails_alone_in_a_stream(backend: 
         with pytest.raises(RecordTooLargeError, match="landing"):
             next(stream)
         rec = next(stream)  # the stream survives the failed record
-        assert rec.meta.request_id == "fits" and digest(rec.hidden_states) == h
+        assert rec.meta.record_id == "fits" and digest(rec.hidden_states) == h
     wait_until(drained(p), 5.0, "the refused record's lease to be given back")
 
 

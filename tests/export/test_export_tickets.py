@@ -107,7 +107,7 @@ def test_the_connector_ticket_opens_its_record_for_a_client_without_the_token(
             with pytest.raises(CapabilityError):
                 c.fetch("cmpl-8")
         with ExportConsumer.from_params(params, token=token) as trainer:  # the trainer streams the rest
-            assert [r.meta.request_id for r in trainer.iter_records(wait_s=0.2, idle_timeout_s=0.5)] == ["cmpl-8"]
+            assert [r.meta.record_id for r in trainer.iter_records(wait_s=0.2, idle_timeout_s=0.5)] == ["cmpl-8"]
         ledger_balanced(sink.producer.stats())
     finally:
         if late.ident is not None:  # started: let its publish finish before the producer closes

@@ -24,7 +24,7 @@ def write_dir(d: Path, n: int) -> dict[str, CaptureRecord]:
         meta = RecordMeta.for_tensor(f"r{k:02d}", rows, [k] * t, (2, 5, 8), True, num_prompt_tokens=1)
         rec = CaptureRecord(meta, rows)
         write_record(d, rec)
-        out[meta.request_id] = rec
+        out[meta.record_id] = rec
     return out
 
 

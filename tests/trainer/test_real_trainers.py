@@ -46,7 +46,7 @@ class World:
         self.root = root
         self.model = make_verifier(root / "verifier")
         self.truths: list[Truth] = truths(self.model, 6)
-        self.by_id = {t.record.meta.request_id: t for t in self.truths}
+        self.by_id = {t.record.meta.record_id: t for t in self.truths}
         self.by_tokens = {tuple(t.tokens): t for t in self.truths}
 
 
@@ -193,7 +193,7 @@ def test_speculators_packing_sampler_over_the_map_style_dataset(world: World, tm
                 assert torch.equal(batch["hidden_states"][0, rows], aux_truth(t, [1, 2, 3], 0)[:-1])
                 assert torch.equal(batch["verifier_last_hidden_states"][0, rows], t.pre_norm[1:])
                 assert torch.equal(batch["loss_mask"][0, rows], generated_mask(t)[1:])
-                seen.append(t.record.meta.request_id)
+                seen.append(t.record.meta.record_id)
     assert sorted(seen) == sorted(world.by_id) and batches[0] == batches[1]
 
 

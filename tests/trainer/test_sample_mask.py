@@ -4,10 +4,10 @@ a record without one gets the documented default (all ones) and every output say
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from hsx_harness import producer_factory, wait_until
@@ -27,7 +27,7 @@ def rec(rid: str, seed: int, spans: tuple[tuple[int, int], ...] | None) -> Captu
     rows = torch.randn(T, len(LAYERS), C, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     meta = RecordMeta.for_tensor(rid, rows, [seed + i for i in range(T)], LAYERS, True, start=10, num_prompt_tokens=12)
     if spans is not None:
-        meta = dataclasses.replace(
+        meta = msgspec.structs.replace(
             meta,
             sample_id=f"s-{seed}",
             source=f"d.jsonl:{seed}",

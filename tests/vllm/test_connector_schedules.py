@@ -238,7 +238,7 @@ def run_and_check(schedule: Schedule, coverage: Counter[str]) -> None:
     assert not failures, f"the connector failed records: {failures}"
     by_id: dict[str, list[Any]] = {}
     for r in records:
-        by_id.setdefault(r.meta.request_id, []).append(r)
+        by_id.setdefault(r.meta.record_id, []).append(r)
 
     base = schedule.spec.connector_config()
     for rid, t in trace.requests.items():

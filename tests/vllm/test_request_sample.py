@@ -70,7 +70,7 @@ def test_request_sample_fields_reach_the_record_and_bad_ones_fail_only_their_own
         engine.close()
     records = sh.take_records()
     assert not [r for r in records if isinstance(r, RecordFailure)]
-    by_id = {r.meta.request_id: r for r in records}
+    by_id = {r.meta.record_id: r for r in records}
     assert sorted(by_id) == ["good-all", "good-window", "plain"], sorted(by_id)
     for rid, needle in BAD.items():
         entry = finished[rid][1]["hs_record"]
@@ -97,7 +97,7 @@ def test_request_sample_fields_reach_the_record_and_bad_ones_fail_only_their_own
         rec.check()
         assert (
             rec.meta.token_ids
-            == tuple(trace.requests[rec.meta.request_id].token_ids_at_finish)[
+            == tuple(trace.requests[rec.meta.record_id].token_ids_at_finish)[
                 rec.meta.start : rec.meta.start + rec.meta.shape[0]
             ]
         )

@@ -200,7 +200,7 @@ def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
     planes = plane_stats(hs, meta.layer_ids)
     return {
         "source": source,
-        "record_id": meta.request_id,
+        "record_id": meta.record_id,
         "manifest": meta.to_dict(),
         "tokens": meta.shape[0],
         "layer_ids": list(meta.layer_ids),

@@ -147,7 +147,7 @@ class RecordBatch(Sequence[CaptureRecord]):
         a, b = int(self.cu_tokens[i]), int(self.cu_tokens[i + 1])
         sample = self.sample(i)
         return RecordMeta(
-            request_id=self.record_ids[i],
+            record_id=self.record_ids[i],
             token_ids=tuple(self.token_ids[a:b].tolist()),
             layer_ids=s.layer_ids,
             pre_norm=s.pre_norm,
@@ -194,7 +194,7 @@ class RecordBatch(Sequence[CaptureRecord]):
             lo, hi = cu[k], cu[k + 1]
             sample = samples[k]
             meta = RecordMeta(
-                request_id=rid,
+                record_id=rid,
                 token_ids=tuple(ids[lo:hi]),
                 layer_ids=s.layer_ids,
                 pre_norm=s.pre_norm,

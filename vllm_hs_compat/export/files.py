@@ -89,9 +89,14 @@ def write_record(directory: str | os.PathLike[str], record: CaptureRecord, *, st
 
     if storage not in STORAGES:
         raise ExportConfigError(f"record storage {storage!r}; expected one of {list(STORAGES)}")
-    tensors_path, manifest_path, _ = record_paths(directory, record.meta.request_id)
+    tensors_path, manifest_path, _ = record_paths(directory, record.meta.record_id)
     rows = record.hidden_states.detach().contiguous().cpu()
     meta = record.meta
+    if not meta.has_token_ids:
+        raise RecordFormatError(
+            f"record {meta.record_id!r}: its metadata has no token ids (a descriptor's, see "
+            "RecordMeta.without_token_ids); write the record with them"
+        )
     if meta.checksum is None:
         meta = meta.with_checksum(compute_checksum(rows.view(torch.uint8).reshape(-1), meta.checksum_algorithm))
     token_ids = torch.tensor(meta.token_ids, dtype=torch.int64)

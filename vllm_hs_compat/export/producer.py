@@ -323,7 +323,7 @@ class ExportProducer:
         self._admit(meta, rows)
         pub = publication if publication is not None else new_publication()
         nbytes = self._write(meta, rows, pub)
-        return self.ticket(meta.request_id, nbytes, pub)
+        return self.ticket(meta.record_id, nbytes, pub)
 
     def publish_nowait(self, meta: RecordMeta, rows: torch.Tensor, publication: str | None = None) -> None:
         """Hand a record to the producer's writer thread and return at once: the calling (serving) thread makes
@@ -364,15 +364,21 @@ class ExportProducer:
         if tuple(rows.shape) != meta.shape or rows.dtype != meta.torch_dtype:
             self._count("bad_records")
             raise E.RecordFormatError(
-                f"record {meta.request_id!r}: rows are {tuple(rows.shape)} {rows.dtype}, metadata says "
+                f"record {meta.record_id!r}: rows are {tuple(rows.shape)} {rows.dtype}, metadata says "
                 f"{meta.shape} {meta.dtype}; build the metadata with RecordMeta.for_tensor(rows, ...)"
+            )
+        if not meta.has_token_ids:
+            self._count("bad_records")
+            raise E.RecordFormatError(
+                f"record {meta.record_id!r}: its metadata has no token ids (a descriptor's); publish the metadata "
+                "built with RecordMeta.for_tensor(..., token_ids, ...)"
             )
 
     def _write(self, meta: RecordMeta, rows: torch.Tensor, publication: str) -> int:
         nbytes = meta.nbytes
         ids_offset, extent = P.ids_layout(nbytes, meta.shape[0])
         try:
-            lease = self.pool.allocate(meta.request_id, extent)
+            lease = self.pool.allocate(meta.record_id, extent)
         except E.ExportClosedError:
             self.pool.note_aborted()  # offered, never published: the producer closed first
             raise
@@ -385,7 +391,6 @@ class ExportProducer:
             ids_checksum = checksum_bytes(ids_view, self.checksum)
             full = meta.with_checksum(checksum, self.checksum)
             desc = P.RecordDesc(
-                record_id=meta.request_id,
                 lease=lease.lease_id,
                 nonce=lease.nonce,
                 offset=lease.offset,
@@ -394,7 +399,7 @@ class ExportProducer:
                 extent=extent,
                 ids_checksum=ids_checksum,
                 producer=self.instance,
-                meta=P.meta_to_wire(full),
+                meta=full.without_token_ids(),
             )
             self.pool.publish(lease, full, P.encode(desc))
         except BaseException:
@@ -419,8 +424,8 @@ class ExportProducer:
                 pass  # counted aborted by _write / the pool
             except Exception as e:  # named errors are counted where they are raised; fail the record alone
                 if not isinstance(e, E.HsCompatError):
-                    log.exception("export writer: record %r failed", meta.request_id)
-                self.fail(meta.request_id, reason_of(e), f"{type(e).__name__}: {e}", publication)
+                    log.exception("export writer: record %r failed", meta.record_id)
+                self.fail(meta.record_id, reason_of(e), f"{type(e).__name__}: {e}", publication)
             finally:
                 del item, rows
                 with self._written:

@@ -1,4 +1,4 @@
-"""The export control plane's wire schema, version 3: the one place that defines every message.
+"""The export control plane's wire schema, version 4: the one place that defines every message.
 
 Transport: ZeroMQ over TCP with CURVE (see :mod:`vllm_hs_compat.export.control`).  A request is three frames, a
 reply four::
@@ -16,6 +16,23 @@ Record descriptors travel as separately encoded msgpack byte strings inside a cl
 (even truncated) descriptor fails its own record only and never the reply around it.  A descriptor is small and
 of bounded size (token ids are not in it: they lie in the pool after the hidden states and are read, checksummed
 and verified with them), and every reply is bounded by its encoded size, which the client states in each claim.
+A descriptor carries the record's :class:`~vllm_hs_compat.core.records.RecordMeta` itself (the one metadata type
+from the connector to the trainer), validated once, as it is decoded.
+
+Wire version history (the header's last byte; docs/export.md "Wire version history" says more):
+
+=======  ==========  ===========================================================================================
+version  date        what changed
+=======  ==========  ===========================================================================================
+1        2026-11-30  first export: ``hello``, ``ping``, ``claim``, ``claim_next``, ``release``, ``read``, ``stats``
+2        2026-12-01  pyzmq + msgspec bodies, per-record capabilities (tickets v2, v3), token ids in the pool;
+                     ``direct`` added later as an optional op
+3        2026-12-02  the trainer's ``hello`` describes an unnamed shm pool (``ShmInfo.socket``, ``key``);
+                     ``fetch`` (small records' bytes in the claim's answer)
+4        2026-12-03  a descriptor's ``meta`` is the record's ``RecordMeta`` (every field encoded, ``record_id``
+                     instead of ``request_id``, ``token_ids`` empty); the descriptor's own ``record_id`` is gone
+                     (it was a copy of the metadata's)
+=======  ==========  ===========================================================================================
 """
 
 from __future__ import annotations
@@ -27,27 +44,20 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from vllm_hs_compat.core.records import (
-    EMPTY_METADATA,
-    MAX_LOSS_MASK_SPANS,
-    MAX_METADATA_BYTES,
-    MAX_SAMPLE_ID_CHARS,
-    MAX_SOURCE_CHARS,
-    RecordMeta,
-    RecordSample,
-)
+from vllm_hs_compat.core.records import RecordMeta, decode_typed
 from vllm_hs_compat.core.vocabulary import EXPORT_KEY
 from vllm_hs_compat.errors import (
     ExportConfigError,
     ProtocolError,
+    RecordFormatError,
     UnknownRecordError,
     WireVersionError,
 )
 
 __all__ = ["PARAMS_KEY", "WIRE_VERSION", "ExportTicket", "ProtocolError"]
 
-WIRE_VERSION: Final = 3
-HEADER: Final = b"hsx\x00\x03"
+WIRE_VERSION: Final = 4
+HEADER: Final = b"hsx\x00\x04"
 HEADER_PREFIX: Final = b"hsx\x00"
 RID_BYTES: Final = 16
 
@@ -204,59 +214,19 @@ TransportInfo = ShmInfo | NixlInfo
 
 
 # --- record descriptors -----------------------------------------------------------------------------------------
-Position = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
-
-
-class MetaWire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """:class:`RecordMeta` without the token ids (those travel in the pool, after the hidden states).
-
-    Fields at their defaults are left out of the encoding (a record without sample fields costs no bytes for
-    them; a reader of an older release then refuses it by its schema version, 2, with the fix).  The sample fields'
-    bounds are the record's; their order and ranges are checked against the record when it is read."""
-
-    schema_version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
-    request_id: RecordId
-    layer_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]], msgspec.Meta(max_length=4096)]
-    pre_norm: bool
-    dtype: Annotated[str, msgspec.Meta(max_length=32)]
-    shape: tuple[
-        Annotated[int, msgspec.Meta(ge=1, le=1 << 24)],
-        Annotated[int, msgspec.Meta(ge=1, le=4096)],
-        Annotated[int, msgspec.Meta(ge=1, le=1 << 20)],
-    ]
-    checksum: U64
-    checksum_algorithm: Annotated[str, msgspec.Meta(max_length=32)]
-    vllm_version: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    adapter: Annotated[str, msgspec.Meta(max_length=128)] = ""
-    start: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
-    num_prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
-    sample_id: Annotated[str, msgspec.Meta(max_length=MAX_SAMPLE_ID_CHARS)] = ""
-    source: Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_CHARS)] = ""
-    loss_mask_spans: Annotated[list[tuple[Position, Position]], msgspec.Meta(max_length=MAX_LOSS_MASK_SPANS)] | None = (
-        None
-    )
-    metadata_json: Annotated[str, msgspec.Meta(max_length=MAX_METADATA_BYTES)] = EMPTY_METADATA
-
-    def sample(self) -> RecordSample:
-        """The sample fields as one value (not validated: see :func:`~vllm_hs_compat.core.records.check_sample`)."""
-        spans = self.loss_mask_spans
-        return RecordSample(self.sample_id, self.source, None if spans is None else tuple(spans), self.metadata_json)
-
-    @property
-    def plain(self) -> bool:
-        """No spans and no metadata: nothing of the sample fields needs checking against the record."""
-        return self.loss_mask_spans is None and self.metadata_json == EMPTY_METADATA
-
-
 class RecordDesc(msgspec.Struct, forbid_unknown_fields=True):
-    """Where a leased record lies in the pool: ``[offset, offset + extent)`` holds the hidden states
-    (``nbytes``) and, from ``ids_offset`` on, the token ids as little-endian uint32 (``ids_checksum``).
+    """A leased record: where it lies in the pool and what it is.  ``[offset, offset + extent)`` holds the hidden
+    states (``nbytes``) and, from ``ids_offset`` on, the token ids as little-endian uint32 (``ids_checksum``).
+
+    ``meta`` is the record's :class:`~vllm_hs_compat.core.records.RecordMeta` itself, without its token ids (they
+    travel in the pool: ``RecordMeta.without_token_ids``); it is validated as it is decoded, once, and its
+    ``record_id`` is the record's id (:attr:`record_id`).  The other fields are the transport's: the lease, its
+    nonce, the places and the second checksum.
 
     ``nonce`` and ``producer`` carry their lengths here but not their hex patterns (a regular expression per
     string cost 1.4 us of a 2.8 us descriptor decode, per record): the consumer checks the nonce with
     :func:`is_nonce` before it uses it and requires ``producer`` to equal the instance it attached to."""
 
-    record_id: RecordId
     lease: LeaseId
     nonce: Annotated[str, msgspec.Meta(min_length=16, max_length=16)]
     offset: Offset
@@ -265,15 +235,26 @@ class RecordDesc(msgspec.Struct, forbid_unknown_fields=True):
     extent: Size
     ids_checksum: U64
     producer: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    meta: MetaWire
+    meta: RecordMeta
+
+    @property
+    def record_id(self) -> str:
+        """The record's id (its metadata's)."""
+        return self.meta.record_id
 
 
 class LeaseRef(msgspec.Struct):
     """The lenient reading of a descriptor that failed :class:`RecordDesc`: enough to give its lease back."""
 
-    record_id: str = ""
     lease: int = 0
     nonce: str = ""
+    meta: Any = None
+
+    @property
+    def record_id(self) -> str:
+        """The record's id, if the descriptor's metadata is readable that far (else ``""``)."""
+        rid = self.meta.get("record_id") if isinstance(self.meta, dict) else None
+        return rid if isinstance(rid, str) else ""
 
 
 # --- replies (producer -> client) -----------------------------------------------------------------------------
@@ -381,11 +362,13 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes | memoryview, what: str) -> Any:
     try:
-        return decoder.decode(body)
+        return decode_typed(decoder, body)  # (a descriptor's RecordMeta: validated once, see decode_typed)
     except msgspec.ValidationError as e:
         raise ProtocolError(f"{what} does not fit the wire-{WIRE_VERSION} schema: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"{what} is not msgpack: {e}") from None
+    except RecordFormatError:
+        raise  # a descriptor whose metadata fits the schema but describes no record (RecordMeta.validate)
     except Exception as e:  # RecursionError, MemoryError, anything else: the message's fault, never the caller's
         raise ProtocolError(f"{what} could not be decoded ({type(e).__name__}: {str(e)[:200]})") from None
 
@@ -474,15 +457,16 @@ def decode_reply(body: bytes | memoryview) -> Reply:
 
 
 def decode_descriptor(raw: bytes | memoryview) -> RecordDesc:
-    """One record descriptor of a claim reply."""
+    """One record descriptor of a claim reply: :class:`ProtocolError` if it does not fit the schema,
+    :class:`RecordFormatError` if its metadata does not describe a record."""
     desc: RecordDesc = _decode(_DESC_DECODER, raw, "record descriptor")
     return desc
 
 
 def decode_descriptors(raws: Sequence[bytes]) -> list[RecordDesc]:
     """Every descriptor of a claim reply in one decoder call (they are concatenated under one msgpack array
-    header).  Raises :class:`ProtocolError` if any of them does not fit; decode them one by one
-    (:func:`decode_descriptor`) to learn which."""
+    header).  Raises :class:`ProtocolError` (or :class:`RecordFormatError`) if any of them does not fit; decode
+    them one by one (:func:`decode_descriptor`) to learn which."""
     n = len(raws)
     if n < 16:
         head = bytes((0x90 | n,))
@@ -532,54 +516,6 @@ def check_header(frame: bytes) -> None:
 def new_rid() -> bytes:
     """A request id: 16 random bytes (a retried request keeps its id, so the producer answers it once)."""
     return secrets.token_bytes(RID_BYTES)
-
-
-# --- metadata <-> wire ----------------------------------------------------------------------------------------
-def meta_to_wire(meta: RecordMeta) -> MetaWire:
-    """The descriptor's metadata of a published record (its checksum is set)."""
-    if meta.checksum is None:
-        raise ProtocolError(f"record {meta.request_id!r} has no checksum; the producer sets it at publish")
-    return MetaWire(
-        schema_version=meta.schema_version,
-        request_id=meta.request_id,
-        layer_ids=list(meta.layer_ids),
-        pre_norm=meta.pre_norm,
-        dtype=meta.dtype,
-        shape=meta.shape,
-        checksum=meta.checksum,
-        checksum_algorithm=meta.checksum_algorithm,
-        vllm_version=meta.vllm_version,
-        adapter=meta.adapter,
-        start=meta.start,
-        num_prompt_tokens=meta.num_prompt_tokens,
-        sample_id=meta.sample_id,
-        source=meta.source,
-        loss_mask_spans=None if meta.loss_mask_spans is None else list(meta.loss_mask_spans),
-        metadata_json=meta.metadata_json,
-    )
-
-
-def meta_from_wire(w: MetaWire, token_ids: tuple[int, ...]) -> RecordMeta:
-    """A full, validated :class:`RecordMeta` (raises :class:`RecordFormatError` on any inconsistency)."""
-    return RecordMeta(
-        request_id=w.request_id,
-        token_ids=token_ids,
-        layer_ids=tuple(w.layer_ids),
-        pre_norm=w.pre_norm,
-        dtype=w.dtype,
-        shape=w.shape,
-        checksum=w.checksum,
-        checksum_algorithm=w.checksum_algorithm,
-        vllm_version=w.vllm_version,
-        adapter=w.adapter,
-        start=w.start,
-        num_prompt_tokens=w.num_prompt_tokens,
-        sample_id=w.sample_id,
-        source=w.source,
-        loss_mask_spans=None if w.loss_mask_spans is None else tuple(w.loss_mask_spans),
-        metadata_json=w.metadata_json,
-        schema_version=w.schema_version,
-    )
 
 
 def ids_layout(nbytes: int, tokens: int) -> tuple[int, int]:

@@ -285,7 +285,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
                 log.info("lease expired under this stream (requeued if redelivery is on): %s", res.error)
                 continue
             if isinstance(res, CaptureRecord):
-                if res.meta.request_id in self._consumed:
+                if res.meta.record_id in self._consumed:
                     self._count(row, "resume_skipped")
                     continue
                 try:
@@ -676,7 +676,7 @@ class _ExportSource(_Source):
                 continue
             for res in consumer.read(claims):
                 if isinstance(res, CaptureRecord):
-                    rid = res.meta.request_id
+                    rid = res.meta.record_id
                     if rid in self.recent:
                         yield _Duplicate()  # redelivered: not counted against the budget
                         continue

@@ -410,13 +410,13 @@ class FormatWriter:
         meta = record.meta
         if not meta.pre_norm:
             raise FormatError(
-                f"record {meta.request_id!r} says its planes are post-norm (pre_norm=False); every format here is "
+                f"record {meta.record_id!r} says its planes are post-norm (pre_norm=False); every format here is "
                 "written from pre-norm captures"
             )
         n = self.num_layers if self.num_layers is not None else (max(meta.layer_ids) if meta.layer_ids else 0)
         if self._previous is not None and self._previous != list(meta.layer_ids):
             raise FormatError(
-                f"{self.out} already holds records of layer ids {self._previous}; record {meta.request_id!r} has "
+                f"{self.out} already holds records of layer ids {self._previous}; record {meta.record_id!r} has "
                 f"{list(meta.layer_ids)}: one drafter config cannot describe both (write to another folder)"
             )
         self.layer_map = trainer_layer_ids(self.fmt, meta.layer_ids, n)
@@ -437,7 +437,7 @@ class FormatWriter:
             return
         if meta.layer_ids != self.layer_map.vllm_ids or meta.shape[2] != self.hidden:
             raise FormatError(
-                f"record {meta.request_id!r} has layer ids {list(meta.layer_ids)} and hidden size {meta.shape[2]}; "
+                f"record {meta.record_id!r} has layer ids {list(meta.layer_ids)} and hidden size {meta.shape[2]}; "
                 f"this output holds {list(self.layer_map.vllm_ids)} and {self.hidden}: one drafter config cannot "
                 "describe both (write them to separate outputs)"
             )
@@ -462,7 +462,7 @@ class FormatWriter:
         else:
             mask, mask_from = torch.as_tensor(loss_mask), "given"
         if tuple(mask.shape) != (t,):
-            raise FormatError(f"record {meta.request_id!r}: loss mask shape {tuple(mask.shape)}, expected ({t},)")
+            raise FormatError(f"record {meta.record_id!r}: loss mask shape {tuple(mask.shape)}, expected ({t},)")
         mask = mask.to(torch.int64)
         rows = record.hidden_states
         input_ids = torch.tensor(meta.token_ids, dtype=torch.int64)
@@ -506,11 +506,11 @@ class FormatWriter:
                 "aux_hidden_states": _own(rows[:, : p - 1].reshape(t, (p - 1) * rows.shape[2])),
                 "loss_mask": mask,
                 "hidden_states_prenorm": True,
-                "conversation_id": meta.request_id,
+                "conversation_id": meta.record_id,
             }
             buf = io.BytesIO()
             torch.save(data, buf)
-            path = self.out / f"{record_stem(meta.request_id)}.pt"
+            path = self.out / f"{record_stem(meta.record_id)}.pt"
             _atomic_bytes(path, buf.getvalue())
         else:  # check_format guarantees one of the above
             raise FormatError(f"no writer for format {self.fmt!r}")
@@ -523,14 +523,14 @@ class FormatWriter:
 
         meta = record.meta
         header = {
-            "record_id": meta.request_id,
+            "record_id": meta.record_id,
             "vllm_layer_ids": json.dumps(list(meta.layer_ids)),
             "hidden_states_prenorm": "true",
             "format": "speculators",
         }
         path = self.out / "hidden_states" / f"hs_{i}.safetensors"
         _atomic_bytes(path, save({"hidden_states": _own(record.hidden_states), "token_ids": input_ids}, header))
-        row = {"record_id": meta.request_id, "input_ids": input_ids.tolist(), "loss_mask": mask.tolist()}
+        row = {"record_id": meta.record_id, "input_ids": input_ids.tolist(), "loss_mask": mask.tolist()}
         self._rows.append(row)
         sel = input_ids[mask.to(torch.bool)]
         self._freq.update(sel.tolist())
@@ -759,7 +759,7 @@ def _base_planes(out: Path, fmt: str, limit: int) -> list[tuple[str, torch.Tenso
         for k, rec in enumerate(iter_records(out)):
             if k >= limit:
                 break
-            found.append((rec.meta.request_id, rec.hidden_states[:, -1], "pre" if rec.meta.pre_norm else "post"))
+            found.append((rec.meta.record_id, rec.hidden_states[:, -1], "pre" if rec.meta.pre_norm else "post"))
     return found
 
 

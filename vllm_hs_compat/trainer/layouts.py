@@ -79,8 +79,7 @@ def resolve_loss_mask(record: CaptureRecord, loss_mask: str | LossMaskFn) -> tup
         mask = torch.as_tensor(loss_mask(record))
         if tuple(mask.shape) != (t,):
             raise LayoutError(
-                f"record {meta.request_id!r}: the loss_mask function returned shape {tuple(mask.shape)}, "
-                f"expected ({t},)"
+                f"record {meta.record_id!r}: the loss_mask function returned shape {tuple(mask.shape)}, expected ({t},)"
             )
         return mask.to(torch.int64), FROM_CALLABLE
     if loss_mask in ("auto", "record"):
@@ -89,7 +88,7 @@ def resolve_loss_mask(record: CaptureRecord, loss_mask: str | LossMaskFn) -> tup
             return own, "record"
         if loss_mask == "record":
             raise LayoutError(
-                f"record {meta.request_id!r} carries no loss mask (schema {meta.schema_version}, loss_mask_spans "
+                f"record {meta.record_id!r} carries no loss mask (schema {meta.schema_version}, loss_mask_spans "
                 "None): capture it with kv_transfer_params hs_capture.sample.loss_mask_spans, or ask for "
                 "loss_mask='all', 'generated' or 'auto'"
             )
@@ -119,14 +118,14 @@ def to_item(
     rows = record.hidden_states
     if tuple(rows.shape) != meta.shape:
         raise LayoutError(
-            f"record {meta.request_id!r}: tensor shape {tuple(rows.shape)} differs from its metadata {meta.shape}"
+            f"record {meta.record_id!r}: tensor shape {tuple(rows.shape)} differs from its metadata {meta.shape}"
         )
     t, p, c = meta.shape
     if dtype is not None:
         rows = rows.to(dtype)
     mask, mask_from = resolve_loss_mask(record, loss_mask)
     item: dict[str, Any] = {
-        "record_id": meta.request_id,
+        "record_id": meta.record_id,
         "layer_ids": torch.tensor(meta.layer_ids, dtype=torch.int64),
         "num_prompt_tokens": meta.num_prompt_tokens,
         "start": meta.start,
@@ -138,7 +137,7 @@ def to_item(
     if layout in ("eagle3", "speculators"):
         if p < 2:
             raise LayoutError(
-                f"record {meta.request_id!r} has {p} plane (layer ids {list(meta.layer_ids)}); the {layout!r} layout "
+                f"record {meta.record_id!r} has {p} plane (layer ids {list(meta.layer_ids)}); the {layout!r} layout "
                 "needs the auxiliary layers and the base layer (>= 2 planes): capture with "
                 "eagle_aux_hidden_state_layer_ids listing the aux layers and num_hidden_layers, or use "
                 "layout='dflash' / 'planes'"

@@ -102,10 +102,10 @@ class RecordFileDataset(Dataset[dict[str, torch.Tensor]]):
         from vllm_hs_compat.export.files import read_record
 
         record = read_record(self.manifests[index], verify_checksum=self.verify_checksum)
-        if record.meta.request_id != self.metas[index].request_id:
+        if record.meta.record_id != self.metas[index].record_id:
             raise E.RecordFormatError(
                 f"{self.manifests[index]}: the record changed since the dataset was built "
-                f"({self.metas[index].request_id!r} -> {record.meta.request_id!r})"
+                f"({self.metas[index].record_id!r} -> {record.meta.record_id!r})"
             )
         item = to_item(record, self.layout, self.loss_mask, self.dtype)
         for key in META_KEYS:
@@ -123,7 +123,7 @@ class RecordFileDataset(Dataset[dict[str, torch.Tensor]]):
             "source": m.source,
             "loss_mask_spans": None if m.loss_mask_spans is None else [list(s) for s in m.loss_mask_spans],
             "metadata": m.metadata,
-            "record_id": m.request_id,
+            "record_id": m.record_id,
             "layer_ids": list(m.layer_ids),
             "pre_norm": m.pre_norm,
             "num_prompt_tokens": m.num_prompt_tokens,

@@ -11,17 +11,12 @@ import enum
 import gc
 import time
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import (
-    CHECKSUM_ALGORITHMS,
-    SCHEMA_VERSIONS,
-    byte_view,
-    checksum_function,
-    dtype_itemsize,
-)
+from vllm_hs_compat.core.records import RecordMeta, byte_view, checksum_function, dtype_itemsize
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.batch import BatchSchema, RecordBatch
@@ -37,7 +32,7 @@ from vllm_hs_compat.export.transport import ConsumerTransport
 BATCH_DIRECT_MIN_BYTES = 64 << 10
 
 
-def _same_schema(a: P.MetaWire, b: P.MetaWire) -> bool:
+def _same_schema(a: RecordMeta, b: RecordMeta) -> bool:
     """The two records' rows can share one batch tensor (see :class:`BatchSchema`)."""
     return (
         a.shape[1] == b.shape[1]
@@ -74,23 +69,8 @@ def _pack_uniform(
 
 
 def _batch_schema(d: P.RecordDesc) -> BatchSchema:
-    """The batch schema of a descriptor's record, checked once per distinct schema (a bad one fails every
-    record of it: :class:`RecordFormatError`)."""
+    """The batch schema of a descriptor's record (its metadata was validated as it was decoded)."""
     m = d.meta
-    if m.checksum_algorithm not in CHECKSUM_ALGORITHMS:
-        raise E.RecordFormatError(
-            f"unknown checksum algorithm {m.checksum_algorithm!r}; expected one of {CHECKSUM_ALGORITHMS} "
-            "(producer and consumer run different vllm-hs-compat releases?)"
-        )
-    if m.schema_version not in SCHEMA_VERSIONS:
-        raise E.RecordFormatError(
-            f"record schema version {m.schema_version} is not supported (this build reads "
-            f"{list(SCHEMA_VERSIONS)}); "
-            "upgrade vllm-hs-compat on the side that reads it"
-        )
-    if len(m.layer_ids) != m.shape[1] or any(a >= b for a, b in zip(m.layer_ids, m.layer_ids[1:], strict=False)):
-        raise E.RecordFormatError(f"layer ids {list(m.layer_ids)[:8]}... are not {m.shape[1]} ascending ids")
-    dtype_itemsize(m.dtype)
     return BatchSchema(
         layer_ids=tuple(m.layer_ids),
         pre_norm=m.pre_norm,
@@ -247,13 +227,13 @@ class _Batches(_Reads):
         descriptors: batches, then errors."""
         try:
             descs = decoded if decoded is not None else P.decode_descriptors(raws)
-        except E.ProtocolError:  # one of them is bad: learn which, one by one
+        except (E.ProtocolError, E.RecordFormatError):  # one of them is bad: learn which, one by one
             descs = []
             bad: list[tuple[int, str, str]] = []
             for raw in raws:
                 try:
                     descs.append(P.decode_descriptor(raw))
-                except E.ProtocolError as e:
+                except (E.ProtocolError, E.RecordFormatError) as e:
                     errors.append(self._refused(raw, e, bad))
             self._give_back_refused(bad)
         if order is not None:
@@ -303,22 +283,20 @@ class _Batches(_Reads):
             ids_at = (nb + 7) // 8 * 8
             fits = (
                 d.producer == producer
-                and m.request_id == d.record_id
                 and (all_hex or is_nonce(d.nonce))
+                and m.checksum is not None
+                and not m.token_ids
                 and nb == t * rb
                 and d.ids_offset == ids_at
                 and d.extent == ids_at + 4 * t
                 and d.offset + d.extent <= pool
             )
-            if fits and m.plain and (m.schema_version >= 2 or not (m.sample_id or m.source)):
+            if fits:  # (its metadata, sample fields included, was validated as it was decoded)
                 good.append(d)
                 continue
-            try:  # name what is wrong: the per-record checks of fetch() (the sample fields' among them)
+            try:  # name what is wrong: the per-record checks of fetch()
                 c = Claim.from_desc(d)
                 self._check(c)
-                if fits:  # only its sample fields needed checking against the record, and they passed
-                    good.append(d)
-                    continue
                 raise E.RecordFormatError(f"record {d.record_id!r}: descriptor disagrees with its batch schema")
             except E.StaleMetadataError as e:
                 errors.append(e)  # a lease of another producer instance: nothing to give back
@@ -525,10 +503,8 @@ class _Batches(_Reads):
             cu,
             torch.tensor([d.meta.start for d in keep], dtype=torch.int64),
             torch.tensor([d.meta.num_prompt_tokens for d in keep], dtype=torch.int64),
-            tuple(d.meta.checksum for d in keep),
-            samples=None
-            if all(d.meta.plain and not (d.meta.sample_id or d.meta.source) for d in keep)
-            else tuple(d.meta.sample() for d in keep),
+            tuple(cast(int, d.meta.checksum) for d in keep),  # (set: _read_group checked it)
+            samples=tuple(d.meta.sample for d in keep) if any(d.meta.has_sample for d in keep) else None,
         )
         self.counters["records"] += len(keep)
         self.counters["bytes"] += sum(d.nbytes for d in keep)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import msgspec
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS, check_sample, dtype_itemsize
+from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.consumer.releases import _Releases
@@ -31,40 +30,81 @@ INLINE_BYTES = 256 << 10
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """A leased record: where it lies in the producer's pool and what it is (``meta``: its metadata without the
-    token ids, which are read with the hidden states)."""
+    """A leased record: its descriptor (``desc``: where it lies in the producer's pool, its lease, and ``meta``, its
+    :class:`~vllm_hs_compat.core.records.RecordMeta` without the token ids, which are read with the hidden states),
+    when it was claimed and, when they came in the claim's answer, its bytes.  The descriptor's fields read
+    through (``claim.lease``, ``claim.meta``, ...): nothing of it is copied."""
 
-    record_id: str
-    lease: int
-    nonce: str
-    offset: int
-    nbytes: int
-    ids_offset: int
-    extent: int
-    ids_checksum: int
-    producer: str
-    meta: P.MetaWire
+    desc: P.RecordDesc
     #: when the claim was sent (``time.monotonic()``; 0: unknown): its lease cannot expire before
     #: ``claimed_at + lease_ttl_s``, which lets a release far from that point go without waiting for its answer
     claimed_at: float = 0.0
     #: the record's bytes (its extent), when they came in the claim's answer (``FetchReq``); else None
     inline: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
+    @property
+    def record_id(self) -> str:
+        """The record's id (its metadata's)."""
+        return self.desc.meta.record_id
+
+    @property
+    def lease(self) -> int:
+        """The lease id."""
+        return self.desc.lease
+
+    @property
+    def nonce(self) -> str:
+        """The lease's nonce (16 hex digits)."""
+        return self.desc.nonce
+
+    @property
+    def offset(self) -> int:
+        """Where the record starts in the producer's pool."""
+        return self.desc.offset
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the hidden states."""
+        return self.desc.nbytes
+
+    @property
+    def ids_offset(self) -> int:
+        """Where the token ids start, from ``offset``."""
+        return self.desc.ids_offset
+
+    @property
+    def extent(self) -> int:
+        """Bytes of the record: hidden states, then token ids."""
+        return self.desc.extent
+
+    @property
+    def ids_checksum(self) -> int:
+        """Checksum of the token ids' bytes."""
+        return self.desc.ids_checksum
+
+    @property
+    def producer(self) -> str:
+        """The producer instance that leased it."""
+        return self.desc.producer
+
+    @property
+    def meta(self) -> RecordMeta:
+        """The record's metadata, without its token ids."""
+        return self.desc.meta
+
     @classmethod
     def from_desc(cls, d: P.RecordDesc, claimed_at: float = 0.0) -> Claim:
-        """A claim from a decoded descriptor, after the checks that need no bytes (any failure is this record's
-        alone: :class:`RecordFormatError`)."""
+        """A claim from a decoded descriptor, after the transport's checks that need no bytes (the metadata was
+        validated as it was decoded; any failure is this record's alone: :class:`RecordFormatError`)."""
         m = d.meta
-        if m.request_id != d.record_id:
-            raise E.RecordFormatError(f"descriptor for {d.record_id!r} carries metadata of {m.request_id!r}")
         if not P.is_nonce(d.nonce):
             raise E.RecordFormatError(f"descriptor for {d.record_id!r} carries a nonce that is not 16 hex digits")
-        if m.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        if m.checksum is None or m.token_ids:
             raise E.RecordFormatError(
-                f"record {d.record_id!r}: unknown checksum algorithm {m.checksum_algorithm!r}; expected one of "
-                f"{CHECKSUM_ALGORITHMS} (producer and consumer run different vllm-hs-compat releases?)"
+                f"record {d.record_id!r}: a descriptor's metadata has a checksum and no token ids (they lie in the "
+                f"pool), found checksum={m.checksum} and {len(m.token_ids)} token ids"
             )
-        want = math.prod(m.shape) * dtype_itemsize(m.dtype)
+        want = m.nbytes
         if d.nbytes != want:
             raise E.RecordFormatError(
                 f"record {d.record_id!r}: descriptor says {d.nbytes} bytes, its shape {list(m.shape)} {m.dtype} "
@@ -75,27 +115,7 @@ class Claim:
                 f"record {d.record_id!r}: token ids at [{d.ids_offset}, {d.extent}) do not follow {m.shape[0]} rows "
                 f"of {d.nbytes} bytes (expected {P.ids_layout(d.nbytes, m.shape[0])})"
             )
-        if len(m.layer_ids) != m.shape[1] or any(a >= b for a, b in zip(m.layer_ids, m.layer_ids[1:], strict=False)):
-            raise E.RecordFormatError(
-                f"record {d.record_id!r}: layer ids {list(m.layer_ids)[:8]}... are not {m.shape[1]} ascending ids"
-            )
-        if not m.plain or (m.schema_version < 2 and (m.sample_id or m.source)):
-            check_sample(
-                m.sample(), start=m.start, tokens=m.shape[0], schema_version=m.schema_version, what=d.record_id
-            )
-        return cls(
-            record_id=d.record_id,
-            lease=d.lease,
-            nonce=d.nonce,
-            offset=d.offset,
-            nbytes=d.nbytes,
-            ids_offset=d.ids_offset,
-            extent=d.extent,
-            ids_checksum=d.ids_checksum,
-            producer=d.producer,
-            meta=m,
-            claimed_at=claimed_at,
-        )
+        return cls(d, claimed_at)
 
     @classmethod
     def parse(cls, d: Any) -> Claim:
@@ -183,7 +203,7 @@ class _Claims(_Releases):
         for raw in raws:
             try:
                 desc = P.decode_descriptor(raw)
-            except E.ProtocolError as e:
+            except (E.ProtocolError, E.RecordFormatError) as e:
                 out.append(self._refused(raw, e, bad))
                 continue
             try:

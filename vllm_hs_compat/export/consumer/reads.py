@@ -119,7 +119,7 @@ class _Reads(_Claims):
                 "checksum_failed",
             )
         try:
-            return P.meta_from_wire(c.meta, _token_ids(ids_raw)), "delivered"
+            return c.meta.with_token_ids(_token_ids(ids_raw)), "delivered"
         except E.RecordFormatError as e:
             return e, "abandoned"
 

@@ -62,7 +62,7 @@ class _Streams(_Batches):
             if copy and raws and self._transport is not None:
                 try:
                     descs = P.decode_descriptors(raws)
-                except E.ProtocolError:
+                except (E.ProtocolError, E.RecordFormatError):
                     descs = []  # one of them is bad: the path below names it
                 m0 = descs[0].meta if descs else None
                 if (  # small records of one schema (their order kept): read as one batch, then split
