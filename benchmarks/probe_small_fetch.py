@@ -1,14 +1,20 @@
-"""Where a small ``fetch(id)``'s time goes in the producer process over UCX's TCP transport (a probe, not a test).
+"""Where a small ``fetch(id)``'s time goes over UCX's TCP transport, producer and consumer (a probe, not a test).
 
     python benchmarks/probe_small_fetch.py [--n 300] [--reps 3] [--producers 2] [--configs default,...]
+        [--modes ping,claim,fetch] [--gap-ms 0]
+    python benchmarks/probe_small_fetch.py --bare [--n 300] [--gap-ms 0]     # the floor: ZeroMQ + CURVE alone
 
 One producer process per configuration (``ExportProducer(backend="nixl")`` over ``UCX_TLS=tcp``, as
 ``bench_vs_mooncake.py``'s "ours tcp" pair, ``--producers`` producers in it, the first holding the 64 KiB records)
-and this process as the trainer consumer (the defaults: the answer to a fetch by id carries the bytes).  Per fetch
-it stamps (``time.perf_counter_ns``, one clock for both processes): the consumer's send, the producer's poll
-return, the producer's handler start and end and its send, the consumer's answer; and per configuration the CPU
-each producer thread used (``/proc/self/task``).  Configurations are run alternately, ``--reps`` times each.
-A ping loop (no lease) runs beside the fetches.
+and this process as the trainer consumer (the defaults: the answer to a fetch by id carries the bytes).  Per
+request it stamps (``time.perf_counter_ns``, one clock for both processes): the consumer's send, the producer's
+serving thread taking the request (``up``), its answer built (``handle``) and sent (``serve``), the consumer's
+answer (``down``); and per configuration the CPU each producer thread used (``/proc/self/task``, 10 ms ticks).
+Modes: ``ping`` (no lease), ``claim`` (the fetch's claim alone, its bytes in the answer), ``fetch`` (the whole
+``fetch()``, the previous record kept alive).  ``--gap-ms``: a pause before each request (a lone request after an
+idle spell).  Configurations (producer keyword arguments, ``--extra`` adds some) run alternately, ``--reps`` times
+each.  ``PROBE_CPROFILE=1`` cProfiles the serving thread's work.  ``--bare``: a CURVE ``DEALER``/``ROUTER`` pair
+between two Python processes and nothing else, answering with a few bytes and with 64 KiB.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def role_producer() -> None:
         orig_one(self, frames, direct)
 
     def send(self: Any, route: Any, rid: bytes, rep: Any) -> None:
+        stamps.append(("answered", time.perf_counter_ns()))
         orig_send(self, route, rid, rep)
         stamps.append(("sent", time.perf_counter_ns()))
 
@@ -137,6 +144,54 @@ def role_producer() -> None:
         p.close()
 
 
+def role_bare_server() -> None:
+    import zmq
+
+    s = zmq.Context().socket(zmq.ROUTER)
+    s.curve_server = True
+    s.curve_secretkey = os.environ["PROBE_SECRET"].encode()
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
+    big = os.urandom(SIZE + 64)
+    while True:
+        f = s.recv_multipart()
+        if f[-1] == b"q":
+            break
+        s.send_multipart([f[0], f[1], big if f[-1] == b"big" else b"x"])
+
+
+def run_bare(a: argparse.Namespace) -> None:
+    import subprocess
+
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    env = {**os.environ, "PROBE_SECRET": secret.decode()}
+    srv = subprocess.Popen([sys.executable, __file__, "--role", "bare"], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert srv.stdout is not None
+        port = int(srv.stdout.readline())
+        d = zmq.Context().socket(zmq.DEALER)
+        d.curve_serverkey = public
+        d.curve_publickey, d.curve_secretkey = zmq.curve_keypair()
+        d.connect(f"tcp://127.0.0.1:{port}")
+        print("load", os.getloadavg())
+        for rep in range(a.reps):
+            for kind in ("small", "big"):
+                ts = []
+                for _ in range(a.n):
+                    if a.gap_ms:
+                        time.sleep(a.gap_ms / 1e3)
+                    t0 = time.perf_counter_ns()
+                    d.send_multipart([b"h", kind.encode()])
+                    d.recv_multipart()
+                    ts.append((time.perf_counter_ns() - t0) / 1e3)
+                print(f"bare CURVE round trip, {kind} answer, rep {rep}: median {_med(ts[5:]):.1f} us")
+        d.send_multipart([b"h", b"q"])
+    finally:
+        srv.wait(10)
+
+
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -198,7 +253,8 @@ def run_config(name: str, kw: dict[str, Any], a: argparse.Namespace, log_dir: Pa
             ones = [t for k, t in got["stamps"] if k == "one"]
             sent = [t for k, t in got["stamps"] if k == "sent"]
             # the fetch is the first request after each consumer send (a posted release follows it)
-            up, serve, down = [], [], []
+            answered = [t for k, t in got["stamps"] if k == "answered"]
+            up, serve, down, handle = [], [], [], []
             for s, r in zip(sends, recvs, strict=True):
                 i1 = next((i for i, t in enumerate(ones) if t >= s), None)
                 if i1 is None:
@@ -206,6 +262,9 @@ def run_config(name: str, kw: dict[str, Any], a: argparse.Namespace, log_dir: Pa
                 sd = next((t for t in sent if t >= ones[i1]), None)
                 if sd is None or sd > r:
                     continue
+                an = next((t for t in answered if t >= ones[i1]), None)
+                if an is not None and an <= sd:
+                    handle.append((an - ones[i1]) / 1e3)
                 up.append((ones[i1] - s) / 1e3)
                 serve.append((sd - ones[i1]) / 1e3)
                 down.append((r - sd) / 1e3)
@@ -215,6 +274,7 @@ def run_config(name: str, kw: dict[str, Any], a: argparse.Namespace, log_dir: Pa
                 "rtt_us": _med([(r - s) / 1e3 for s, r in zip(sends, recvs, strict=True)]),
                 "up_us": _med(up),
                 "serve_us": _med(serve),
+                "handle_us": _med(handle),
                 "down_us": _med(down),
                 "producer_cpu_ms_per_op": {k: round(v * 1e3 / n, 3) for k, v in sorted(got["cpu"].items())},
                 "producer_cpu_share": round(sum(got["cpu"].values()) / wall, 3),
@@ -235,6 +295,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role")
+    ap.add_argument("--bare", action="store_true", help="the floor: a bare ZeroMQ + CURVE round trip")
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--producers", type=int, default=2)
@@ -245,6 +306,12 @@ def main() -> None:
     a = ap.parse_args()
     if a.role == "producer":
         role_producer()
+        return
+    if a.role == "bare":
+        role_bare_server()
+        return
+    if a.bare:
+        run_bare(a)
         return
     CONFIGS.update(json.loads(a.extra))
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "probe_small_fetch"
@@ -261,7 +328,7 @@ def main() -> None:
             rows = [r[mode] for r in res[k]]
             f = {
                 key: round(_med([r[key] for r in rows]), 1)
-                for key in ("total_us", "rtt_us", "up_us", "serve_us", "down_us")
+                for key in ("total_us", "rtt_us", "up_us", "serve_us", "handle_us", "down_us")
             }
             cpus: dict[str, list[float]] = {}
             for r in rows:
