@@ -246,6 +246,10 @@ class ExportProducer:
             self.transport = ShmProducerTransport(self.pool.pool_bytes, self.instance, shm_dir, shm_handoff)
         self.backend = backend
         self._buf = self.transport.buffer
+        # the pool's bytes as one buffer, sliced per answer that carries a record's bytes (a byte_view per answer
+        # makes a ctypes array type: ~10 us); valid while the transport is open, dropped at close after the control
+        # thread stopped
+        self._raw = byte_view(self._buf)
         self._transport_info = P.convert_transport(self.transport.describe())
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, name="hsx-export-pump", daemon=True)
@@ -687,7 +691,7 @@ class ExportProducer:
                 room = -1  # in order: a record that does not fit ends the inlined run
                 continue
             room -= extent
-            data.append(bytes(byte_view(self._buf[lease.offset : lease.offset + extent])))
+            data.append(bytes(self._raw[lease.offset : lease.offset + extent]))
         inlined = sum(1 for d in data if d)
         if inlined:
             self._count("inline_claims", inlined)
@@ -746,7 +750,7 @@ class ExportProducer:
             )
         self._count("inline_reads")
         start = lease.offset + req.offset
-        return P.ReadReply(bytes(byte_view(self._buf[start : start + req.length])))
+        return P.ReadReply(bytes(self._raw[start : start + req.length]))
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -763,6 +767,7 @@ class ExportProducer:
         self._stop.set()
         self._wake.set()
         self._pump.join(timeout=5.0)
+        self._raw = memoryview(b"")
         self._buf = torch.empty(0, dtype=torch.uint8)
         self.transport.close()
 
