@@ -4,6 +4,8 @@ producer's pump must progress UCX to answer it).  Prints one JSON line of timing
     UCX_TLS=tcp UCX_NET_DEVICES=lo python hsx_pump_probe.py [--deaf]
 
 ``--deaf``: the negative control -- the pump's wake event ignores ``set()``, as before a claim woke the pump.
+``--inline-as-read``: the negative control of the inline case -- a lease whose bytes went in its claim's answer
+counts as one a READ may come for, and the claim wakes the pump as one answered without its bytes (as before).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 CHANNEL = os.fdopen(os.dup(1), "w", buffering=1)  # NIXL's log lines go to stderr
@@ -22,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hsx_testdata import make_meta, make_rows  # noqa: E402
 
 from vllm_hs_compat.export import ExportConsumer, ExportProducer  # noqa: E402
+from vllm_hs_compat.export import protocol as P  # noqa: E402
 from vllm_hs_compat.export.producer import HOT_S  # noqa: E402
 
 IDLE_POLL_S = 1.5  # the idle pump waits this long unless woken: a READ it does not answer waits for it
@@ -46,11 +50,23 @@ def cpu_over(window_s: float) -> float:
 
 def main() -> None:
     deaf = "--deaf" in sys.argv
+    inline_as_read = "--inline-as-read" in sys.argv
     rows = [make_rows(i, 4, 2, 256) for i in range(4)]  # 4 KiB records
     out: dict[str, float] = {}
     p = ExportProducer(backend="nixl", num_slots=8, slot_bytes=64 << 10, idle_poll_interval_s=IDLE_POLL_S)
     if deaf:
         p._wake = _Deaf()
+    if inline_as_read:
+        p.pool.mark_inline = lambda ids: None  # type: ignore[method-assign]
+        handle = p._handle
+
+        def old_handle(req: Any, call: Any) -> Any:
+            rep = handle(req, call)
+            if isinstance(rep, P.FetchReply) and rep.records:
+                p._wake_pump(claimed=True)
+            return rep
+
+        p._server._handler = old_handle
     # inline_bytes=0: the record comes by READ, which only the pump answers (a small record would otherwise come in
     # the claim's answer, with no READ for the pump to answer)
     c = ExportConsumer(p.endpoint, p.token, landing_bytes=1 << 20, timeout_s=2 * IDLE_POLL_S + 5, inline_bytes=0)
@@ -68,6 +84,18 @@ def main() -> None:
             held = c.claim("r2")  # a claimed lease, never released: the pump polls back to back
             out["claimed_cpu"] = cpu_over(0.5)
             c.abandon([held])
+            # a small record fetched by id: its bytes come in the claim's answer, no READ follows, so the claimed
+            # lease (held, not yet released) leaves the pump waiting
+            c2 = ExportConsumer(p.endpoint, p.token, landing_bytes=1 << 20, timeout_s=5)
+            try:
+                time.sleep(HOT_S + 0.2)  # past the hot window of c2's hello and of the claim above
+                inline = c2.claim("r3")
+                if inline.inline is None:
+                    raise RuntimeError("r3 did not come in its claim's answer")
+                out["inline_claimed_cpu"] = cpu_over(0.5)
+                c2.abandon([inline])
+            finally:
+                c2.close()
         out["pump_errors"] = p.stats()["pump_errors"]
     finally:
         if deaf:

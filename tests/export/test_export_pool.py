@@ -227,3 +227,30 @@ def test_claim_next_stops_at_the_reply_budget_and_leaves_the_rest_ready() -> Non
         "r4",
         "r5",
     ]
+
+
+def test_leases_answered_with_their_bytes_are_not_counted_as_awaiting_a_read() -> None:
+    # the producer's pump polls the transport while read_claimed_count() > 0: a lease whose bytes went out in its
+    # claim's answer (mark_inline) is left out, until it is settled, expires or is requeued
+    clock = Clock()
+    pool = LeasePool(8, 64, lease_ttl_s=2.0, ready_ttl_s=None, clock=clock, max_redeliveries=1)
+    for rid in ("a", "b", "c", "d"):
+        put(pool, rid, 64)
+    a, b, c = pool.claim("a"), pool.claim("b"), pool.claim("c")
+    # control: claimed leases count, whether or not their bytes went anywhere yet
+    assert (pool.claimed_count(), pool.read_claimed_count()) == (3, 3)
+    pool.mark_inline([a.lease_id, b.lease_id, 999])  # an id that is not claimed is ignored
+    assert (pool.claimed_count(), pool.read_claimed_count()) == (3, 1)
+    assert pool.settle_many([(a.lease_id, a.nonce, "delivered")]) == ["released"]
+    assert (pool.claimed_count(), pool.read_claimed_count()) == (2, 1)
+    pool.mark_inline([a.lease_id])  # settled already: not counted twice
+    assert pool.read_claimed_count() == 1
+    clock.t += 2.5  # b (inline) and c (not) expire and are requeued: neither is claimed now
+    assert pool.expire() == 2
+    assert (pool.claimed_count(), pool.read_claimed_count()) == (0, 0)
+    d, b2 = pool.claim("d"), pool.claim("b")  # b's new lease, claimed again: a READ may come for it
+    assert b2.lease_id != b.lease_id
+    assert pool.read_claimed_count() == 2
+    pool.mark_inline([d.lease_id])
+    assert pool.read_claimed_count() == 1
+    del c

@@ -44,9 +44,9 @@ def _probe(*args: str) -> dict[str, Any]:
 def probes() -> Iterator[dict[str, dict[str, Any]]]:
     if not nixl_available():
         pytest.skip(NIXL_REASON)
-    with ThreadPoolExecutor(2) as ex:  # the fix and its negative control side by side: ~6 s together
-        fixed, deaf = ex.submit(_probe), ex.submit(_probe, "--deaf")
-        yield {"fixed": fixed.result(), "deaf": deaf.result()}
+    with ThreadPoolExecutor(3) as ex:  # the fixes and their negative controls side by side: ~8 s together
+        fixed, deaf, as_read = ex.submit(_probe), ex.submit(_probe, "--deaf"), ex.submit(_probe, "--inline-as-read")
+        yield {"fixed": fixed.result(), "deaf": deaf.result(), "inline_as_read": as_read.result()}
 
 
 @pytest.mark.nixl
@@ -54,8 +54,9 @@ def test_a_claim_wakes_the_idle_pump_so_a_tcp_read_is_answered_at_once(probes: d
     # the pump waits 1.5 s when idle; a fetch after the hot window needs the pump to answer its READ
     assert probes["fixed"]["lone_fetch_s"] < 0.5, probes
     assert probes["fixed"]["pump_errors"] == 0
-    # negative control: the same fetch when a claim does not wake the pump waits for the pump's next poll
-    assert probes["deaf"]["lone_fetch_s"] > 0.8, probes
+    # negative control: the same fetch when a claim does not wake the pump waits for the pump's next poll (its
+    # 1.5 s idle wait began at r0's release, a release keeps nothing hot: 1.5 - 0.8 s later)
+    assert probes["deaf"]["lone_fetch_s"] > 0.5, probes
 
 
 @pytest.mark.nixl
@@ -66,6 +67,17 @@ def test_an_idle_producer_does_not_spin_and_a_claimed_one_polls(probes: dict[str
     assert fixed["idle_cpu"] < 0.05, fixed
     # control: the measurement sees a polling pump -- a claimed lease, never read, keeps it polling back to back
     assert fixed["claimed_cpu"] > max(0.05, 3 * fixed["idle_cpu"]), fixed
+
+
+@pytest.mark.nixl
+def test_a_lease_answered_with_its_bytes_leaves_the_pump_waiting(probes: dict[str, dict[str, Any]]) -> None:
+    # a small record fetched by id came in its claim's answer: no READ will come, so its claimed lease does not
+    # make the pump poll (it would take the CPU and the GIL the control plane answers with)
+    fixed = probes["fixed"]
+    assert fixed["inline_claimed_cpu"] < 0.05, fixed
+    # negative control: the same lease counted as one a READ may come for (as before) keeps the pump polling
+    control = probes["inline_as_read"]
+    assert control["inline_claimed_cpu"] > max(0.05, 3 * fixed["inline_claimed_cpu"]), probes
 
 
 @pytest.mark.parametrize(

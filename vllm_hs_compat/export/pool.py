@@ -159,6 +159,8 @@ class LeasePool:
         # deadline order, so expiry only ever looks at the front of each.
         self._ready: collections.OrderedDict[int, Lease] = collections.OrderedDict()
         self._claimed: collections.OrderedDict[int, Lease] = collections.OrderedDict()
+        # the CLAIMED leases whose bytes went out in the claim's answer (no transport READ will come for them)
+        self._inline: set[int] = set()
         self._cond = threading.Condition()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
@@ -262,6 +264,7 @@ class LeasePool:
             del self._by_record[lease.record_id]
         self._ready.pop(lease.lease_id, None)
         self._claimed.pop(lease.lease_id, None)
+        self._inline.discard(lease.lease_id)
         if notify:
             self._cond.notify_all()
 
@@ -503,6 +506,7 @@ class LeasePool:
                 return False
         self._next_id += 1
         del self._claimed[lease.lease_id]
+        self._inline.discard(lease.lease_id)
         del self._by_id[lease.lease_id]
         self._fates[lease.lease_id] = (lease.nonce, REQUEUED)
         while len(self._fates) > _FATES_KEPT:
@@ -533,6 +537,20 @@ class LeasePool:
 
     def claimed_count(self) -> int:
         return len(self._claimed)
+
+    def mark_inline(self, lease_ids: Iterable[int]) -> None:
+        """Note that the bytes of these CLAIMED leases went out in their claim's answer: no transport READ will
+        come for them (see :meth:`read_claimed_count`).  Ids no longer CLAIMED are ignored."""
+        with self._cond:
+            for lid in lease_ids:
+                if lid in self._claimed:
+                    self._inline.add(lid)
+
+    def read_claimed_count(self) -> int:
+        """CLAIMED leases a transport READ may still come for (all but those marked with :meth:`mark_inline`): the
+        producer's pump progresses the transport while there are any."""
+        with self._cond:
+            return len(self._claimed) - len(self._inline)
 
     # --- introspection --------------------------------------------------------------------------------------
     def occupancy(self) -> int:

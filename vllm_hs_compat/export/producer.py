@@ -165,9 +165,11 @@ class ExportProducer:
         The pump (NIXL only; UCX answers a consumer's READ only while this process progresses it, e.g. over
         TCP): every ``claimed_poll_interval_s`` (50 us; ``0``: back to back, yielding only the GIL between polls)
         from a claim until its leases are released, for at most ``claimed_spin_s`` after the latest claim; every
-        ``poll_interval_s`` while leases stay claimed longer, or within 0.5 s of a request; otherwise it waits
-        ``idle_poll_interval_s`` -- or until the next control-plane request wakes it (so the idle wait only paces
-        UCX's background work: keepalives, a peer's disconnect).
+        ``poll_interval_s`` while leases stay claimed longer, or within 0.5 s of a hello or a claim; otherwise it
+        waits ``idle_poll_interval_s`` -- or until the next hello or claim wakes it (so the idle wait only paces
+        UCX's background work: keepalives, a peer's disconnect).  Leases whose bytes went out in their claim's
+        answer (small records fetched by id) need no READ, so they keep the pump waiting, as pings, releases and
+        reads over the control plane do.
 
         ``direct_port``: the trainer's direct control socket in this process, past the gate (its ZAP handler admits
         the trainer's key only): ``0`` an ephemeral port on ``host``, ``N`` that port, ``None`` none.
@@ -244,6 +246,10 @@ class ExportProducer:
             self.transport = ShmProducerTransport(self.pool.pool_bytes, self.instance, shm_dir, shm_handoff)
         self.backend = backend
         self._buf = self.transport.buffer
+        # the pool's bytes as one buffer, sliced per answer that carries a record's bytes (a byte_view per answer
+        # makes a ctypes array type: ~10 us); valid while the transport is open, dropped at close after the control
+        # thread stopped
+        self._raw = byte_view(self._buf)
         self._transport_info = P.convert_transport(self.transport.describe())
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_loop, name="hsx-export-pump", daemon=True)
@@ -502,7 +508,7 @@ class ExportProducer:
             if self.backend == "shm":  # nothing to poll, only expiry
                 self._stop.wait(self._expiry_interval_s)
                 continue
-            claimed = self.pool.claimed_count() > 0
+            claimed = self.pool.read_claimed_count() > 0  # leases whose bytes went in their answer need no READ
             if claimed and now - self._last_claim < self._claimed_spin_s:
                 # a consumer's READ may be in flight: answer it now (over TCP nothing else progresses UCX);
                 # the pause hands the GIL to the serving threads and the core to the scheduler
@@ -526,11 +532,15 @@ class ExportProducer:
 
     # --- control plane --------------------------------------------------------------------------------------
     def _handle(self, req: P.Request, call: Call) -> P.Reply | None:
-        self._wake_pump()
+        # the pump is woken (and kept hot) only by requests a transport's traffic may follow: a hello (the
+        # consumer's wire-up) and claims answered without their bytes; a ping, a release, a read over the
+        # control plane or a claim answered with its bytes leave it waiting (its polls would only take the CPU and
+        # the GIL from this thread and the sockets' I/O threads)
         if self._closed:
             raise E.ExportClosedError("the producer is shutting down")
         trainer = call.principal == "trainer"
         if isinstance(req, P.HelloReq):
+            self._wake_pump()
             return P.HelloReply(
                 producer=self.instance,
                 backend=self.backend,
@@ -554,7 +564,15 @@ class ExportProducer:
                 publication = self._check_cap(req.cap, req.ids[0], "claim")
             leases, errors = self._claim(req, call, publication)
             if isinstance(req, P.FetchReq):
-                return self._fetch_reply(req, leases, errors)
+                reply = self._fetch_reply(req, leases, errors)
+                inlined = [lease.lease_id for lease, data in zip(leases, reply.data, strict=True) if data]
+                if inlined:
+                    self.pool.mark_inline(inlined)
+                if len(inlined) < len(leases):
+                    self._wake_pump(claimed=True)  # the rest is read over the transport
+                return reply
+            if leases:
+                self._wake_pump(claimed=True)
             return P.ClaimReply([lease.wire for lease in leases], errors)
         if isinstance(req, P.ClaimNextReq):
             self._trainer_only(trainer, "claim_next (streaming every record)")
@@ -656,9 +674,7 @@ class ExportProducer:
             spent += len(lease.wire) + 8
             out.append(lease)
         self._remember(call, credential, out, errors)
-        if out:
-            self._wake_pump(claimed=True)
-        return out, errors
+        return out, errors  # the caller wakes the pump for the leases a READ may come for
 
     def _fetch_reply(self, req: P.FetchReq, leases: list[Lease], errors: list[P.ClaimError]) -> P.FetchReply:
         """A claim's answer with the bytes of the leased records that fit, in order, in the smallest of the
@@ -680,7 +696,7 @@ class ExportProducer:
                 room = -1  # in order: a record that does not fit ends the inlined run
                 continue
             room -= extent
-            data.append(bytes(byte_view(self._buf[lease.offset : lease.offset + extent])))
+            data.append(bytes(self._raw[lease.offset : lease.offset + extent]))
         inlined = sum(1 for d in data if d)
         if inlined:
             self._count("inline_claims", inlined)
@@ -739,7 +755,7 @@ class ExportProducer:
             )
         self._count("inline_reads")
         start = lease.offset + req.offset
-        return P.ReadReply(bytes(byte_view(self._buf[start : start + req.length])))
+        return P.ReadReply(bytes(self._raw[start : start + req.length]))
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -756,6 +772,7 @@ class ExportProducer:
         self._stop.set()
         self._wake.set()
         self._pump.join(timeout=5.0)
+        self._raw = memoryview(b"")
         self._buf = torch.empty(0, dtype=torch.uint8)
         self.transport.close()
 
