@@ -184,7 +184,7 @@ def test_an_old_ticket_opens_nothing_published_later_under_its_id(backend: str, 
     with _holder(forged) as c:  # a capability that is not genuine does not get to wait: refused at once
         t0 = time.monotonic()
         assert _outcome(c, "cmpl-1", wait_s=5.0).startswith("CapabilityError")
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 4.0  # not the 5 s wait (a loaded 2-core machine takes over 2 s at times)
     with _holder(new) as c:
         claim = c.claim("cmpl-1")
         anon = ControlClient(p.endpoint, server_key=p.server_key, timeout_s=5)
