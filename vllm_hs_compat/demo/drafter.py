@@ -1,19 +1,7 @@
-"""Moved to :mod:`vllm_hs_compat.drafter.head`.
+"""Moved to :mod:`vllm_hs_compat.drafter.head` (this name works for one release)."""
 
-This name keeps working for one release, with a ``DeprecationWarning``."""
+import sys
 
-import warnings
-from typing import Any
+from vllm_hs_compat.demo._moved import moved
 
-import vllm_hs_compat.drafter.head as _moved
-
-warnings.warn(
-    "vllm_hs_compat.demo.drafter moved to vllm_hs_compat.drafter.head: import it from there "
-    "(the old name goes in the next release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-
-def __getattr__(name: str) -> Any:
-    return getattr(_moved, name)
+sys.modules[__name__] = moved(__name__, "vllm_hs_compat.drafter.head")

@@ -1,19 +1,7 @@
-"""Moved to :mod:`vllm_hs_compat.reference.forward`.
+"""Moved to :mod:`vllm_hs_compat.reference.forward` (this name works for one release)."""
 
-This name keeps working for one release, with a ``DeprecationWarning``."""
+import sys
 
-import warnings
-from typing import Any
+from vllm_hs_compat.demo._moved import moved
 
-import vllm_hs_compat.reference.forward as _moved
-
-warnings.warn(
-    "vllm_hs_compat.demo.reference moved to vllm_hs_compat.reference.forward: import it from there "
-    "(the old name goes in the next release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-
-def __getattr__(name: str) -> Any:
-    return getattr(_moved, name)
+sys.modules[__name__] = moved(__name__, "vllm_hs_compat.reference.forward")
