@@ -53,15 +53,21 @@ def _summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One demo run (capture path, 12 records) for the tests that read its tree, model and drafter."""
+    out = _work(tmp_path_factory.mktemp("demo"), "demo")
+    return out, _run(["demo", "--out", str(out), "--records", "12", "--steps", "40"])
+
+
 @demo_only
-def test_demo_captures_verifies_and_trains(tmp_path: Path) -> None:
+def test_demo_captures_verifies_and_trains(demo_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     from transformers import AutoTokenizer
 
     from vllm_hs_compat.capture.data import CONVERSATIONS
     from vllm_hs_compat.capture.store import read_index
 
-    out = _work(tmp_path, "demo")
-    proc = _run(["demo", "--out", str(out), "--records", "12", "--steps", "40"])
+    out, proc = demo_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = _summary(out)
     assert s["ok"] and s["mode"] == "capture" and s["records"] == s["records_ok"] == 12 and not s["records_failed"]
@@ -93,6 +99,89 @@ def test_demo_captures_verifies_and_trains(tmp_path: Path) -> None:
         f"{s['losses'][-1]:.3f}, acceptance length {before['mean_length']:.3f} -> {after['mean_length']:.3f} "
         f"(k=3), times {s['times']}, total {s['wall_s']:.1f} s"
     )
+
+
+class _PlanesReversed:
+    """Negative control: an EAGLE-3 forward that feeds the auxiliary planes to ``fc`` high layer first (vLLM feeds
+    them in ascending layer order): the simulation then computes something vLLM does not."""
+
+    def __init__(self, drafter: Any, num_aux: int) -> None:
+        self.drafter, self.num_aux = drafter, num_aux
+
+    def propose(self, ids: Any, aux: torch.Tensor, next_id: int, k: int) -> list[int]:
+        from vllm_hs_compat.drafter.eagle3 import Eagle3Proposer
+
+        flipped = torch.cat(list(reversed(aux.chunk(self.num_aux, dim=-1))), dim=-1)
+        return Eagle3Proposer(self.drafter).propose(ids, flipped, next_id, k)
+
+
+#: |vLLM - simulation| of the mean acceptance length that counts as agreement (bf16 engine against the float32
+#: simulation: a near-tie of the verifier's or the drafter's logits may resolve differently; docs/demo.md)
+AGREE = 0.15
+
+
+@demo_only
+def test_eagle3_drafter_measured_by_vllm_agrees_with_the_simulation(
+    demo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    """An EAGLE-3 drafter in vLLM's layout, trained on the demo's capture tree, measured by vLLM's own EAGLE-3
+    speculative decoding (one engine, ``evaluate --backend both``) and by the greedy-verification simulation: the
+    two agree; trained, it beats an untrained drafter (simulation: 1.0, nothing accepted); a simulation whose
+    forward feeds the planes in another order than vLLM measures something else (the agreement check can
+    fail)."""
+    from vllm_hs_compat.drafter import acceptance as A
+    from vllm_hs_compat.drafter.eagle3 import Eagle3Proposer, load_eagle3
+
+    out, proc = demo_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    model, drafter = out / "model", tmp_path / "eagle3"
+    train = subprocess.run(
+        [sys.executable, "-m", "vllm_hs_compat.drafter.eagle3", "--model", str(model), "--tree", str(out / "tree"),
+         "--out", str(drafter), "--steps", "200"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    t = json.loads(train.stdout.strip().splitlines()[-1])
+    assert t["records"] == 12 and t["aux_layer_ids"] == [1, 2, 3] and t["loss_last"] < 0.7 * t["loss_first"], t
+
+    proc2 = _run(["evaluate", "--model", str(model), "--drafter", str(drafter), "--backend", "both", "--json"])
+    assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-3000:]
+    r = json.loads(proc2.stdout)
+    sim, vl, diff = r["mean_length"], r["vllm"]["mean_length"], r["difference"]["mean_length"]
+    assert r["vllm"]["steps"] > 0 and r["vllm"]["draft_tokens"] == 3 * r["vllm"]["steps"], r["vllm"]
+    assert abs(diff) <= AGREE, (sim, vl, r["difference"])
+
+    # controls in the simulation (no engine): an untrained drafter is accepted almost never; the trained one must
+    # beat it by far in vLLM's own measurement; a forward that reverses the planes disagrees with vLLM
+    hf = R.load_hf(str(model), torch.float32)
+    prompts = [list(p) for p in _prompts(model)]
+    verifier = A.Verifier(hf, [1, 2, 3])
+    trained, _ = load_eagle3(drafter, hf.get_input_embeddings().weight)
+    torch.manual_seed(1)
+    from vllm_hs_compat.drafter.eagle3 import Eagle3Drafter
+
+    untrained = Eagle3Drafter(trained.g, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight).eval()
+    floor = A.measure(verifier, Eagle3Proposer(untrained), prompts, k=3, new_tokens=32).mean_length
+    wrong = A.measure(verifier, _PlanesReversed(trained, 3), prompts, k=3, new_tokens=32).mean_length
+    assert floor < 1.1 and vl > floor + 0.3, (floor, vl)
+    assert abs(wrong - vl) > AGREE, (wrong, vl, sim)
+    e2e_report.add(
+        f"evaluate --backend both (EAGLE-3 drafter in vLLM's layout, 200 steps on the demo tree, k=3, "
+        f"{r['prompts']} prompts x 32 tokens): vLLM {vl:.3f} (per position {r['vllm']['per_position']}), "
+        f"simulation {sim:.3f}, difference {diff:+.3f}, same tokens {r['difference']['same_tokens_prompts']} of "
+        f"{r['prompts']} prompts; controls: untrained {floor:.3f}, planes reversed {wrong:.3f}; engine start "
+        f"{r['vllm']['engine_start_s']} s, generate {r['vllm']['generate_s']} s"
+    )
+
+
+def _prompts(model: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from vllm_hs_compat.commands.evaluate import prompts_of
+
+    prompts, failed = prompts_of(None, AutoTokenizer.from_pretrained(str(model)), limit=8)
+    assert failed == 0
+    return prompts
 
 
 @demo_only
