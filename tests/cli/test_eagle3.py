@@ -69,6 +69,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "f32": f32,
         "verifier": A.Verifier(f32, AUX),
         "items": items,
+        "train_ids": [tuple(int(x) for x in t["input_ids"]) for t in templated],
         "prompts": prompts,
         "geometry": E.geometry_for(f32.config.to_dict(), AUX),
     }
@@ -177,3 +178,43 @@ def test_evaluate_command_simulates_an_eagle3_folder(
     assert "hidden size 128" in capsys.readouterr().err
     with pytest.raises(DrafterError, match="ascending order"):
         E.geometry_for(tiny["f32"].config.to_dict(), (3, 1, 2))
+
+
+def test_trains_from_a_capture_tree(tiny: dict[str, Any], tmp_path: Path, capsys: Any) -> None:
+    """``python -m vllm_hs_compat.drafter.eagle3`` over a capture tree (records of the verifier's own planes at
+    layer ids 1-4, staged and indexed as the capture command does): the records are read through the index, the
+    auxiliary ids are every captured id but the base plane's, and the drafter it writes beats an untrained one."""
+    from vllm_hs_compat.capture.store import CaptureStore, SampleInfo
+    from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, RecordSample
+    from vllm_hs_compat.export import files
+
+    hf, tree = tiny["hf"], tmp_path / "tree"
+    run_config = {"model": tiny["path"], "layers": [*AUX, 4], "mode": "prompt", "template": "t"}
+    with CaptureStore(tree, run_config=run_config, records_per_shard=4) as store:
+        for i, ids in enumerate(tiny["train_ids"][:8]):
+            planes = R.hf_planes(hf, ids)
+            rows = torch.stack([R.convention_plane(planes, k) for k in (*AUX, 4)], dim=1).to(torch.bfloat16)
+            meta = RecordMeta.for_tensor(
+                f"req-{i}",
+                rows,
+                ids,
+                (*AUX, 4),
+                pre_norm=True,
+                num_prompt_tokens=len(ids),
+                sample=RecordSample(sample_id=f"s{i}", source=f"rows:{i}", loss_mask_spans=((1, len(ids)),)),
+            )
+            manifest = files.write_record(store.staging_dir(), CaptureRecord(meta, rows))
+            assert store.adopt(SampleInfo(f"s{i}", f"rows:{i}", len(ids), None, input_ids=ids), manifest).status == "ok"
+    out = tmp_path / "drafter"
+    assert E.main(["--model", tiny["path"], "--tree", str(tree), "--out", str(out), "--steps", "60"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["records"] == 8 and summary["records_failed"] == 0 and summary["aux_layer_ids"] == list(AUX)
+    assert summary["loss_last"] < summary["loss_first"]
+    drafter, _ = E.load_eagle3(out, tiny["f32"].get_input_embeddings().weight)
+    v, prompts = tiny["verifier"], tiny["prompts"][:4]
+    before = A.measure(v, E.Eagle3Proposer(_drafter(tiny)), prompts, k=K, new_tokens=16)
+    after = A.measure(v, E.Eagle3Proposer(drafter), prompts, k=K, new_tokens=16)
+    assert after.mean_length > before.mean_length + 0.2, (before.mean_length, after.mean_length)
+    # not a tree: refused by name, exit 2
+    assert E.main(["--model", tiny["path"], "--tree", str(tmp_path / "none"), "--out", str(out)]) == 2
+    assert "indexes no captured record" in capsys.readouterr().err

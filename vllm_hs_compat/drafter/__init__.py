@@ -1,4 +1,4 @@
-"""Tiny EAGLE-3 drafters and the acceptance length it earns against its verifier.
+"""Tiny EAGLE-3 drafters and the acceptance length they earn against its verifier.
 
 * :mod:`.head` -- the drafter head (torch only): the auxiliary planes fused by one linear layer plus the token
   embedding, trained on capture records; saved and loaded as ``drafter.safetensors`` + ``drafter.json``;

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vllm_hs_compat.errors import DrafterError
+from vllm_hs_compat.errors import DrafterError, HsCompatError
 
 #: ``config.json``'s architecture: vLLM's registry maps it to its ``llama_eagle3`` model.
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -490,8 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         drafter = Eagle3Drafter(g, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
         hist = train_eagle3(items, drafter, args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
         save_eagle3(drafter, args.out, verifier=str(args.model), tree=str(args.tree), steps=args.steps)
-    except DrafterError as exc:
-        print(f"eagle3: {exc}", file=sys.stderr)
+    except HsCompatError as exc:  # a drafter, tree or model that cannot be used: named, exit 2
+        print(f"eagle3: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     summary = {
         "out": args.out,
