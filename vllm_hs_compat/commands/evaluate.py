@@ -19,8 +19,11 @@ through the same code as ``vllm-hs-compat capture --on-policy``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from vllm_hs_compat.errors import DrafterError, HsCompatError, ToolError
@@ -267,9 +270,28 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """vLLM logs to the process's standard output (its own handler, and C++ prints): while the engine runs, file
+    descriptor 1 goes to standard error, so that what this command prints (``--json`` above all) stays alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        out = evaluate(args)
+        if getattr(args, "backend", "simulate") == "simulate":
+            out = evaluate(args)
+        else:
+            with _stdout_to_stderr():
+                out = evaluate(args)
     except HsCompatError as exc:
         print(f"vllm-hs-compat evaluate: {exc}", file=sys.stderr)
         return 2
