@@ -34,7 +34,8 @@ def plain_llm(args: Mapping[str, Any]) -> Any:
     return LLM(**{"disable_log_stats": False, **args})
 
 
-#: vLLM's speculative-decoding counters (Prometheus names; the same on 0.17-0.33), summed over their labels.
+#: vLLM's speculative-decoding counters (Prometheus names of the v1 engine; read on 0.29.0 and 0.32.0), summed
+#: over their labels.
 SPEC_DECODE_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",

