@@ -110,13 +110,17 @@ class Acceptance:
     per_position: list[float]
     per_prompt: list[float] = field(default_factory=list)
     method: str = "greedy verification simulated over the verifier's transformers forward"
+    #: the generated tokens of each prompt (the verifier's greedy continuation; not in :meth:`to_dict`)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
     def mean_length(self) -> float:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "mean_length": self.mean_length}
+        out = {**asdict(self), "mean_length": self.mean_length}
+        out.pop("outputs")
+        return out
 
 
 def measure(
@@ -138,6 +142,7 @@ def measure(
     steps = accepted = generated = 0
     hits = [0] * k
     per_prompt: list[float] = []
+    outputs: list[list[int]] = []
     for prompt in prompts:
         ids = [int(t) for t in prompt]
         if not ids:
@@ -170,6 +175,7 @@ def measure(
         accepted += p_acc
         generated += len(ids) + 1 - len(prompt)
         per_prompt.append((p_acc + p_steps) / p_steps if p_steps else 0.0)
+        outputs.append([*ids[len(prompt) :], next_id])
     return Acceptance(
         k=k,
         prompts=len(prompts),
@@ -178,4 +184,5 @@ def measure(
         generated=generated,
         per_position=[h / steps if steps else 0.0 for h in hits],
         per_prompt=per_prompt,
+        outputs=outputs,
     )
