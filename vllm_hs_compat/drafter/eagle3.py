@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -53,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vllm_hs_compat.drafter.head import StepStats, train
 from vllm_hs_compat.errors import DrafterError, HsCompatError
 
 #: ``config.json``'s architecture: vLLM's registry maps it to its ``llama_eagle3`` model.
@@ -387,13 +386,6 @@ def load_eagle3(path: str | os.PathLike[str], embed: torch.Tensor) -> tuple[Eagl
 # --- training -------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Eagle3Step:
-    step: int
-    loss: float  # soft cross-entropy against the verifier's distribution, minus its entropy (KL), nats per token
-    accuracy: float  # drafter top-1 == verifier top-1 over the batch's masked positions
-
-
 def train_eagle3(
     items: Sequence[Any],
     drafter: Eagle3Drafter,
@@ -402,38 +394,18 @@ def train_eagle3(
     batch: int = 8,
     lr: float = 1e-3,
     seed: int = 0,
-    on_step: Callable[[Eagle3Step], None] | None = None,
-) -> list[Eagle3Step]:
+    on_step: Callable[[StepStats], None] | None = None,
+) -> list[StepStats]:
     """``steps`` Adam steps over random batches of :class:`vllm_hs_compat.drafter.head.TrainItem` ``items``
-    (the record's next token at each position, the verifier's distribution there, its loss mask)."""
-    from vllm_hs_compat.drafter.head import _batch
-
+    (the record's next token at each position, the verifier's distribution there, its loss mask): the head's own
+    loop (:func:`vllm_hs_compat.drafter.head.train`, KL against the verifier's distribution), in train mode."""
     if not items:
         raise DrafterError("no training item: the tree gave no record of 2 tokens or more")
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
-    out: list[Eagle3Step] = []
     drafter.train()
-    for step in range(steps):
-        aux, ids, teacher, mask = _batch(rng.sample(list(items), min(batch, len(items))))
-        logits = drafter(aux, ids, mask == 0)
-        logp = F.log_softmax(logits, dim=-1)
-        per_tok = (teacher * (torch.log(teacher.clamp_min(1e-30)) - logp)).sum(-1)
-        denom = mask.sum().clamp_min(1.0)
-        loss = (per_tok * mask).sum() / denom
-        opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        agree = ((logits.argmax(-1) == teacher.argmax(-1)).float() * mask).sum() / denom
-        stats = Eagle3Step(step, float(loss.detach()), float(agree))
-        if not math.isfinite(stats.loss):
-            raise DrafterError(f"the drafter loss became {stats.loss} at step {step}; lower the learning rate ({lr})")
-        out.append(stats)
-        if on_step is not None:
-            on_step(stats)
-    drafter.eval()
-    return out
+    try:
+        return train(items, drafter, steps, batch=batch, lr=lr, seed=seed, on_step=on_step)
+    finally:
+        drafter.eval()
 
 
 def items_from_tree(tree: str, model: Any) -> tuple[list[Any], list[int], int]:

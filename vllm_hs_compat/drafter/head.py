@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vllm_hs_compat.errors import ToolError
+from vllm_hs_compat.errors import DrafterError, ToolError
 
 
 @dataclass
@@ -202,7 +202,7 @@ class StepStats:
 
 def train(
     items: Sequence[TrainItem],
-    head: Eagle3Head,
+    head: nn.Module,
     steps: int,
     *,
     batch: int = 8,
@@ -210,7 +210,10 @@ def train(
     seed: int = 0,
     on_step: Callable[[StepStats], None] | None = None,
 ) -> list[StepStats]:
-    """``steps`` Adam steps over random batches of ``items``; returns every step's loss and top-1 agreement."""
+    """``steps`` Adam steps over random batches of ``items``; returns every step's loss and top-1 agreement.
+
+    ``head``: any drafter whose ``forward(aux, ids, pad)`` gives ``[B, T, vocab]`` logits (:class:`Eagle3Head`,
+    :class:`~vllm_hs_compat.drafter.eagle3.Eagle3Drafter`)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
@@ -231,7 +234,9 @@ def train(
         agree = ((logits.argmax(-1) == teacher.argmax(-1)).float() * mask).sum() / denom
         stats = StepStats(step, float(loss.detach()), float(agree))
         if not math.isfinite(stats.loss):
-            raise ToolError(f"the drafter loss became {stats.loss} at step {step}; lower the learning rate (lr={lr})")
+            raise DrafterError(
+                f"the drafter loss became {stats.loss} at step {step}; lower the learning rate (lr={lr})"
+            )
         out.append(stats)
         if on_step is not None:
             on_step(stats)
