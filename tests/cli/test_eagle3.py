@@ -21,57 +21,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_hs_compat.capture.data import CONVERSATIONS
 from vllm_hs_compat.cli import main
-from vllm_hs_compat.commands.evaluate import prompts_of
 from vllm_hs_compat.drafter import acceptance as A
 from vllm_hs_compat.drafter import eagle3 as E
-from vllm_hs_compat.drafter.head import Eagle3Head, make_item, save_drafter
+from vllm_hs_compat.drafter.head import Eagle3Head, save_drafter
 from vllm_hs_compat.errors import DrafterError
 from vllm_hs_compat.reference import forward as R
-from vllm_hs_compat.reference.models import make_model
 
 AUX = (1, 2, 3)
 K = 3
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    torch.set_num_threads(1)
-    model = make_model(str(tmp_path_factory.mktemp("eagle3") / "model"), "dense", seed=0)
-    tok = AutoTokenizer.from_pretrained(model.path)
-    rows = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines() if line.strip()]
-    templated = [tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True) for r in rows]
-    prompts, failed = prompts_of(None, tok, limit=6)
-    assert failed == 0
-    hf = R.load_hf(model.path)
-    items = []
-    for t in templated:
-        ids = list(t["input_ids"])
-        planes = R.hf_planes(hf, ids)
-        rows_ = torch.stack([R.convention_plane(planes, k) for k in (*AUX, 4)], dim=1)
-        item = make_item(
-            torch.tensor(ids),
-            rows_[:, : len(AUX)].reshape(len(ids), -1),
-            rows_[:, -1],
-            torch.ones(len(ids)),
-            R.final_norm(hf),
-            hf.get_output_embeddings(),
-        )
-        assert item is not None
-        items.append(item)
-    f32 = R.load_hf(model.path, torch.float32)
+def tiny(drafter_truth: dict[str, Any]) -> dict[str, Any]:
+    """The session's tiny verifier and training items (conftest ``drafter_truth``), with this drafter's geometry."""
     return {
-        "path": model.path,
-        "hf": hf,
-        "f32": f32,
-        "verifier": A.Verifier(f32, AUX),
-        "items": items,
-        "train_ids": [tuple(int(x) for x in t["input_ids"]) for t in templated],
-        "prompts": prompts,
-        "geometry": E.geometry_for(f32.config.to_dict(), AUX),
+        **drafter_truth,
+        "train_ids": [tuple(t) for t in drafter_truth["train"]],
+        "geometry": E.geometry_for(drafter_truth["f32"].config.to_dict(), AUX),
     }
 
 

@@ -19,40 +19,20 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_hs_compat.capture.data import CONVERSATIONS
 from vllm_hs_compat.cli import main
-from vllm_hs_compat.commands.evaluate import prompts_of
 from vllm_hs_compat.drafter import acceptance as A
-from vllm_hs_compat.drafter.head import Eagle3Head, load_drafter, make_item, save_drafter, train
+from vllm_hs_compat.drafter.head import Eagle3Head, load_drafter, save_drafter, train
 from vllm_hs_compat.errors import DrafterError
-from vllm_hs_compat.reference import forward as R
-from vllm_hs_compat.reference.models import make_model
 
 AUX = (1, 2, 3)
 K = 3
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    torch.set_num_threads(1)
-    model = make_model(str(tmp_path_factory.mktemp("evaluate") / "model"), "dense", seed=0)
-    tok = AutoTokenizer.from_pretrained(model.path)
-    # trained on the shipped conversations as transformers templates them, evaluated on their prompts (the demo's
-    # setting)
-    rows = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines() if line.strip()]
-    templated = [tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True) for r in rows]
-    prompts, failed = prompts_of(None, tok, limit=6)
-    assert failed == 0
-    hf = R.load_hf(model.path)
-    return {
-        "path": model.path,
-        "hf": hf,
-        "verifier": A.Verifier(R.load_hf(model.path, torch.float32), AUX),
-        "train": [list(t["input_ids"]) for t in templated],
-        "prompts": prompts,
-    }
+def tiny(drafter_truth: dict[str, Any]) -> dict[str, Any]:
+    """The session's tiny verifier (conftest ``drafter_truth``): trained on the shipped conversations as
+    transformers templates them, evaluated on their prompts (the demo's setting)."""
+    return drafter_truth
 
 
 def _head(hf: Any, seed: int = 0) -> Eagle3Head:
@@ -64,22 +44,8 @@ def _head(hf: Any, seed: int = 0) -> Eagle3Head:
 def trained(tiny: dict[str, Any]) -> Eagle3Head:
     """The drafter trained 60 steps on the verifier's planes of the shipped conversations (as the demo does)."""
     hf = tiny["hf"]
-    items = []
-    for ids in tiny["train"]:
-        planes = R.hf_planes(hf, ids)
-        rows = torch.stack([R.convention_plane(planes, k) for k in (*AUX, 4)], dim=1)
-        item = make_item(
-            torch.tensor(ids),
-            rows[:, : len(AUX)].reshape(len(ids), -1),
-            rows[:, -1],
-            torch.ones(len(ids)),
-            R.final_norm(hf),
-            hf.get_output_embeddings(),
-        )
-        assert item is not None
-        items.append(item)
     head = _head(hf)
-    train(items, head, 60)
+    train(tiny["items"], head, 60)
     return head
 
 
