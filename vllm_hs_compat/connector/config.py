@@ -195,16 +195,8 @@ class ConnectorConfig:
         corrupt = None
         if "self_test" in extra:
             st = extra["self_test"]
-            bad_st = sorted(str(k) for k in st) if isinstance(st, Mapping) else []
-            bad_st = [k for k in bad_st if k not in SELF_TEST_KEYS]
-            corrupt = st.get("corrupt_record") if isinstance(st, Mapping) else None
-            if (
-                not isinstance(st, Mapping)
-                or bad_st
-                or isinstance(corrupt, bool)
-                or not isinstance(corrupt, int)
-                or corrupt < 0
-            ):
+            corrupt = st.get("corrupt_record") if isinstance(st, Mapping) and set(st) <= SELF_TEST_KEYS else None
+            if isinstance(corrupt, bool) or not isinstance(corrupt, int) or corrupt < 0:
                 raise CaptureConfigError(
                     f'{WHAT}: "self_test" must be {{"corrupt_record": <int >= 0>}}, found {st!r}; {FIX}'
                 )
