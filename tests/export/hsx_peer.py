@@ -66,6 +66,7 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
         return {
             "endpoint": producer.endpoint,
             "direct": producer.direct_endpoint,
+            "plain": producer.plain_endpoint,
             "token": producer.token,
             "instance": producer.instance,
             "path": path,

@@ -56,7 +56,8 @@ def test_trainer_requests_go_direct_with_identical_results(make_producer: Make) 
     for i in range(5):
         _publish(p, f"r{i}", i)
     assert p.direct_endpoint is not None
-    with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=4 * MiB) as c:
+    # plain=False: the CURVE direct socket (the plain channel comes first otherwise: test_export_plain.py)
+    with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=4 * MiB, plain=False) as c:
         assert c.direct and c.stats()["direct_switches"] == 1
         # the gate reports its forward count every 50 ms
         wait_until(lambda: p.stats()["control_forwarded"] >= 2, 5, "the gate's report of hello and direct")
@@ -207,7 +208,7 @@ def test_unreachable_direct_endpoint_keeps_the_gate(make_producer: Make, monkeyp
     p = make_producer()
     _publish(p, "a", 1)
     p.direct_endpoint = f"127.0.0.1:{free_port()}"  # advertised, nothing listens there
-    with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB) as c:
+    with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB, plain=False) as c:
         assert not c.direct and c.stats()["direct_failures"] == 1
         assert digest(c.fetch("a").hidden_states) == digest(make_rows(1, 50, 2, 64))
     assert p.stats()["control_direct_requests"] == 0
@@ -261,7 +262,7 @@ def test_direct_endpoint_lost_mid_session_falls_back_to_the_gate(make_producer: 
     relay = _Relay(("127.0.0.1", p._server.direct_port))
     p.direct_endpoint = f"127.0.0.1:{relay.port}"
     try:
-        with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB) as c:
+        with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB, plain=False) as c:
             assert c.direct
             assert digest(c.fetch("m0").hidden_states) == digest(make_rows(0, 50, 2, 64))
             relay.close()  # the direct endpoint becomes unreachable
@@ -294,7 +295,7 @@ def test_hello_reply_is_unchanged_and_an_older_producer_keeps_the_gate(make_prod
         return handler(req, call)  # type: ignore[arg-type]
 
     p._server._handler = older
-    with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB) as c:
+    with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB, plain=False) as c:
         assert not c.direct and c.stats()["direct_failures"] == 0
         assert digest(c.fetch("o").hidden_states) == digest(make_rows(3, 50, 2, 64))
 

@@ -47,6 +47,7 @@ def test_nested_settings_come_from_maps_and_are_checked() -> None:
         ({"control_limits": {"max_inflight": 0}}, ["max_inflight", "[1, 65536]"]),
         ({"control_limits": "lots"}, ["control_limits", "JSON object"]),
         ({"direct_port": 70000}, ['"direct_port": 70000', "[0, 65535]"]),
+        ({"plain_port": -1}, ['"plain_port": -1', "[0, 65535]"]),
         ({"claimed_spin_s": -1}, ['"claimed_spin_s": -1', ">= 0"]),
         ({"num_slot": 4}, ["unknown export settings", "'num_slot'"]),
     ]:
@@ -61,6 +62,7 @@ def test_the_connector_takes_every_setting_and_the_producer_gets_it(tmp_path: ob
         "num_slots": 2,
         "slot_bytes": 4096,
         "direct_port": None,
+        "plain_port": None,
         "claimed_spin_s": 0.25,
         "control_limits": {"max_inflight": 8, "reply_queue": 2},
         "token_file": str(tmp_path) + "/token",
@@ -72,6 +74,7 @@ def test_the_connector_takes_every_setting_and_the_producer_gets_it(tmp_path: ob
         p = sink.producer
         assert p._server.limits == ControlLimits(max_inflight=8, reply_queue=2)
         assert p.direct_endpoint is None  # "direct_port": null: no direct socket
+        assert p.plain_endpoint is None  # "plain_port": null: no plain channel
     finally:
         sink.close()
     kv["kv_connector_extra_config"] = {"export": {**export, "control_limits": {"max_inflight": 0}}}

@@ -19,6 +19,9 @@ Security (see docs/export.md, "Security model" and "Faults a peer can cause"):
   connection, the client reconnects and retries by request id).  What libzmq cannot bound (the frames of a
   multipart message that never ends) is bounded by the gate's address-space limit: the gate dies, the producer
   restarts it, the model worker never notices.
+* **The trainer's plain channel** (:mod:`vllm_hs_compat.export.plain`): the trainer's requests over a bare TCP
+  connection served by the same thread, authenticated by a challenge-response on a token-derived key, not
+  encrypted (it carries what the data plane carries); off with ``plain=False``.
 * **Every message is survivable**: a body that fails decoding in any way (nesting, memory, types) is a
   ``protocol`` error to its sender; an exception while handling one request fails that request; a failure of the
   serving loop itself restarts it (``control_restarts``).
@@ -59,6 +62,7 @@ from vllm_hs_compat import envs
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.gate import COUNTERS as GATE_COUNTERS
+from vllm_hs_compat.export.plain import PlainClient, PlainRequest, PlainServer, plain_key
 
 log = logging.getLogger(__name__)
 
@@ -491,6 +495,7 @@ _OWN_COUNTERS: Final = (
 DIRECT_DOMAIN: Final = b"hsx-direct"
 #: The route's first part of a request that came on the direct socket (a gate's routing id is never empty).
 _DIRECT: Final = b""
+_PLAIN: Final = b"plain"  # a gate's routing id is 5 bytes (ZeroMQ's own: 0 + 4 bytes), never this
 
 
 class ControlServer:
@@ -518,6 +523,8 @@ class ControlServer:
         limits: ControlLimits | None = None,
         direct: bool = True,
         direct_port: int = 0,
+        plain: bool = True,
+        plain_port: int = 0,
     ) -> None:
         self._handler = handler
         token = check_token(token)
@@ -546,7 +553,9 @@ class ControlServer:
         self._gate_fast_deaths = 0
         self._gate_retry_at = 0.0
         self._generation = 0
-        self._poller = zmq.Poller()
+        # the standard library's poll, not zmq.Poller: ZeroMQ sockets are watched through their ZMQ_FD (see _serve);
+        # zmq.Poller's wake-up after an idle spell cost ~0.1 ms more than select.poll's on the 2-vCPU box
+        self._poller = select.poll()
         self._dir = tempfile.mkdtemp(prefix="hsx-gate-")  # 0700: only this user can reach the private socket
         self._backend = f"ipc://{self._dir}/control"
         self._gate_cfg: dict[str, Any] = {
@@ -573,6 +582,9 @@ class ControlServer:
         self._direct: zmq.Socket[bytes] | None = None
         #: the direct socket's bound port (0: none)
         self.direct_port = 0
+        self._plain: PlainServer | None = None
+        #: the plain channel's bound port (0: none; see :mod:`vllm_hs_compat.export.plain`)
+        self.plain_port = 0
         try:
             s = self._ctx.socket(zmq.ROUTER)
             self._sock = s
@@ -592,6 +604,18 @@ class ControlServer:
                 ) from None
             if direct:
                 self._bind_direct(host, direct_port, secret, handshake_timeout_s, heartbeat_s)
+            if plain:
+                self._plain = PlainServer(
+                    host,
+                    plain_port,
+                    plain_key(token),
+                    handshake_s=handshake_timeout_s,
+                    max_frame=P.MAX_REQUEST_BYTES + 256,
+                    backlog_bytes=self.limits.reply_backlog_bytes_trainer,
+                    watch=self._poller.register,
+                    unwatch=self._poller.unregister,
+                )
+                self.plain_port = self._plain.port
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._wake_lock = threading.Lock()
             self._start_gate(port)
@@ -600,6 +624,8 @@ class ControlServer:
             self.address: tuple[str, int] = (host, self._gate_port)
         except BaseException:
             self._stop_gate()
+            if self._plain is not None:
+                self._plain.close()
             self._ctx.destroy(linger=0)
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
@@ -707,6 +733,8 @@ class ControlServer:
     def counters(self) -> dict[str, int]:
         """This server's counters and the gates' (summed over every gate this server has run)."""
         out = dict(self._own)
+        if self._plain is not None:
+            out.update(self._plain.counters)
         for k in (*GATE_COUNTERS, "forwarded"):
             out.setdefault(k, 0)
         for part in (self._gate_done, self._gate_now):
@@ -800,7 +828,7 @@ class ControlServer:
                 "another bind address"
             )
         self._gate_port = int(info["port"])
-        self._poller.register(out_fd, zmq.POLLIN)
+        self._poller.register(out_fd, select.POLLIN)
 
     def _stop_gate(self, kill: bool = False) -> int | None:
         """End the running gate (EOF on its stdin; SIGKILL after 2 s or with ``kill``); its exit status."""
@@ -907,6 +935,8 @@ class ControlServer:
             log.exception("export control plane: answering parked long polls at close failed")
         finally:
             self._stop_gate()
+            if self._plain is not None:
+                self._plain.close()
             for sock in (self._sock, self._direct, self._zap):
                 if sock is None:
                     continue
@@ -917,9 +947,17 @@ class ControlServer:
 
     def _serve(self) -> None:
         poller = self._poller
-        for fd in (self._sock, self._wake_r, self._zap, self._direct):
-            if fd is not None:
-                poller.register(fd, zmq.POLLIN)  # registering twice (after a restart) only updates the flags
+        # ZeroMQ sockets through their ZMQ_FD: it signals (edge-triggered) that ZMQ_EVENTS may have changed, so
+        # each socket's ZMQ_EVENTS is read before every wait (a socket left with messages -- 256 served per turn,
+        # or an edge consumed by a send -- makes the wait 0) and after it
+        zsocks = [z for z in (self._zap, self._direct, self._sock) if z is not None]
+        for z in zsocks:
+            poller.register(int(z.getsockopt(zmq.FD)), select.POLLIN)  # twice (after a restart) only updates the flags
+        poller.register(self._wake_r, select.POLLIN)
+        plain = self._plain
+        if plain is not None:
+            poller.register(plain.fd, select.POLLIN)
+        plain_in: list[PlainRequest] = []
         next_retry = 0.0
         while not self._stopping:
             now = time.monotonic()
@@ -929,6 +967,10 @@ class ControlServer:
             if self._parked:
                 first = min(p.deadline for p in self._parked.values())
                 timeout_ms = max(0, min(timeout_ms, int((first - now) * 1000) + 1))
+            if plain is not None and (hs := plain.next_deadline()) is not None:
+                timeout_ms = max(0, min(timeout_ms, int((hs - now) * 1000) + 1))
+            if any(_readable(z) for z in zsocks):
+                timeout_ms = 0
             ready = dict(poller.poll(timeout_ms))
             woke = False
             gate = self._gate
@@ -942,12 +984,19 @@ class ControlServer:
                         pass
                 except BlockingIOError:
                     pass
-            if self._zap is not None and self._zap in ready:
+            if self._zap is not None and _readable(self._zap):
                 self._serve_zap()
-            if self._direct is not None and self._direct in ready:
+            if self._direct is not None and _readable(self._direct):
                 self._serve_direct()
-            if self._sock in ready:
+            if _readable(self._sock):
                 self._serve_requests()
+            if plain is not None:
+                for fd, events in ready.items():
+                    if plain.owns(fd):
+                        plain.ready(fd, events, plain_in)
+                if plain_in:
+                    self._serve_plain(plain_in)
+                plain.expire(time.monotonic())
             if self._recheck:
                 self._recheck = False
                 woke = True
@@ -975,18 +1024,35 @@ class ControlServer:
                     except Exception:
                         log.exception("export control: the error reply could not be sent either")
 
+    def _serve_plain(self, todo: list[PlainRequest]) -> None:
+        """Answer the requests read from plain connections (authenticated: the trainer's)."""
+        for conn, header, rid, body in todo:
+            route = (_PLAIN, conn.to_bytes(8, "little"))
+            try:
+                self._one_request(route, "trainer", header, rid, body)
+            except Exception as e:  # as in _serve_requests: the request fails alone
+                self._own["internal_errors"] += 1
+                log.exception("export control request (plain) failed")
+                try:
+                    self._send(route, rid, P.ErrorReply("internal", f"{type(e).__name__}: {e}"[:8000]))
+                except Exception:
+                    log.exception("export control: the error reply could not be sent either")
+        todo.clear()
+
     def _one(self, frames: list[Any], direct: bool = False) -> None:
         if len(frames) != 6:  # [gate, connection, principal, header, rid, body]: the gate sends nothing else
             self._own["bad_frames"] += 1
             return
         route = (_DIRECT, frames[1].bytes) if direct else (frames[0].bytes, frames[1].bytes)
-        rid = frames[4].bytes
         principal = "trainer" if direct or frames[2].bytes == b"trainer" else "record"
+        self._one_request(route, principal, frames[3].bytes, frames[4].bytes, frames[5].bytes)
+
+    def _one_request(self, route: tuple[bytes, bytes], principal: str, header: bytes, rid: bytes, body: bytes) -> None:
         try:
-            P.check_header(frames[3].bytes)
+            P.check_header(header)
             # the nesting walk only for ticket holders: a trainer's long releases would pay ~1.8 us per lease for
             # it, and a trainer (who holds the token) meets the decoder's own recursion limit, caught in _decode
-            req = P.decode_request(frames[5].bytes, check_nesting=principal != "trainer")
+            req = P.decode_request(body, check_nesting=principal != "trainer")
         except E.ProtocolError as e:
             self._own["bad_frames"] += 1
             self._send(route, rid, P.ErrorReply(error_code(e), str(e)[:8000]))
@@ -1060,6 +1126,11 @@ class ControlServer:
             self._own["internal_errors"] += 1
             log.error("cannot encode a %s reply: %s", type(rep).__name__, e)
             body = P.encode(P.ErrorReply("internal", f"reply could not be encoded: {e}"[:8000]))
+        if route[0] == _PLAIN:
+            plain = self._plain
+            if plain is None or not plain.send(int.from_bytes(route[1], "little"), rid, self._producer, body):
+                self._own["direct_replies_dropped"] += 1  # the trainer resends by request id, or via the gate
+            return
         if route[0] == _DIRECT:
             d = self._direct
             try:
@@ -1088,6 +1159,11 @@ class ControlServer:
                     os.close(fd)
             self._wake_r = self._wake_w = -1
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a ZeroMQ socket holds a message now (``ZMQ_EVENTS``; reading it also re-arms its ``ZMQ_FD``)."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _exit_reason(rc: int) -> str:
@@ -1320,7 +1396,7 @@ class ControlClient:
             pass  # the queue towards an unconnected producer is full: sent again when the connection is made
         return rid
 
-    def adopt(self, other: ControlClient) -> None:
+    def adopt(self, other: ControlClient | PlainClient) -> None:
         """Take over ``other``'s posted requests (sent again here, with their ids) and the answers it holds."""
         self._answers.extend(other.answers())
         self._posted.update(other._posted)

@@ -155,6 +155,7 @@ class ExportProducer:
         max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
         control_limits: ControlLimits | None = None,
         direct_port: int | None = 0,
+        plain_port: int | None = 0,
         shm_handoff: str = "fd",
     ) -> None:
         """``lease_ttl_s``: how long a consumer may hold a claimed record before it is taken back; a record
@@ -173,6 +174,11 @@ class ExportProducer:
 
         ``direct_port``: the trainer's direct control socket in this process, past the gate (its ZAP handler admits
         the trainer's key only): ``0`` an ephemeral port on ``host``, ``N`` that port, ``None`` none.
+
+        ``plain_port``: the trainer's plain control channel (:mod:`vllm_hs_compat.export.plain`: a bare TCP
+        connection to this process's serving thread, authenticated both ways by the token, not encrypted -- it
+        carries what the data plane carries; trainers use it before the direct socket): ``0`` an ephemeral port on
+        ``host``, ``N`` that port, ``None`` none (the trainer's requests then stay CURVE-encrypted).
 
         ``shm_handoff`` (shm only): ``"fd"`` the pool has no name and the trainer gets its descriptor over an
         abstract Unix socket (nothing is left in ``shm_dir``, whatever kills the process; the trainer must share
@@ -255,6 +261,7 @@ class ExportProducer:
         self._pump = threading.Thread(target=self._pump_loop, name="hsx-export-pump", daemon=True)
         self._pump.start()
         self.direct_endpoint: str | None = None
+        self.plain_endpoint: str | None = None
         try:
             self._server = ControlServer(
                 self._handle,
@@ -266,6 +273,8 @@ class ExportProducer:
                 limits=control_limits,
                 direct=direct_port is not None,
                 direct_port=direct_port or 0,
+                plain=plain_port is not None,
+                plain_port=plain_port or 0,
             )
         except BaseException:
             self._stop.set()
@@ -283,6 +292,9 @@ class ExportProducer:
         dport = self._server.direct_port
         #: the trainer's direct control endpoint (same host, the producer's own socket, past the gate), or None
         self.direct_endpoint = (f"[{adv}]:{dport}" if ":" in adv else f"{adv}:{dport}") if dport else None
+        pport = self._server.plain_port
+        #: the trainer's plain control endpoint (same host, this process's serving thread), or None
+        self.plain_endpoint = (f"[{adv}]:{pport}" if ":" in adv else f"{adv}:{pport}") if pport else None
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._counter_lock:
@@ -556,6 +568,9 @@ class ExportProducer:
         if isinstance(req, P.DirectReq):
             self._trainer_only(trainer, "direct (the trainer's own endpoint)")
             return P.DirectReply(self.direct_endpoint)
+        if isinstance(req, P.PlainReq):
+            self._trainer_only(trainer, "plain (the trainer's own channel)")
+            return P.PlainReply(self.plain_endpoint)
         if isinstance(req, P.ClaimReq):
             publication = None
             if not trainer:

@@ -180,7 +180,15 @@ class DirectReq(_Request, tag="direct"):
     older producer answers this op with a ``protocol`` error, and the consumer stays on the gate."""
 
 
-Request = HelloReq | PingReq | ClaimReq | FetchReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq | DirectReq
+class PlainReq(_Request, tag="plain"):
+    """Where the trainer may reach the producer's plain control channel (trainer only; see
+    :mod:`vllm_hs_compat.export.plain`).  Its own op, as ``direct``: an older producer answers it with a
+    ``protocol`` error, and the consumer uses the direct socket or the gate."""
+
+
+Request = (
+    HelloReq | PingReq | ClaimReq | FetchReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq | DirectReq | PlainReq
+)
 
 
 # --- transport descriptions (in the trainer's hello) ----------------------------------------------------------
@@ -335,6 +343,12 @@ class DirectReply(_Reply, tag="direct"):
     endpoint: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
 
+class PlainReply(_Reply, tag="plain"):
+    """The trainer's plain control endpoint (``host:port``), or None when the producer serves none."""
+
+    endpoint: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+
+
 class ErrorReply(_Reply, tag="error"):
     """A failed request: ``code`` names the error class (``control.ERROR_CODES``)."""
 
@@ -343,7 +357,16 @@ class ErrorReply(_Reply, tag="error"):
 
 
 Reply = (
-    HelloReply | PongReply | ClaimReply | FetchReply | ReleaseReply | ReadReply | StatsReply | DirectReply | ErrorReply
+    HelloReply
+    | PongReply
+    | ClaimReply
+    | FetchReply
+    | ReleaseReply
+    | ReadReply
+    | StatsReply
+    | DirectReply
+    | PlainReply
+    | ErrorReply
 )
 
 # --- codecs -------------------------------------------------------------------------------------------------------

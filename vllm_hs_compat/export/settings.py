@@ -57,6 +57,7 @@ class ExportSettings:
     max_redeliveries: int = DEFAULT_MAX_REDELIVERIES
     control_limits: ControlLimits | None = None
     direct_port: int | None = 0
+    plain_port: int | None = 0
     shm_handoff: str = "fd"
 
     @classmethod
@@ -96,8 +97,9 @@ class ExportSettings:
             up = -(-self.slot_bytes // 64) * 64
             raise E.ExportConfigError(f'"slot_bytes": {self.slot_bytes} must be a multiple of 64; round it up to {up}')
         _int("port", self.port, 0, 65535)
-        if self.direct_port is not None:
-            _int("direct_port", self.direct_port, 0, 65535)
+        for name in ("direct_port", "plain_port"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 0, 65535)
         _int("max_redeliveries", self.max_redeliveries, 0)
         for name in ("lease_ttl_s", "handshake_timeout_s"):
             _seconds(name, getattr(self, name), positive=True)

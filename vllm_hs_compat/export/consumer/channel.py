@@ -18,6 +18,7 @@ from vllm_hs_compat.export.consumer.landing import _Landing
 from vllm_hs_compat.export.consumer.state import _State
 from vllm_hs_compat.export.control import ControlClient
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport
+from vllm_hs_compat.export.plain import PlainClient
 from vllm_hs_compat.export.shm import ShmConsumerTransport
 
 log = logging.getLogger(__package__)  # one logger for the whole consumer: vllm_hs_compat.export.consumer
@@ -31,12 +32,15 @@ class ControlChannel:
     to (the gate, or the producer's direct endpoint once confirmed); both ``None`` before :meth:`open` and after
     :meth:`close`.  ``counters``: the consumer's (``direct_*``)."""
 
-    def __init__(self, endpoint: str, token: str | None, max_reply_bytes: int, counters: dict[str, int]) -> None:
+    def __init__(
+        self, endpoint: str, token: str | None, max_reply_bytes: int, counters: dict[str, int], plain: bool = True
+    ) -> None:
         self.endpoint = endpoint
         self._token = token
+        self._plain_wanted = plain
         self._max_reply_bytes = max_reply_bytes
         self._counters = counters
-        self.client: ControlClient | None = None
+        self.client: ControlClient | PlainClient | None = None
         #: the connection through the gate (the ticket's endpoint); ``client`` is it, or the direct one
         self.gate: ControlClient | None = None
 
@@ -76,11 +80,13 @@ class ControlChannel:
             return self.fall_back(e).call(req, timeout, rid=rid)
 
     def go_direct(self, producer: str | None, timeout_s: float) -> None:
-        """After a hello through the gate: ask for the direct endpoint, confirm it with a ping (the same
-        producer instance: ``producer``), then send every control call there.  Any failure keeps the gate
-        (counted ``direct_failures`` when an offered endpoint did not answer)."""
+        """After a hello through the gate: ask for the plain channel (then the direct endpoint), confirm it with a
+        ping (the same producer instance: ``producer``), then send every control call there.  Any failure keeps
+        the gate (counted ``direct_failures`` when an offered endpoint did not answer)."""
         gate = self.gate
         if gate is None or self.client is not gate or self._token is None:
+            return
+        if self._plain_wanted and self._go_plain(gate, producer, timeout_s):
             return
         try:
             rep, _ = gate.call(P.DirectReq(), timeout_s)
@@ -111,6 +117,38 @@ class ControlChannel:
         client.adopt(gate)
         self.client = client
         self._counters["direct_switches"] += 1
+
+    def _go_plain(self, gate: ControlClient, producer: str | None, timeout_s: float) -> bool:
+        token = self._token
+        if token is None:
+            return False
+        try:
+            rep, _ = gate.call(P.PlainReq(), timeout_s)
+        except E.ExportError as e:  # an older producer: `protocol` error
+            log.debug("no plain channel from %s: %s", self.endpoint, e)
+            return False
+        if not isinstance(rep, P.PlainReply) or rep.endpoint is None:
+            return False
+        client: PlainClient | None = None
+        try:
+            client = PlainClient(
+                rep.endpoint, token, min(timeout_s, DIRECT_CONFIRM_S), max_reply_bytes=self._max_reply_bytes
+            )
+            pong, answered = client.call(P.PingReq())
+            if not isinstance(pong, P.PongReply) or answered != producer:
+                raise E.StaleMetadataError(f"plain channel {rep.endpoint} answered as {answered}")
+        except HsCompatError as e:
+            self._counters["direct_failures"] += 1
+            log.info("plain channel %s not usable (%s); trying the direct socket", rep.endpoint, e)
+            if client is not None:
+                client.close()
+            return False
+        client.timeout_s = timeout_s
+        client.adopt(gate)
+        self.client = client
+        self._counters["direct_switches"] += 1
+        self._counters["plain_switches"] += 1
+        return True
 
     def fall_back(self, why: BaseException) -> ControlClient:
         """The direct connection failed: close it and use the gate again (its posted requests move there)."""

@@ -49,6 +49,7 @@ class ExportConsumer(_Streams):
         spill_bytes: int | None = None,
         direct: bool = True,
         inline_bytes: int = INLINE_BYTES,
+        plain: bool = True,
     ) -> None:
         if backend not in ("auto", "shm", "nixl"):
             raise E.ExportConfigError(f"backend must be 'auto', 'shm' or 'nixl', found {backend!r}")
@@ -125,10 +126,11 @@ class ExportConsumer(_Streams):
             "direct_switches": 0,
             "direct_failures": 0,
             "direct_fallbacks": 0,
+            "plain_switches": 0,
         }
         #: a trainer moves its control calls to the producer's direct endpoint (past the gate) when offered
         self._direct_wanted = direct
-        self._channel = ControlChannel(endpoint, token, max_reply_bytes, self.counters)
+        self._channel = ControlChannel(endpoint, token, max_reply_bytes, self.counters, plain=plain)
         self._reader: Any = None  # concurrent.futures.ThreadPoolExecutor, made on the first pipelined read
         self._raw, self._raw_key = memoryview(b""), (0, 0)
         try:
