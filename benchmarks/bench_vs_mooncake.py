@@ -161,9 +161,12 @@ def role_ours_consumer() -> None:
     def connect(eps: dict[str, dict[str, str]]) -> None:
         cons["L"] = ExportConsumer(eps["L"]["endpoint"], eps["L"]["token"])  # the defaults
         cons["S"] = ExportConsumer(eps["S"]["endpoint"], eps["S"]["token"], landing_bytes=64 * MiB)
+        # context: the trainer's control calls CURVE-encrypted over ZeroMQ (its direct socket), not the plain channel
+        cons["LC"] = ExportConsumer(eps["L"]["endpoint"], eps["L"]["token"], landing_bytes=128 * MiB, plain=False)
+        cons["SC"] = ExportConsumer(eps["S"]["endpoint"], eps["S"]["token"], landing_bytes=64 * MiB, plain=False)
 
-    def single(rid: str, verify: bool, inline: bool = True) -> dict[str, Any]:
-        c = cons["L"]
+    def single(rid: str, verify: bool, inline: bool = True, curve: bool = False) -> dict[str, Any]:
+        c = cons["LC" if curve else "L"]
         c.verify_checksum = verify
         default_inline = c.inline_bytes
         if not inline:
@@ -176,8 +179,8 @@ def role_ours_consumer() -> None:
         c.inline_bytes = default_inline
         return {"s": dt}
 
-    def stream(ids: list[str], mode: str, verify: bool) -> dict[str, Any]:
-        c = cons["S"]
+    def stream(ids: list[str], mode: str, verify: bool, curve: bool = False) -> dict[str, Any]:
+        c = cons["SC" if curve else "S"]
         c.verify_checksum = verify
         got = 0
         t0 = time.perf_counter()
@@ -715,6 +718,8 @@ class Bench:
                 out.append((case, "mc-store tcp get_into", self._store_single(size)))
             if ctx:
                 out.append((case, "ours tcp  fetch(), verify off [ctx]", self._ours_single("ours tcp", size, False)))
+                curve = self._ours_single("ours tcp", size, True, curve=True)
+                out.append((case, "ours tcp  fetch(), CURVE control [ctx]", curve))
                 out.append((case, "mc-te tcp read + xxh3 [ctx]", self._mc_single(size, True)))
                 out.append((case, "ours tcp  raw NIXL READ, no API [ctx]", self._ours_raw("ours tcp", size)))
                 out.append((case, "ours nixl-shm fetch() [ctx]", self._ours_single("ours nixl-shm", size, True)))
@@ -736,18 +741,27 @@ class Bench:
             )
             out.append((case, "mc-te tcp batch read + xxh3 [ctx]", self._mc_stream("batched", True)))
             out.append(
+                (
+                    case,
+                    "ours tcp  iter_batches, CURVE control [ctx]",
+                    self._ours_stream("ours tcp", "iter_batches", True, curve=True),
+                )
+            )
+            out.append(
                 (case, "ours nixl-shm iter_batches [ctx]", self._ours_stream("ours nixl-shm", "iter_batches", True))
             )
             out.append((case, "ours shm  iter_batches [ctx]", self._ours_stream("ours shm", "iter_batches", True)))
         return out
 
-    def _ours_single(self, cfg: str, size: int, verify: bool, inline: bool = True) -> Callable[[], float]:
+    def _ours_single(
+        self, cfg: str, size: int, verify: bool, inline: bool = True, curve: bool = False
+    ) -> Callable[[], float]:
         prod, cons = self.ours[cfg]
 
         def run() -> float:
             rid = self._id("r")
             prod("publish", name="L", size=size, ids=[rid])
-            return float(cons("single", rid=rid, verify=verify, inline=inline)["s"])
+            return float(cons("single", rid=rid, verify=verify, inline=inline, curve=curve)["s"])
 
         return run
 
@@ -761,14 +775,14 @@ class Bench:
 
         return run
 
-    def _ours_stream(self, cfg: str, mode: str, verify: bool) -> Callable[[], float]:
+    def _ours_stream(self, cfg: str, mode: str, verify: bool, curve: bool = False) -> Callable[[], float]:
         prod, cons = self.ours[cfg]
 
         def run() -> float:
             tag = self._id("s")
             ids = [f"{tag}-{i}" for i in range(STREAM_N)]
             prod("publish", name="S", size=STREAM_REC, ids=ids)
-            return float(cons("stream", ids=ids, mode=mode, verify=verify)["s"])
+            return float(cons("stream", ids=ids, mode=mode, verify=verify, curve=curve)["s"])
 
         return run
 

@@ -3,6 +3,7 @@
     python benchmarks/probe_small_fetch.py [--n 300] [--reps 3] [--producers 2] [--configs default,...]
         [--modes ping,claim,fetch] [--gap-ms 0]
     python benchmarks/probe_small_fetch.py --bare [--n 300] [--gap-ms 0]     # the floor: ZeroMQ + CURVE alone
+    python benchmarks/probe_small_fetch.py --bare-tcp [--n 300] [--gap-ms 0] # the plain channel's floor: bare TCP
 
 One producer process per configuration (``ExportProducer(backend="nixl")`` over ``UCX_TLS=tcp``, as
 ``bench_vs_mooncake.py``'s "ours tcp" pair, ``--producers`` producers in it, the first holding the 64 KiB records)
@@ -160,6 +161,78 @@ def role_bare_server() -> None:
         s.send_multipart([f[0], f[1], big if f[-1] == b"big" else b"x"])
 
 
+def role_bare_tcp_server() -> None:
+    """A bare TCP server answering each 8-byte request with a few bytes or 64 KiB; it waits for requests as
+    ``PROBE_WAIT`` says: ``recv`` (blocked in the read), ``select`` (``select.poll``, as the serving thread now
+    waits) or ``zmq`` (``zmq.Poller`` on the raw descriptor beside a ZeroMQ socket, as it waited before)."""
+    import select
+    import socket
+
+    import zmq
+
+    how = os.environ["PROBE_WAIT"]
+    ls = socket.create_server(("127.0.0.1", 0))
+    print(ls.getsockname()[1], flush=True)
+    c, _ = ls.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    big, small = os.urandom(SIZE), b"x" * 8
+    z = zmq.Context().socket(zmq.ROUTER)
+    z.bind("tcp://127.0.0.1:*")
+    zp = zmq.Poller()
+    sp = select.poll()
+    zp.register(c.fileno(), zmq.POLLIN)
+    zp.register(z, zmq.POLLIN)
+    sp.register(c.fileno(), select.POLLIN)
+    sp.register(int(z.getsockopt(zmq.FD)), select.POLLIN)
+    if how != "recv":
+        c.setblocking(False)
+    while True:
+        if how == "zmq":
+            zp.poll(200)
+        elif how == "select":
+            sp.poll(200)
+        try:
+            req = c.recv(64)
+        except BlockingIOError:
+            continue
+        if not req or req.startswith(b"q"):
+            break
+        body = big if req.startswith(b"b") else small
+        c.sendall(len(body).to_bytes(4, "little") + body)
+
+
+def run_bare_tcp(a: argparse.Namespace) -> None:
+    import socket
+    import subprocess
+
+    print("load", os.getloadavg())
+    for how in ("recv", "select", "zmq"):
+        env = {**os.environ, "PROBE_WAIT": how}
+        srv = subprocess.Popen([sys.executable, __file__, "--role", "bare-tcp"], stdout=subprocess.PIPE, env=env)
+        try:
+            assert srv.stdout is not None
+            c = socket.create_connection(("127.0.0.1", int(srv.stdout.readline())))
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            buf = bytearray(SIZE)
+            for kind in (b"s", b"b"):
+                ts = []
+                for _ in range(a.n):
+                    if a.gap_ms:
+                        time.sleep(a.gap_ms / 1e3)
+                    t0 = time.perf_counter_ns()
+                    c.sendall(kind * 8)
+                    n = int.from_bytes(c.recv(4, socket.MSG_WAITALL), "little")
+                    got = 0
+                    while got < n:
+                        got += c.recv_into(memoryview(buf)[got:n], n - got)
+                    ts.append((time.perf_counter_ns() - t0) / 1e3)
+                answer = "small" if kind == b"s" else "64 KiB"
+                print(f"bare TCP round trip, server waits in {how}, {answer} answer: median {_med(ts[5:]):.1f} us")
+            c.sendall(b"q" * 8)
+        finally:
+            srv.wait(10)
+
+
 def run_bare(a: argparse.Namespace) -> None:
     import subprocess
 
@@ -296,6 +369,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role")
     ap.add_argument("--bare", action="store_true", help="the floor: a bare ZeroMQ + CURVE round trip")
+    ap.add_argument("--bare-tcp", action="store_true", help="the floor of the plain channel: a bare TCP round trip")
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--producers", type=int, default=2)
@@ -310,8 +384,14 @@ def main() -> None:
     if a.role == "bare":
         role_bare_server()
         return
+    if a.role == "bare-tcp":
+        role_bare_tcp_server()
+        return
     if a.bare:
         run_bare(a)
+        return
+    if a.bare_tcp:
+        run_bare_tcp(a)
         return
     CONFIGS.update(json.loads(a.extra))
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "probe_small_fetch"
