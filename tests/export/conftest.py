@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -12,8 +12,9 @@ import pytest
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hsx_harness import BACKENDS, Peer  # noqa: E402
+from hsx_harness import BACKENDS, Peer, producer_factory  # noqa: E402
 
+from vllm_hs_compat.export import ExportProducer  # noqa: E402
 from vllm_hs_compat.export.control import TOKEN_ENV, TOKEN_FILE_ENV  # noqa: E402
 
 NO_TOKEN_ENV: dict[str, str | None] = {TOKEN_ENV: None, TOKEN_FILE_ENV: "/nonexistent/hsx-no-token"}
@@ -22,6 +23,14 @@ NO_TOKEN_ENV: dict[str, str | None] = {TOKEN_ENV: None, TOKEN_FILE_ENV: "/nonexi
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture
+def make_producer(backend: str) -> Iterator[Callable[..., ExportProducer]]:
+    """``make(**kw)`` -> an ExportProducer on the test's ``backend``, closed after the test (a module may define its
+    own)."""
+    with producer_factory(backend) as make:
+        yield make
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,13 @@ straight into the packed layout), every failure of one record its own named erro
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-from hsx_harness import ledger_balanced, producer_factory, wait_until
+from hsx_harness import ledger_balanced, wait_until
 from hsx_testdata import make_meta, make_rows
 
 from vllm_hs_compat.core.records import RecordMeta
@@ -35,12 +35,6 @@ Make = Callable[..., ExportProducer]
 
 #: (tokens, planes, hidden, dtype): odd row sizes (21 bytes), one row, several schemas
 SHAPES = [(5, 3, 7, "uint8"), (1, 2, 64, "bfloat16"), (33, 2, 64, "bfloat16"), (7, 3, 128, "float16")]
-
-
-@pytest.fixture
-def make_producer(backend: str) -> Iterator[Make]:
-    with producer_factory(backend) as make:
-        yield make
 
 
 @pytest.fixture(params=["packed", "direct"])

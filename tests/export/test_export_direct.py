@@ -17,12 +17,12 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 import pytest
 import zmq
-from hsx_harness import Peer, free_port, process_memory, producer_factory, wait_until
+from hsx_harness import Peer, free_port, process_memory, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 from test_export_zmq_abort import FLOOD, _reset
 
@@ -33,12 +33,6 @@ from vllm_hs_compat.export.control import ControlClient, ControlServer, new_toke
 
 Make = Callable[..., ExportProducer]
 MiB = 1 << 20
-
-
-@pytest.fixture
-def make_producer(backend: str) -> Iterator[Make]:
-    with producer_factory(backend) as make:
-        yield make
 
 
 def _publish(p: ExportProducer, rid: str, seed: int) -> P.ExportTicket:
@@ -255,15 +249,21 @@ class _Relay:
             s.close()
 
 
-def test_direct_endpoint_lost_mid_session_falls_back_to_the_gate(make_producer: Make) -> None:
+@pytest.mark.parametrize("channel", ["direct", "plain"])
+def test_direct_endpoint_lost_mid_session_falls_back_to_the_gate(make_producer: Make, channel: str) -> None:
+    """The CURVE direct socket, or the plain channel (test_export_plain.py), lost mid-session."""
     p = make_producer()
     for i in range(3):
         _publish(p, f"m{i}", i)
-    relay = _Relay(("127.0.0.1", p._server.direct_port))
-    p.direct_endpoint = f"127.0.0.1:{relay.port}"
+    plain = channel == "plain"
+    relay = _Relay(("127.0.0.1", p._server.plain_port if plain else p._server.direct_port))
+    if plain:
+        p.plain_endpoint = f"127.0.0.1:{relay.port}"
+    else:
+        p.direct_endpoint = f"127.0.0.1:{relay.port}"
     try:
-        with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB, plain=False) as c:
-            assert c.direct
+        with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB, plain=plain) as c:
+            assert c.direct and c.stats()["plain_switches"] == int(plain)
             assert digest(c.fetch("m0").hidden_states) == digest(make_rows(0, 50, 2, 64))
             relay.close()  # the direct endpoint becomes unreachable
             t0 = time.monotonic()

@@ -14,10 +14,10 @@ a producer that answers the op with a protocol error is claimed from the old way
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from hsx_harness import ledger_balanced, producer_factory, wait_until
+from hsx_harness import ledger_balanced, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 
 from vllm_hs_compat import errors as E
@@ -26,12 +26,6 @@ from vllm_hs_compat.export import protocol as P
 
 Make = Callable[..., ExportProducer]
 MiB = 1 << 20
-
-
-@pytest.fixture
-def make_producer(backend: str) -> Iterator[Make]:
-    with producer_factory(backend) as make:
-        yield make
 
 
 def _publish(p: ExportProducer, rid: str, seed: int, tokens: int = 50) -> P.ExportTicket:

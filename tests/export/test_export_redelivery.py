@@ -15,12 +15,11 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
-from hsx_harness import ledger_balanced, producer_factory, wait_until
+from hsx_harness import ledger_balanced, wait_until
 from hsx_testdata import Clock, digest, make_meta, make_rows, meta
 
 from vllm_hs_compat import errors as E
@@ -162,12 +161,6 @@ def test_close_discards_a_requeued_record_once() -> None:
 
 
 # --- a real producer ----------------------------------------------------------------------------------------------
-@pytest.fixture
-def make_producer(backend: str) -> Iterator[Make]:
-    with producer_factory(backend) as make:
-        yield make
-
-
 def publish(p: ExportProducer, rid: str, seed: int, tokens: int = 16) -> str:
     rows = make_rows(seed, tokens, 2, 64, "bfloat16")
     p.publish(make_meta(rid, rows, seed), rows)

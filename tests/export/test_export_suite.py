@@ -11,13 +11,13 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-from hsx_harness import Peer, free_port, ledger_balanced, producer_factory, wait_until
+from hsx_harness import Peer, free_port, ledger_balanced, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 
 from vllm_hs_compat.export import (
@@ -48,12 +48,6 @@ from vllm_hs_compat.export.control import ControlClient, server_key
 
 MiB = 1 << 20
 Make = Callable[..., ExportProducer]
-
-
-@pytest.fixture
-def make_producer(backend: str) -> Iterator[Make]:
-    with producer_factory(backend) as make:
-        yield make
 
 
 def publish(

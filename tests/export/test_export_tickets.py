@@ -117,12 +117,6 @@ def test_the_connector_ticket_opens_its_record_for_a_client_without_the_token(
 
 # --- a capability opens one publication (issue 15, items 6 and 7) -----------------------------------------------
 @pytest.fixture
-def make_producer(backend: str) -> Iterator[Make]:
-    with producer_factory(backend) as make:
-        yield make
-
-
-@pytest.fixture
 def shm_producer() -> Iterator[Make]:
     with producer_factory("shm") as make:
         yield make

@@ -62,7 +62,7 @@ from vllm_hs_compat import envs
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.gate import COUNTERS as GATE_COUNTERS
-from vllm_hs_compat.export.plain import PlainClient, PlainRequest, PlainServer, plain_key
+from vllm_hs_compat.export.plain import PlainRequest, PlainServer, PostedRequests, plain_key
 
 log = logging.getLogger(__name__)
 
@@ -1192,7 +1192,7 @@ def _context() -> zmq.Context[zmq.Socket[bytes]]:
         return _client_ctx
 
 
-class ControlClient:
+class ControlClient(PostedRequests):
     """One CURVE DEALER connection to a producer.  Not thread-safe: one client per thread.
 
     With ``token`` the client is the trainer (CURVE keys derived from the token).  Without it, it is a ticket
@@ -1240,13 +1240,10 @@ class ControlClient:
             raise E.ExportConfigError(
                 "a control client needs the trainer token, or a ticket's server_key (and capability)"
             )
+        super().__init__()
         self.principal = "trainer" if token is not None else "record"
         self.stale_replies = 0
         self.resends = 0
-        #: requests sent with :meth:`post` whose answers have not arrived: rid -> frames (resent after a drop)
-        self._posted: dict[bytes, list[bytes]] = {}
-        #: answers to posted requests, in arrival order: (rid, (reply, producer) or the error it raised)
-        self._answers: list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]] = []
         self._handshakes = 0
         self._failures = 0
         sock = _context().socket(zmq.DEALER)
@@ -1396,11 +1393,9 @@ class ControlClient:
             pass  # the queue towards an unconnected producer is full: sent again when the connection is made
         return rid
 
-    def adopt(self, other: ControlClient | PlainClient) -> None:
+    def adopt(self, other: PostedRequests) -> None:
         """Take over ``other``'s posted requests (sent again here, with their ids) and the answers it holds."""
-        self._answers.extend(other.answers())
-        self._posted.update(other._posted)
-        other._posted.clear()
+        self._take_posted(other)
         self._resend_posted()
 
     def _resend_posted(self) -> None:
@@ -1422,16 +1417,6 @@ class ControlClient:
             if not self._posted or left <= 0:
                 return
             self._poller.poll(max(1, min(int(left * 1000) + 1, 100)))
-
-    def answers(self) -> list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]]:
-        """Answers to posted requests received so far (each handed out once)."""
-        out, self._answers = self._answers, []
-        return out
-
-    @property
-    def outstanding(self) -> int:
-        """Posted requests not answered yet."""
-        return len(self._posted)
 
     def close(self) -> None:
         """Close the connection (pending answers are dropped)."""

@@ -335,7 +335,43 @@ class PlainServer:
             self._listener.close()
 
 
-class PlainClient:
+class PostedRequests:
+    """Requests sent without waiting for their answers (``post``) and the answers received, as both control
+    clients keep them (:class:`PlainClient`, :class:`~vllm_hs_compat.export.control.ControlClient`)."""
+
+    def __init__(self) -> None:
+        #: requests sent with ``post`` whose answers have not arrived: rid -> frames (sent again after a drop)
+        self._posted: dict[bytes, list[bytes]] = {}
+        #: answers to posted requests, in arrival order: (rid, (reply, producer) or the error it raised)
+        self._answers: list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]] = []
+
+    def answers(self) -> list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]]:
+        """Answers to posted requests received so far (each handed out once)."""
+        out, self._answers = self._answers, []
+        return out
+
+    @property
+    def outstanding(self) -> int:
+        """Posted requests not answered yet."""
+        return len(self._posted)
+
+    def _file(self, rid: bytes, answer: tuple[P.Reply, str] | E.HsCompatError) -> bool:
+        """Keep ``answer`` if it answers a posted request (True), else it is nobody's (False)."""
+        if self._posted.pop(rid, None) is None:
+            return False
+        self._answers.append((rid, answer))
+        return True
+
+    def _take_posted(self, other: PostedRequests) -> list[list[bytes]]:
+        """Move ``other``'s posted requests and answers here; the frames of the requests, to send again."""
+        self._answers.extend(other.answers())
+        self._posted.update(other._posted)
+        frames = list(other._posted.values())
+        other._posted.clear()
+        return frames
+
+
+class PlainClient(PostedRequests):
     """The trainer's side: one authenticated connection to a producer's plain channel, with
     :class:`~vllm_hs_compat.export.control.ControlClient`'s interface (``call``, ``post``, ``collect``,
     ``answers``, ``adopt``).  No reconnection: any failure closes it and raises
@@ -347,6 +383,7 @@ class PlainClient:
     def __init__(self, endpoint: str, token: str, timeout_s: float, *, max_reply_bytes: int) -> None:
         from vllm_hs_compat.export.control import check_token, parse_endpoint  # (control imports this module)
 
+        super().__init__()
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_reply_bytes = max_reply_bytes
@@ -355,8 +392,6 @@ class PlainClient:
         self.stale_replies = 0
         self.resends = 0
         self._key = plain_key(check_token(token))
-        self._posted: dict[bytes, list[bytes]] = {}
-        self._answers: list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]] = []
         self._max_frame = max_reply_bytes + 2 * P.REPLY_OVERHEAD
         host, port = parse_endpoint(endpoint)
         deadline = time.monotonic() + timeout_s
@@ -475,10 +510,7 @@ class PlainClient:
                 if isinstance(answer, E.HsCompatError):
                     raise answer
                 return answer
-            if got in self._posted:
-                del self._posted[got]
-                self._answers.append((got, answer))
-            else:
+            if not self._file(got, answer):
                 self.stale_replies += 1
 
     def post(self, req: P.Request) -> bytes:
@@ -498,32 +530,13 @@ class PlainClient:
             if not waiter.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 return
             got, answer = self._next(time.monotonic() + self.timeout_s)  # a frame has begun: read it whole
-            if got in self._posted:
-                del self._posted[got]
-                self._answers.append((got, answer))
-            else:
+            if not self._file(got, answer):
                 self.stale_replies += 1
 
-    def answers(self) -> list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]]:
-        """Answers to posted requests received so far (each handed out once)."""
-        out, self._answers = self._answers, []
-        return out
-
-    @property
-    def outstanding(self) -> int:
-        """Posted requests not answered yet."""
-        return len(self._posted)
-
-    def adopt(self, other: object) -> None:
+    def adopt(self, other: PostedRequests) -> None:
         """Take over ``other``'s posted requests (sent again here, with their ids) and the answers it holds."""
-        answers = getattr(other, "answers", None)
-        posted: dict[bytes, list[bytes]] = getattr(other, "_posted", {})
-        if answers is not None:
-            self._answers.extend(answers())
-        for rid, frames in list(posted.items()):
-            self._posted[rid] = frames
+        for frames in self._take_posted(other):
             self._send_all([self._frame(frames)], time.monotonic() + self.timeout_s)
-        posted.clear()
 
     def close(self) -> None:
         """Close the connection (pending answers are dropped)."""
