@@ -33,7 +33,8 @@ from vllm_hs_compat.export import (
     ProtocolError,
 )
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.control import _SERVER_MAXMSGSIZE, ControlClient
+from vllm_hs_compat.export.control import ControlClient
+from vllm_hs_compat.export.server import _SERVER_MAXMSGSIZE
 
 MiB = 1 << 20
 TOKEN = "t" * 40

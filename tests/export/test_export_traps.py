@@ -18,7 +18,7 @@ import pytest
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import ExportProducer
-from vllm_hs_compat.export import control as C
+from vllm_hs_compat.export import credentials as C
 from vllm_hs_compat.export import shm as S
 
 MiB = 1 << 20

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if endpoints:
-            from vllm_hs_compat.export.control import read_token
+            from vllm_hs_compat.export.credentials import read_token
 
             token = args.token if args.token is not None else read_token(args.token_file)
             progress(f"convert: streaming from {', '.join(endpoints)} into {args.out} as {args.format} ...")

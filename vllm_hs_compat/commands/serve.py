@@ -178,7 +178,7 @@ def _warm_up(args: argparse.Namespace, config: dict[str, Any], sink: str) -> dic
 
 
 def _token_where(p: Any) -> str:
-    from vllm_hs_compat.export.control import TOKEN_ENV, default_token_file
+    from vllm_hs_compat.export.credentials import TOKEN_ENV, default_token_file
 
     if os.environ.get(TOKEN_ENV):
         return f"${TOKEN_ENV} (set in this environment; trainers need the same value)"

@@ -239,7 +239,7 @@ def check_kv_transfer_config(kv_transfer_config: Any) -> ConnectorConfig | None:
                 "its folder on PYTHONPATH (the worker processes import it)"
             )
     if config.sink == "export":
-        from vllm_hs_compat.export.control import TOKEN_ENV, check_token
+        from vllm_hs_compat.export.credentials import TOKEN_ENV, check_token
 
         env = os.environ.get(TOKEN_ENV)
         if env:

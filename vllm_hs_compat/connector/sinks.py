@@ -55,7 +55,7 @@ class ExportSink(Sink):
     kind = "export"
 
     def __init__(self, options: Mapping[str, Any]) -> None:
-        from vllm_hs_compat.export.control import load_or_create_token
+        from vllm_hs_compat.export.credentials import load_or_create_token
         from vllm_hs_compat.export.producer import ExportProducer
         from vllm_hs_compat.export.settings import TOKEN_FILE_KEY, ExportSettings
 

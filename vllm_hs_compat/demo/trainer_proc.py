@@ -226,7 +226,7 @@ def _acceptance(model: str, head: Any, aux_layer_ids: list[int], args: TrainerAr
 
 def run(args: TrainerArgs) -> int:
     from vllm_hs_compat.drafter.head import Eagle3Head, make_item, save_drafter, train
-    from vllm_hs_compat.export.control import read_token
+    from vllm_hs_compat.export.credentials import read_token
     from vllm_hs_compat.reference.forward import final_norm, load_hf
 
     torch.set_num_threads(1)  # the engine shares this machine

@@ -32,7 +32,6 @@ counted (``plain_*``).  Nothing here can abort the process: no libzmq, only the 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import logging
 import secrets
@@ -45,6 +44,9 @@ from typing import Final
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.client import PostedRequests
+from vllm_hs_compat.export.credentials import check_token, plain_key
+from vllm_hs_compat.export.protocol import ERROR_CODES, parse_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +73,6 @@ PLAIN_COUNTERS: Final = (
     "plain_requests",
     "plain_replies_dropped",
 )
-
-
-def plain_key(token: str) -> bytes:
-    """The channel's HMAC key: ``HMAC-SHA256(token, "hs-compat plain channel v1")`` (the token itself never
-    crosses the connection)."""
-    return hmac.new(token.encode(), b"hs-compat plain channel v1", hashlib.sha256).digest()
 
 
 def _mac(key: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
@@ -335,42 +331,6 @@ class PlainServer:
             self._listener.close()
 
 
-class PostedRequests:
-    """Requests sent without waiting for their answers (``post``) and the answers received, as both control
-    clients keep them (:class:`PlainClient`, :class:`~vllm_hs_compat.export.control.ControlClient`)."""
-
-    def __init__(self) -> None:
-        #: requests sent with ``post`` whose answers have not arrived: rid -> frames (sent again after a drop)
-        self._posted: dict[bytes, list[bytes]] = {}
-        #: answers to posted requests, in arrival order: (rid, (reply, producer) or the error it raised)
-        self._answers: list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]] = []
-
-    def answers(self) -> list[tuple[bytes, tuple[P.Reply, str] | E.HsCompatError]]:
-        """Answers to posted requests received so far (each handed out once)."""
-        out, self._answers = self._answers, []
-        return out
-
-    @property
-    def outstanding(self) -> int:
-        """Posted requests not answered yet."""
-        return len(self._posted)
-
-    def _file(self, rid: bytes, answer: tuple[P.Reply, str] | E.HsCompatError) -> bool:
-        """Keep ``answer`` if it answers a posted request (True), else it is nobody's (False)."""
-        if self._posted.pop(rid, None) is None:
-            return False
-        self._answers.append((rid, answer))
-        return True
-
-    def _take_posted(self, other: PostedRequests) -> list[list[bytes]]:
-        """Move ``other``'s posted requests and answers here; the frames of the requests, to send again."""
-        self._answers.extend(other.answers())
-        self._posted.update(other._posted)
-        frames = list(other._posted.values())
-        other._posted.clear()
-        return frames
-
-
 class PlainClient(PostedRequests):
     """The trainer's side: one authenticated connection to a producer's plain channel, with
     :class:`~vllm_hs_compat.export.control.ControlClient`'s interface (``call``, ``post``, ``collect``,
@@ -381,8 +341,6 @@ class PlainClient(PostedRequests):
     principal: Final = "trainer"
 
     def __init__(self, endpoint: str, token: str, timeout_s: float, *, max_reply_bytes: int) -> None:
-        from vllm_hs_compat.export.control import check_token, parse_endpoint  # (control imports this module)
-
         super().__init__()
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -491,8 +449,6 @@ class PlainClient(PostedRequests):
         except E.HsCompatError as e:
             return rid, e
         if isinstance(rep, P.ErrorReply):
-            from vllm_hs_compat.export.control import ERROR_CODES
-
             return rid, ERROR_CODES.get(rep.code, E.RemoteError)(rep.message)
         return rid, (rep, producer)
 

@@ -60,9 +60,10 @@ from vllm_hs_compat.export.capabilities import (
     same_publication,
     verify,
 )
-from vllm_hs_compat.export.control import Call, ControlLimits, ControlServer, check_token, new_token
+from vllm_hs_compat.export.credentials import check_token, new_token
 from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
 from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES, Lease, LeasePool
+from vllm_hs_compat.export.server import Call, ControlLimits, ControlServer
 from vllm_hs_compat.export.settings import CLAIMED_POLL_S, CLAIMED_SPIN_S
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmProducerTransport
 from vllm_hs_compat.export.transport import ProducerTransport

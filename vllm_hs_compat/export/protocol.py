@@ -44,6 +44,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import RecordMeta, decode_typed
 from vllm_hs_compat.core.vocabulary import EXPORT_KEY
 from vllm_hs_compat.errors import (
@@ -681,3 +682,53 @@ class ExportTicket:
             server_key=e.server_key,
             cap=e.cap,
         )
+
+
+# --- errors and endpoints on the wire -----------------------------------------------------------------------
+#: error code on the wire <-> exception class.  Unlisted codes become RemoteError.
+ERROR_CODES: Final[dict[str, type[E.ExportError]]] = {
+    "auth": E.AuthError,
+    "capability": E.CapabilityError,
+    "wire_version": E.WireVersionError,
+    "protocol": E.ProtocolError,
+    "unknown_record": E.UnknownRecordError,
+    "failed_record": E.RecordFailedError,
+    "lease_expired": E.LeaseExpiredError,
+    "config": E.ExportConfigError,
+    "timeout": E.ExportTimeoutError,
+    "closed": E.ExportClosedError,
+    "stale": E.StaleMetadataError,
+    "descriptor": E.DescriptorError,
+}
+
+
+def error_code(exc: BaseException) -> str:
+    """The wire code of an export error (the most specific class listed in :data:`ERROR_CODES`)."""
+    for code, cls in ERROR_CODES.items():
+        if type(exc) is cls:
+            return code
+    for code, cls in ERROR_CODES.items():
+        if isinstance(exc, cls):
+            return code
+    return "internal"
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"``, ``"[v6]:port"`` or either with ZeroMQ's ``tcp://`` prefix -> ``(host, port)``."""
+    if not isinstance(endpoint, str) or ":" not in endpoint:
+        raise E.ExportConfigError(f"endpoint must look like 'host:port', found {endpoint!r}")
+    address = endpoint[len("tcp://") :] if endpoint.startswith("tcp://") else endpoint
+    host, _, port_s = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise E.ExportConfigError(f"endpoint {endpoint!r} has a non-numeric port") from None
+    if not 0 < port < 65536 or not host:
+        raise E.ExportConfigError(f"endpoint {endpoint!r} needs a host and a port in 1..65535")
+    return host, port
+
+
+def zmq_address(host: str, port: int | str) -> str:
+    """ZeroMQ's ``tcp://`` address of ``host`` and ``port`` (an IPv6 host in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -15,9 +15,9 @@ from typing import Any, Final
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM
-from vllm_hs_compat.export.control import ControlLimits
 from vllm_hs_compat.export.nixl_backend import UcxSettings
 from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES
+from vllm_hs_compat.export.server import ControlLimits
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR
 
 #: After a claim the pump polls every ``claimed_poll_interval_s`` while the claimed leases are out, for at most

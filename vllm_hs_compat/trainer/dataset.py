@@ -509,7 +509,7 @@ class _ExportSource(_Source):
         consumer_kwargs: dict[str, Any],
         dedupe_window: int = DEDUPE_WINDOW,
     ) -> None:
-        from vllm_hs_compat.export.control import read_token
+        from vllm_hs_compat.export.credentials import read_token
         from vllm_hs_compat.export.protocol import ExportTicket
 
         if not isinstance(batch, int) or not 1 <= batch <= 1024:

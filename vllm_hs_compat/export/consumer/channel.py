@@ -14,9 +14,9 @@ import msgspec
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
+from vllm_hs_compat.export.client import ControlClient
 from vllm_hs_compat.export.consumer.landing import _Landing
 from vllm_hs_compat.export.consumer.state import _State
-from vllm_hs_compat.export.control import ControlClient
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport
 from vllm_hs_compat.export.plain import PlainClient
 from vllm_hs_compat.export.shm import ShmConsumerTransport

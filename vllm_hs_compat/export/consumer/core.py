@@ -19,7 +19,7 @@ from vllm_hs_compat.export.consumer.channel import ControlChannel
 from vllm_hs_compat.export.consumer.claims import INLINE_BYTES
 from vllm_hs_compat.export.consumer.landing import PAGE
 from vllm_hs_compat.export.consumer.streams import _Streams
-from vllm_hs_compat.export.control import read_token, server_key
+from vllm_hs_compat.export.credentials import read_token, server_key
 from vllm_hs_compat.export.nixl_backend import UcxSettings
 from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR
 from vllm_hs_compat.export.transport import ConsumerTransport
