@@ -287,17 +287,22 @@ def test_hello_reply_is_unchanged_and_an_older_producer_keeps_the_gate(make_prod
         P.decode_reply(msgspec.msgpack.encode({**old, "direct": "127.0.0.1:1"}))
     p = make_producer()
     _publish(p, "o", 3)
-    handler = p._server._handler
-
-    def older(req: P.Request, call: object) -> P.Reply | None:
-        if isinstance(req, P.DirectReq):  # what an older producer's decoder answers to an unknown op
-            raise P.ProtocolError("request does not fit the wire-2 schema: Invalid value 'direct'")
-        return handler(req, call)  # type: ignore[arg-type]
-
-    p._server._handler = older
+    _as_older_producer(p, P.DirectReq, "direct")
     with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB, plain=False) as c:
         assert not c.direct and c.stats()["direct_failures"] == 0
         assert digest(c.fetch("o").hidden_states) == digest(make_rows(3, 50, 2, 64))
+
+
+def _as_older_producer(p: ExportProducer, op: type[P.Request], name: str) -> None:
+    """``p`` answers the request type ``op`` as a producer that does not know it: a ``protocol`` error."""
+    handler = p._server._handler
+
+    def older(req: P.Request, call: object) -> P.Reply | None:
+        if isinstance(req, op):  # what an older producer's decoder answers to an unknown op
+            raise P.ProtocolError(f"request does not fit the wire-4 schema: Invalid value {name!r}")
+        return handler(req, call)  # type: ignore[arg-type]
+
+    p._server._handler = older
 
 
 def test_a_killed_gate_does_not_interrupt_a_direct_trainer(make_producer: Make) -> None:

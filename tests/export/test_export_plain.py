@@ -23,7 +23,7 @@ from collections.abc import Callable
 import pytest
 from hsx_harness import Peer, process_memory, wait_until
 from hsx_testdata import digest, make_rows
-from test_export_direct import _publish
+from test_export_direct import _as_older_producer, _publish
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import ExportConsumer, ExportProducer
@@ -238,14 +238,7 @@ def test_hostile_connections_are_bounded_and_the_trainer_still_served() -> None:
 def test_an_older_producer_without_the_op_leaves_the_trainer_on_its_direct_socket(make_producer: Make) -> None:
     p = make_producer()
     _publish(p, "o", 3)
-    handler = p._server._handler
-
-    def older(req: P.Request, call: object) -> P.Reply | None:
-        if isinstance(req, P.PlainReq):  # what an older producer's decoder answers to an unknown op
-            raise P.ProtocolError("request does not fit the wire-4 schema: Invalid value 'plain'")
-        return handler(req, call)  # type: ignore[arg-type]
-
-    p._server._handler = older
+    _as_older_producer(p, P.PlainReq, "plain")
     with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB) as c:
         st = c.stats()
         assert c.direct and st["plain_switches"] == 0 and st["direct_failures"] == 0, st

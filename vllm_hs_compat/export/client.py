@@ -14,7 +14,7 @@ import zmq
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.credentials import check_token, curve_keys
-from vllm_hs_compat.export.protocol import ERROR_CODES, parse_endpoint, zmq_address
+from vllm_hs_compat.export.protocol import parse_endpoint, zmq_address
 
 PROTO: Final = P.WIRE_VERSION
 
@@ -279,8 +279,7 @@ class ControlClient(PostedRequests):
         rep = P.decode_reply(got[3])
         producer = got[2].decode("ascii", "replace")
         if isinstance(rep, P.ErrorReply):
-            cls = ERROR_CODES.get(rep.code, E.RemoteError)
-            raise cls(rep.message)
+            raise P.remote_error(rep)
         return rep, producer
 
     # --- requests whose answers are collected later ---------------------------------------------------------

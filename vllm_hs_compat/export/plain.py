@@ -46,7 +46,7 @@ from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.client import PostedRequests
 from vllm_hs_compat.export.credentials import check_token, plain_key
-from vllm_hs_compat.export.protocol import ERROR_CODES, parse_endpoint
+from vllm_hs_compat.export.protocol import parse_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,6 @@ class PlainServer:
     def owns(self, fd: int) -> bool:
         """Whether ``fd`` is this server's (its listener or a connection)."""
         return fd == self.fd or fd in self._conns
-
-    @property
-    def connections(self) -> int:
-        """Open connections (authenticated or mid-handshake)."""
-        return len(self._conns)
 
     def ready(self, fd: int, events: int, out: list[PlainRequest]) -> None:
         """Serve what the poller reported for ``fd`` (``events``: ``select.poll``'s bits); complete
@@ -254,17 +249,19 @@ class PlainServer:
         """Whether ``mac`` answers this server's challenge ``nonce`` (with the client's ``theirs``) under the key."""
         return hmac.compare_digest(mac, _mac(self._key, b"c", nonce, theirs))
 
-    def send(self, conn_id: int, rid: bytes, producer: bytes, body: bytes) -> bool:
-        """Queue an answer on connection ``conn_id``; False when the connection is gone (counted)."""
+    def send(self, conn_id: int, rid: bytes, producer: bytes, body: bytes) -> None:
+        """Queue an answer on connection ``conn_id``; one for a connection that is gone is dropped and counted
+        (``plain_replies_dropped``: the trainer sends the request again through the gate, by request id)."""
         conn = self._by_id.get(conn_id)
         if conn is None or not conn.authed:
             self.counters["plain_replies_dropped"] += 1
-            return False
+            return
         n = len(P.HEADER) + len(rid) + 1 + len(producer) + len(body)
         self._queue(conn, [_LEN.pack(n) + P.HEADER + rid + bytes((len(producer),)) + producer, body])
-        return conn.id in self._by_id
 
     def _queue(self, conn: _Conn, parts: list[bytes]) -> None:
+        """Send ``parts`` now, as far as the socket takes them; the rest waits for POLLOUT, within the backlog."""
+        rest: list[bytes | memoryview] = list(parts)
         if not conn.out:
             try:
                 sent = conn.sock.sendmsg(parts)
@@ -273,20 +270,13 @@ class PlainServer:
             except OSError:
                 self._drop(conn)
                 return
-            for p in parts:
-                if sent >= len(p):
-                    sent -= len(p)
-                    continue
-                rest = memoryview(p)[sent:]
-                sent = 0
-                conn.out.append(rest)
-                conn.out_bytes += len(rest)
-            if conn.out:
+            while rest and sent >= len(rest[0]):
+                sent -= len(rest.pop(0))
+            if rest:
+                rest[0] = memoryview(rest[0])[sent:]
                 self._watch(conn.fd, select.POLLIN | select.POLLOUT)
-            return
-        for p in parts:
-            conn.out.append(p)
-            conn.out_bytes += len(p)
+        conn.out.extend(rest)
+        conn.out_bytes += sum(len(p) for p in rest)
         if conn.out_bytes > self._backlog:
             self.counters["plain_backlog_drops"] += 1
             log.warning("plain control channel: a trainer connection left %d reply bytes unread; dropped it",
@@ -345,10 +335,7 @@ class PlainClient(PostedRequests):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_reply_bytes = max_reply_bytes
-        self.fail_on_disconnect = True
-        self.disconnected = False
         self.stale_replies = 0
-        self.resends = 0
         self._key = plain_key(check_token(token))
         self._max_frame = max_reply_bytes + 2 * P.REPLY_OVERHEAD
         host, port = parse_endpoint(endpoint)
@@ -364,7 +351,7 @@ class PlainClient(PostedRequests):
             if bytes(greeting[: len(MAGIC)]) != MAGIC:
                 raise E.AuthError(f"{endpoint} is not a vllm-hs-compat plain control channel (it greeted otherwise)")
             theirs, mine = bytes(greeting[len(MAGIC) :]), secrets.token_bytes(NONCE_BYTES)
-            self._send_all([mine + _mac(self._key, b"c", theirs, mine)], deadline)
+            self._send_all(mine + _mac(self._key, b"c", theirs, mine), deadline)
             proof = self._exact(MAC_BYTES, deadline)
             if not hmac.compare_digest(bytes(proof), _mac(self._key, b"s", mine, theirs)):
                 raise E.AuthError(f"the plain control channel at {endpoint} is not keyed by this token")
@@ -380,7 +367,6 @@ class PlainClient(PostedRequests):
 
     # --- the socket -----------------------------------------------------------------------------------------------
     def _broken(self, why: str) -> E.ProducerUnreachableError:
-        self.disconnected = True
         self.close()
         return E.ProducerUnreachableError(f"the plain control connection to {self.endpoint} {why}")
 
@@ -409,17 +395,16 @@ class PlainClient(PostedRequests):
 
     def _timeout(self) -> E.ExportTimeoutError:
         # a frame may be half read: the stream cannot be trusted any more
-        self.disconnected = True
         self.close()
         return E.ExportTimeoutError(f"no answer on the plain control connection to {self.endpoint} in time")
 
-    def _send_all(self, parts: list[bytes], deadline: float) -> None:
+    def _send_all(self, data: bytes, deadline: float) -> None:
         sock = self._sock
         if sock is None:
             raise E.ExportClosedError("plain control client is closed")
         sock.settimeout(max(1e-3, deadline - time.monotonic()))
         try:
-            sock.sendall(b"".join(parts) if len(parts) > 1 else parts[0])
+            sock.sendall(data)
         except TimeoutError:
             raise self._timeout() from None
         except OSError as e:
@@ -449,7 +434,7 @@ class PlainClient(PostedRequests):
         except E.HsCompatError as e:
             return rid, e
         if isinstance(rep, P.ErrorReply):
-            return rid, ERROR_CODES.get(rep.code, E.RemoteError)(rep.message)
+            return rid, P.remote_error(rep)
         return rid, (rep, producer)
 
     # --- ControlClient's interface -----------------------------------------------------------------------------
@@ -459,7 +444,7 @@ class PlainClient(PostedRequests):
         timeout = self.timeout_s if timeout_s is None else timeout_s
         rid = P.new_rid() if rid is None else rid
         deadline = time.monotonic() + timeout
-        self._send_all([self._frame([P.HEADER, rid, P.encode(req)])], deadline)
+        self._send_all(self._frame([P.HEADER, rid, P.encode(req)]), deadline)
         while True:
             got, answer = self._next(deadline)
             if got == rid:
@@ -474,15 +459,17 @@ class PlainClient(PostedRequests):
         rid = P.new_rid()
         frames = [P.HEADER, rid, P.encode(req)]
         self._posted[rid] = frames
-        self._send_all([self._frame(frames)], time.monotonic() + self.timeout_s)
+        self._send_all(self._frame(frames), time.monotonic() + self.timeout_s)
         return rid
 
     def collect(self, timeout_s: float = 0.0) -> None:
         """Receive answers to posted requests for up to ``timeout_s`` (until none is outstanding)."""
         deadline = time.monotonic() + timeout_s
+        if self._sock is None:
+            return
+        waiter = select.poll()
+        waiter.register(self._sock, select.POLLIN)
         while self._posted and self._sock is not None:
-            waiter = select.poll()
-            waiter.register(self._sock, select.POLLIN)
             if not waiter.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 return
             got, answer = self._next(time.monotonic() + self.timeout_s)  # a frame has begun: read it whole
@@ -492,7 +479,7 @@ class PlainClient(PostedRequests):
     def adopt(self, other: PostedRequests) -> None:
         """Take over ``other``'s posted requests (sent again here, with their ids) and the answers it holds."""
         for frames in self._take_posted(other):
-            self._send_all([self._frame(frames)], time.monotonic() + self.timeout_s)
+            self._send_all(self._frame(frames), time.monotonic() + self.timeout_s)
 
     def close(self) -> None:
         """Close the connection (pending answers are dropped)."""

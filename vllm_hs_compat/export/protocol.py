@@ -702,6 +702,11 @@ ERROR_CODES: Final[dict[str, type[E.ExportError]]] = {
 }
 
 
+def remote_error(rep: ErrorReply) -> E.ExportError:
+    """The named error an ``error`` answer carries (:class:`RemoteError` for a code this side does not know)."""
+    return ERROR_CODES.get(rep.code, E.RemoteError)(rep.message)
+
+
 def error_code(exc: BaseException) -> str:
     """The wire code of an export error (the most specific class listed in :data:`ERROR_CODES`)."""
     for code, cls in ERROR_CODES.items():

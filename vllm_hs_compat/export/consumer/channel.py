@@ -8,6 +8,7 @@ transport the producer describes and makes the calls (``_call``: re-attaching wh
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import msgspec
 
@@ -83,63 +84,59 @@ class ControlChannel:
         """After a hello through the gate: ask for the plain channel (then the direct endpoint), confirm it with a
         ping (the same producer instance: ``producer``), then send every control call there.  Any failure keeps
         the gate (counted ``direct_failures`` when an offered endpoint did not answer)."""
-        gate = self.gate
-        if gate is None or self.client is not gate or self._token is None:
+        gate, token = self.gate, self._token
+        if gate is None or self.client is not gate or token is None:
             return
-        if self._plain_wanted and self._go_plain(gate, producer, timeout_s):
+        confirm_s = min(timeout_s, DIRECT_CONFIRM_S)
+        if self._plain_wanted and self._switch(
+            gate,
+            P.PlainReq(),
+            lambda ep: PlainClient(ep, token, confirm_s, max_reply_bytes=self._max_reply_bytes),
+            "plain channel",
+            producer,
+            timeout_s,
+        ):
+            self._counters["plain_switches"] += 1
             return
-        try:
-            rep, _ = gate.call(P.DirectReq(), timeout_s)
-        except E.ExportError as e:  # an older producer: `protocol` error; the gate stays
-            log.debug("no direct endpoint from %s: %s", self.endpoint, e)
-            return
-        if not isinstance(rep, P.DirectReply) or rep.endpoint is None:
-            return
-        client: ControlClient | None = None
-        try:
-            client = ControlClient(
-                rep.endpoint,
-                self._token,
-                min(timeout_s, DIRECT_CONFIRM_S),
-                max_reply_bytes=self._max_reply_bytes,
-                fail_on_disconnect=True,
-            )
-            pong, answered = client.call(P.PingReq())
-            if not isinstance(pong, P.PongReply) or answered != producer:
-                raise E.StaleMetadataError(f"direct endpoint {rep.endpoint} answered as {answered}")
-        except HsCompatError as e:
-            self._counters["direct_failures"] += 1
-            log.info("direct endpoint %s not usable (%s); staying on the gate %s", rep.endpoint, e, self.endpoint)
-            if client is not None:
-                client.close()
-            return
-        client.timeout_s = timeout_s
-        client.adopt(gate)
-        self.client = client
-        self._counters["direct_switches"] += 1
+        self._switch(
+            gate,
+            P.DirectReq(),
+            lambda ep: ControlClient(
+                ep, token, confirm_s, max_reply_bytes=self._max_reply_bytes, fail_on_disconnect=True
+            ),
+            "direct endpoint",
+            producer,
+            timeout_s,
+        )
 
-    def _go_plain(self, gate: ControlClient, producer: str | None, timeout_s: float) -> bool:
-        token = self._token
-        if token is None:
-            return False
+    def _switch(
+        self,
+        gate: ControlClient,
+        ask: P.PlainReq | P.DirectReq,
+        connect: Callable[[str], ControlClient | PlainClient],
+        what: str,
+        producer: str | None,
+        timeout_s: float,
+    ) -> bool:
+        """Ask the gate for an endpoint (``ask``), connect to it, confirm it with a ping answered by ``producer``
+        and move every call there (posted requests with them): whether it did."""
         try:
-            rep, _ = gate.call(P.PlainReq(), timeout_s)
+            rep, _ = gate.call(ask, timeout_s)
         except E.ExportError as e:  # an older producer: `protocol` error
-            log.debug("no plain channel from %s: %s", self.endpoint, e)
+            log.debug("no %s from %s: %s", what, self.endpoint, e)
             return False
-        if not isinstance(rep, P.PlainReply) or rep.endpoint is None:
+        endpoint = rep.endpoint if isinstance(rep, P.PlainReply | P.DirectReply) else None
+        if endpoint is None:
             return False
-        client: PlainClient | None = None
+        client: ControlClient | PlainClient | None = None
         try:
-            client = PlainClient(
-                rep.endpoint, token, min(timeout_s, DIRECT_CONFIRM_S), max_reply_bytes=self._max_reply_bytes
-            )
+            client = connect(endpoint)
             pong, answered = client.call(P.PingReq())
             if not isinstance(pong, P.PongReply) or answered != producer:
-                raise E.StaleMetadataError(f"plain channel {rep.endpoint} answered as {answered}")
+                raise E.StaleMetadataError(f"{what} {endpoint} answered as {answered}")
         except HsCompatError as e:
             self._counters["direct_failures"] += 1
-            log.info("plain channel %s not usable (%s); trying the direct socket", rep.endpoint, e)
+            log.info("%s %s not usable (%s); not switching from the gate %s", what, endpoint, e, self.endpoint)
             if client is not None:
                 client.close()
             return False
@@ -147,7 +144,6 @@ class ControlChannel:
         client.adopt(gate)
         self.client = client
         self._counters["direct_switches"] += 1
-        self._counters["plain_switches"] += 1
         return True
 
     def fall_back(self, why: BaseException) -> ControlClient:
