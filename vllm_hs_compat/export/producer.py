@@ -34,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import torch
@@ -78,6 +78,7 @@ MAX_FAILED = 4096
 MAX_CLAIM_MEMORY = 4096
 
 _ID_ARRAY = "I"  # token ids in the pool: little-endian uint32
+_EMPTY: Final = memoryview(b"")  # a fetch answer's entry for a record whose bytes did not fit
 
 #: The pump's "hot" window: after a control-plane request it polls every ``poll_interval_s`` for this long.
 HOT_S = 0.5
@@ -703,16 +704,18 @@ class ExportProducer:
             self._server.limits.max_read_bytes,
             req.max_reply_bytes - P.REPLY_OVERHEAD - sum(len(w) + 16 for w in wires),
         )
-        data: list[bytes] = []
+        data: list[memoryview] = []
         for lease in leases:
             meta = lease.meta
             extent = P.ids_layout(meta.nbytes, meta.shape[0])[1] if meta is not None else room + 1
             if extent > room:
-                data.append(b"")
+                data.append(_EMPTY)
                 room = -1  # in order: a record that does not fit ends the inlined run
                 continue
             room -= extent
-            data.append(bytes(self._raw[lease.offset : lease.offset + extent]))
+            # a view, not a copy: the reply is encoded (copied into its message) before the serving thread takes
+            # another request, and the CLAIMED lease keeps the slot's bytes until then
+            data.append(self._raw[lease.offset : lease.offset + extent])
         inlined = sum(1 for d in data if d)
         if inlined:
             self._count("inline_claims", inlined)

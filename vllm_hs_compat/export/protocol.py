@@ -310,10 +310,14 @@ class ClaimReply(_Reply, tag="claim"):
 class FetchReply(_Reply, tag="fetch"):
     """The answer to :class:`FetchReq`: a :class:`ClaimReply` whose ``data[i]`` holds record i's bytes (its extent:
     hidden states, then token ids) or is empty when they did not fit (read them as after a claim).  The lease is
-    the same as a claim's: the record is released with its outcome once its checksums are verified."""
+    the same as a claim's: the record is released with its outcome once its checksums are verified.  ``data`` is
+    decoded as views of the received message (no copy; a view keeps the message alive) and encoded from views of
+    the producer's pool."""
 
     records: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BATCH)]
-    data: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_READ_BYTES)]], msgspec.Meta(max_length=MAX_BATCH)]
+    data: Annotated[
+        list[Annotated[memoryview, msgspec.Meta(max_length=MAX_READ_BYTES)]], msgspec.Meta(max_length=MAX_BATCH)
+    ]
     errors: Annotated[list[ClaimError], msgspec.Meta(max_length=MAX_CLAIM_IDS)] = []
     more: bool = False
 

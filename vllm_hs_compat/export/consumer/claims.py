@@ -40,7 +40,7 @@ class Claim:
     #: ``claimed_at + lease_ttl_s``, which lets a release far from that point go without waiting for its answer
     claimed_at: float = 0.0
     #: the record's bytes (its extent), when they came in the claim's answer (``FetchReq``); else None
-    inline: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
+    inline: bytes | memoryview | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def record_id(self) -> str:

@@ -95,8 +95,13 @@ class _Reads(_Claims):
     ) -> tuple[RecordMeta | HsCompatError, str]:
         """Check the bytes at ``buf[off:]`` (``digest``: their hidden-state checksum, when it was computed while
         they were read): ``(metadata, "delivered")`` or ``(error, outcome)``."""
+        return self._verify_bytes(c, self._bytes_of(buf), off, digest)
+
+    def _verify_bytes(
+        self, c: Claim, raw: memoryview, off: int, digest: int | None = None
+    ) -> tuple[RecordMeta | HsCompatError, str]:
+        """:meth:`_verify` over a byte view."""
         algorithm = c.meta.checksum_algorithm
-        raw = self._bytes_of(buf)
         if self.verify_checksum:
             got = checksum_bytes(raw[off : off + c.nbytes], algorithm) if digest is None else digest
             if got != c.meta.checksum:
@@ -372,8 +377,8 @@ class _Reads(_Claims):
 
     def _read_inline(self, c: Claim, deadline: float) -> CaptureRecord | HsCompatError:
         """A ticket holder's read: the record's bytes through the control plane, in bounded chunks."""
-        buf = torch.empty(c.extent, dtype=torch.uint8)
-        view = byte_view(buf)
+        owned = bytearray(c.extent)
+        view = memoryview(owned)
         limit = self._hello.max_read_bytes if self._hello is not None else P.MAX_READ_BYTES
         step = max(PAGE, min(limit, self._budget() - P.REPLY_OVERHEAD))
         pos = 0
@@ -395,20 +400,21 @@ class _Reads(_Claims):
             self.counters["read_failures"] += 1
             self.abandon([c])
             return e
-        return self._settle_owned(c, buf)
+        return self._settle_owned(c, owned)
 
-    def _read_given(self, c: Claim, data: bytes) -> CaptureRecord | HsCompatError:
+    def _read_given(self, c: Claim, data: bytes | memoryview) -> CaptureRecord | HsCompatError:
         """A record whose bytes came in its claim's answer: checked and released as :meth:`_settle_owned` does."""
-        got = self._settle_owned(c, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        got = self._settle_owned(c, bytearray(data))
         if isinstance(got, CaptureRecord):
             self.counters["inline_records"] += 1
         return got
 
-    def _settle_owned(self, c: Claim, buf: torch.Tensor) -> CaptureRecord | HsCompatError:
-        """Verify a record read whole into ``buf`` (memory the record will own), release its lease with the
-        outcome (posted as :meth:`_release` decides for the trainer; a ticket holder waits for the verdict, so one
-        that exits right after its fetch leaves no lease behind), and return the record or what failed it."""
-        meta, outcome = self._verify(c, buf, 0)
+    def _settle_owned(self, c: Claim, owned: bytearray) -> CaptureRecord | HsCompatError:
+        """Verify a record read whole into ``owned`` (memory the record will own: its tensor is made over it, once,
+        after the checks), release its lease with the outcome (posted as :meth:`_release` decides for the trainer;
+        a ticket holder waits for the verdict, so one that exits right after its fetch leaves no lease behind), and
+        return the record or what failed it."""
+        meta, outcome = self._verify_bytes(c, memoryview(owned), 0)
         entry = [(c.lease, c.nonce, outcome)]
         settled = self._release(entry, c.claimed_at, [c.record_id]) if self._ticket is None else self._settle(entry)
         bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[0])
@@ -420,7 +426,9 @@ class _Reads(_Claims):
             return bad
         self.counters["records"] += 1
         self.counters["bytes"] += c.nbytes
-        return CaptureRecord(meta, buf[: c.nbytes].view(meta.torch_dtype).view(meta.shape))
+        dtype = meta.torch_dtype
+        rows = torch.frombuffer(owned, dtype=dtype, count=c.nbytes // dtype.itemsize)
+        return CaptureRecord(meta, rows.view(meta.shape))
 
     def _finish(self, c: Claim, meta: RecordMeta, off: int, copy: bool, lend: bool) -> CaptureRecord:
         """The record read at local offset ``off``: held (``copy=False``), lent its space (``lend``, decided by
