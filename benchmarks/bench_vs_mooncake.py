@@ -25,7 +25,9 @@ each pair with its own transport settings:
 Cases: single records of 64 KiB, 1 MiB, 16 MiB and 64 MiB (``fetch(id)`` as a user calls it, the previous
 record still alive; Mooncake: one read of the same size), and a stream of 1,000 records of 64 KiB
 (ours: ``iter_batches(max_records=256)`` and ``fetch_batch`` of 256 ids at a time; Mooncake: 256 ranges per
-batched read, and one read per record).  Every repetition runs every row once, rows rotated between
+batched read, and one read per record), and a loop of 200 records of 64 KiB fetched one after another by id (ours:
+``fetch(id)`` back to back, the previous record alive; Mooncake: ``get_into`` per key, and its engine's
+``transfer_sync_read`` per record).  Every repetition runs every row once, rows rotated between
 repetitions; the first repetition (connection wire-up) is dropped.  Printed per row: min / median / max (per
 record microseconds for the stream) and the ours/Mooncake throughput ratio against Mooncake's engine (``vs te``:
 its fastest row of the case) and its store (``vs store``): Mooncake's median time / the row's median time,
@@ -67,6 +69,10 @@ SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB)
 #: the consumer's default inline_bytes (consumer.INLINE_BYTES; not imported here: the driver needs no torch)
 INLINE_BYTES = 256 * KiB
 STREAM_N, STREAM_REC, BATCH = 1000, 64 * KiB, 256
+#: records of the by-id loop: 64 KiB records fetched one after another, each by its id, as a loop over a list of
+#: request ids does (ours: ``fetch(id)``, the previous record kept alive; Mooncake: ``get_into`` per key, and its
+#: engine reading each record at an address it knows)
+LOOP_N = 200
 #: a stream record's slot: its 64 KiB of rows and its 8 token ids, rounded up (Mooncake's records sit at the
 #: same stride, so neither side reads one contiguous range)
 STREAM_SLOT = STREAM_REC + 64
@@ -203,6 +209,13 @@ def role_ours_consumer() -> None:
             raise RuntimeError(f"streamed {got} of {len(ids)} records")
         return {"s": dt}
 
+    def loop(ids: list[str]) -> dict[str, Any]:
+        c = cons["S"]
+        t0 = time.perf_counter()
+        for rid in ids:
+            keep[0] = c.fetch(rid)
+        return {"s": time.perf_counter() - t0}
+
     def raw(rid: str) -> dict[str, Any]:
         """The transport alone: claim (not timed), one READ of the record's bytes (timed), abandon."""
         c = cons["L"]
@@ -249,6 +262,7 @@ def role_ours_consumer() -> None:
             "connect": connect,
             "raw": raw,
             "single": single,
+            "loop": loop,
             "stream": stream,
             "profile_large": profile_large,
             "profile_stream": profile_stream,
@@ -401,7 +415,16 @@ def role_mc_store_consumer() -> None:
                 raise RuntimeError(f"Mooncake batch_get_into returned {sorted(set(got))}")
         return {"s": time.perf_counter() - t0}
 
-    _serve({"start": start, "single": single, "stream": stream})
+    def loop(ids: list[str], size: int) -> dict[str, Any]:
+        get_into = st[0].get_into
+        t0 = time.perf_counter()
+        for rid in ids:
+            got = get_into(rid, lb, size)
+            if got != size:
+                raise RuntimeError(f"Mooncake get_into({rid}) returned {got}")
+        return {"s": time.perf_counter() - t0}
+
+    _serve({"start": start, "single": single, "stream": stream, "loop": loop})
 
 
 # --- profile of our consumer (run in the ours-tcp consumer process) ----------------------------------------
@@ -724,6 +747,11 @@ class Bench:
                 out.append((case, "ours tcp  raw NIXL READ, no API [ctx]", self._ours_raw("ours tcp", size)))
                 out.append((case, "ours nixl-shm fetch() [ctx]", self._ours_single("ours nixl-shm", size, True)))
                 out.append((case, "ours shm  fetch() [ctx]", self._ours_single("ours shm", size, True)))
+        case = f"loop by id {LOOP_N} x 64 KiB"
+        out.append((case, "ours tcp  fetch(id) each (verify on, default)", self._ours_loop("ours tcp")))
+        out.append((case, "mc-te tcp one read per record", self._mc_stream("each", False, LOOP_N)))
+        if self.store is not None:
+            out.append((case, "mc-store tcp get_into per id", self._store_loop()))
         case = f"stream {STREAM_N} x 64 KiB"
         out.append(
             (case, f"ours tcp  iter_batches({BATCH}) verify on", self._ours_stream("ours tcp", "iter_batches", True))
@@ -786,11 +814,34 @@ class Bench:
 
         return run
 
+    def _ours_loop(self, cfg: str) -> Callable[[], float]:
+        prod, cons = self.ours[cfg]
+
+        def run() -> float:
+            tag = self._id("f")
+            ids = [f"{tag}-{i}" for i in range(LOOP_N)]
+            prod("publish", name="S", size=STREAM_REC, ids=ids)
+            return float(cons("loop", ids=ids)["s"])
+
+        return run
+
+    def _store_loop(self) -> Callable[[], float]:
+        assert self.store is not None
+        sp, sc = self.store
+
+        def run() -> float:
+            tag = self._id("g")
+            ids = [f"{tag}-{i}" for i in range(LOOP_N)]
+            sp("publish", size=STREAM_REC, ids=ids)
+            return float(sc("loop", ids=ids, size=STREAM_REC)["s"])
+
+        return run
+
     def _mc_single(self, size: int, check: bool) -> Callable[[], float]:
         return lambda: float(self.mc("single", size=size, check=check)["s"])
 
-    def _mc_stream(self, mode: str, check: bool) -> Callable[[], float]:
-        return lambda: float(self.mc("stream", n=STREAM_N, mode=mode, check=check)["s"])
+    def _mc_stream(self, mode: str, check: bool, n: int = STREAM_N) -> Callable[[], float]:
+        return lambda: float(self.mc("stream", n=n, mode=mode, check=check)["s"])
 
     def _store_single(self, size: int) -> Callable[[], float]:
         assert self.store is not None
@@ -906,17 +957,17 @@ def _report(times: dict[tuple[str, str], list[float]]) -> None:
     print("the address); 'vs store': Mooncake store's get (a master lookup, then the engine's read).  Rows marked")
     print("[ctx] are context: not equal transports or not equal work.")
     for case, rows in cases.items():
-        stream = case.startswith("stream")
+        per = _records_of(case)
         med = {label: statistics.median(v) for label, v in rows}
         te = [m for label, m in med.items() if label.startswith("mc-te") and "xxh3" not in label]
         store = [m for label, m in med.items() if label.startswith("mc-store")]
         ref_te, ref_store = min(te, default=float("nan")), min(store, default=float("nan"))
-        unit = "us/record" if stream else "ms"
+        unit = "us/record" if per else "ms"
         print(f"\n== {case} ({unit}: min / median / max over {len(rows[0][1])} reps) ==")
         for label, v in sorted(rows, key=lambda r: (r[0].endswith("[ctx]"), med[r[0]])):
-            scale = 1e6 / STREAM_N if stream else 1e3
+            scale = 1e6 / per if per else 1e3
             lo, md, hi = min(v) * scale, med[label] * scale, max(v) * scale
-            rate = (STREAM_N * STREAM_REC if stream else _parse_size(case)) / med[label] / 1e9
+            rate = (per * STREAM_REC if per else _parse_size(case)) / med[label] / 1e9
             print(
                 f"  {label:<44} {lo:9.2f} {md:9.2f} {hi:9.2f}  {rate:5.2f} GB/s  "
                 f"vs te {ref_te / med[label]:5.2f}x  vs store {ref_store / med[label]:5.2f}x"
@@ -931,15 +982,20 @@ def _markdown(times: dict[tuple[str, str], list[float]]) -> None:
     for (case, label), v in times.items():
         cases.setdefault(case, []).append((label, v))
     for case, rows in cases.items():
-        stream = case.startswith("stream")
+        per = _records_of(case)
         med = {label: statistics.median(v) for label, v in rows}
         ref_te = min((m for lb, m in med.items() if lb.startswith("mc-te") and "xxh3" not in lb), default=float("nan"))
         ref_store = min((m for lb, m in med.items() if lb.startswith("mc-store")), default=float("nan"))
-        scale, unit = (1e6 / STREAM_N, "us/rec") if stream else (1e3, "ms")
+        scale, unit = (1e6 / per, "us/rec") if per else (1e3, "ms")
         for label, v in sorted(rows, key=lambda r: (r[0].endswith("[ctx]"), med[r[0]])):
             cell = f"{min(v) * scale:.2f} / **{med[label] * scale:.2f}** / {max(v) * scale:.2f} {unit}"
             te, st = ref_te / med[label], ref_store / med[label]
             print(f"| {case} | {' '.join(label.split())} | {cell} | {te:.2f}x | {st:.2f}x |")
+
+
+def _records_of(case: str) -> int:
+    """Records per measurement of a per-record case (the stream, the by-id loop); 0 for a single record's."""
+    return STREAM_N if case.startswith("stream") else LOOP_N if case.startswith("loop") else 0
 
 
 def _parse_size(case: str) -> int:
