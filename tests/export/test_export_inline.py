@@ -143,3 +143,42 @@ def test_the_producers_read_bound_caps_what_is_inlined(make_producer: Make) -> N
         assert c.stats()["inline_records"] == 0
         c.settle_pending()
     _settled(p, 1)
+
+
+@pytest.mark.parametrize("who", ["trainer", "ticket"])
+def test_a_record_from_an_answer_owns_its_bytes(make_producer: Make, backend: str, who: str) -> None:
+    """The answer's bytes are decoded as views of the received message and the pool's slots are reused once
+    released: a record must hold its own writable memory, unchanged by the answers after it and by later
+    publications into its slot, and made without a warning (torch warns of a read-only buffer).  Control (run by
+    hand, stop 24): the plain client receiving every answer into one reused buffer and the record made over the
+    answer's view, not a copy, fails the trainer-over-NIXL case."""
+    import warnings
+
+    p = make_producer(num_slots=2, slot_bytes=64 << 10)  # two slots: the second round reuses the first's
+
+    def fetch_round(seeds: list[int]) -> list:  # type: ignore[type-arg]
+        tickets = [_publish(p, f"r{s}", s) for s in seeds]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. torch's "The given buffer is not writable"
+            if who == "trainer":
+                with ExportConsumer(p.endpoint, p.token, timeout_s=10, landing_bytes=MiB) as c:
+                    recs = [c.fetch(f"r{s}") for s in seeds]
+                    c.settle_pending()
+            else:
+                recs = []
+                for s, t in zip(seeds, tickets, strict=True):
+                    with ExportConsumer.from_params(t.kv_transfer_params(), timeout_s=10) as holder:
+                        recs.append(holder.fetch(f"r{s}"))
+        wait_until(lambda: p.stats()["leases_claimed"] == 0, 5, "every lease released")
+        return recs
+
+    first = fetch_round([11, 12])
+    second = fetch_round([13, 14])  # into the slots the first round's records were read from
+    for rec, seed in zip(first + second, [11, 12, 13, 14], strict=True):
+        assert digest(rec.hidden_states) == digest(make_rows(seed, 50, 2, 64)), seed
+    a, b = first
+    before = digest(b.hidden_states)  # (bytes compared: random rows may hold NaNs)
+    a.hidden_states[0, 0, 0] = 7.0  # writable, and a's memory alone
+    assert float(a.hidden_states[0, 0, 0]) == 7.0
+    assert digest(b.hidden_states) == before
+    _settled(p, 4)
