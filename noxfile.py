@@ -91,7 +91,12 @@ def tests(session: nox.Session) -> None:
     session.install(*_find_links(), "-e", ".[test]")
     # Lean NIXL: the meta package would drag a CUDA torch and CUDA libraries (see README).
     session.install("--no-deps", "nixl==1.5.1", "nixl-cu12==1.5.1")
-    session.run("pytest", "tests", "--ignore=tests/vllm", "-q", "-p", "no:cacheprovider", *session.posargs)
+    # Two pytest-xdist workers, a test file each at a time: the suites wait on sockets, processes and timeouts far
+    # more than they compute (the export suite alone used 0.7 of a core); VLLM_HS_COMPAT_TEST_WORKERS=0 runs them
+    # in one process (docs/ci.md, stop 24).
+    workers = os.environ.get("VLLM_HS_COMPAT_TEST_WORKERS", "2")
+    parallel = ["-n", workers, "--dist", "loadfile"] if workers != "0" else []
+    session.run("pytest", "tests", "--ignore=tests/vllm", "-q", "-p", "no:cacheprovider", *parallel, *session.posargs)
 
 
 def _install_vllm(session: nox.Session, release: str, *extra: str) -> None:
