@@ -190,7 +190,11 @@ def role_ours_consumer() -> None:
         c.verify_checksum = verify
         got = 0
         t0 = time.perf_counter()
-        if mode == "iter_batches":
+        if mode == "each":  # one fetch(id) after another, the previous record alive
+            for rid in ids:
+                keep[0] = c.fetch(rid)
+                got += 1
+        elif mode == "iter_batches":
             for b in c.iter_batches(max_records=BATCH, wait_s=1.0, idle_timeout_s=2.0):
                 got += len(b)
                 keep[0] = b
@@ -208,13 +212,6 @@ def role_ours_consumer() -> None:
         if got != len(ids):
             raise RuntimeError(f"streamed {got} of {len(ids)} records")
         return {"s": dt}
-
-    def loop(ids: list[str]) -> dict[str, Any]:
-        c = cons["S"]
-        t0 = time.perf_counter()
-        for rid in ids:
-            keep[0] = c.fetch(rid)
-        return {"s": time.perf_counter() - t0}
 
     def raw(rid: str) -> dict[str, Any]:
         """The transport alone: claim (not timed), one READ of the record's bytes (timed), abandon."""
@@ -262,7 +259,6 @@ def role_ours_consumer() -> None:
             "connect": connect,
             "raw": raw,
             "single": single,
-            "loop": loop,
             "stream": stream,
             "profile_large": profile_large,
             "profile_stream": profile_stream,
@@ -404,8 +400,13 @@ def role_mc_store_consumer() -> None:
             raise RuntimeError(f"Mooncake get_into({rid}) returned {got}")
         return {"s": dt}
 
-    def stream(ids: list[str]) -> dict[str, Any]:
+    def stream(ids: list[str], mode: str = "batched") -> dict[str, Any]:
         t0 = time.perf_counter()
+        if mode == "each":  # one get_into per key, one after another
+            for rid in ids:
+                if (one := st[0].get_into(rid, lb, STREAM_REC)) != STREAM_REC:
+                    raise RuntimeError(f"Mooncake get_into({rid}) returned {one}")
+            return {"s": time.perf_counter() - t0}
         for b in range(0, len(ids), BATCH):
             chunk = ids[b : b + BATCH]
             got = st[0].batch_get_into(
@@ -415,16 +416,7 @@ def role_mc_store_consumer() -> None:
                 raise RuntimeError(f"Mooncake batch_get_into returned {sorted(set(got))}")
         return {"s": time.perf_counter() - t0}
 
-    def loop(ids: list[str], size: int) -> dict[str, Any]:
-        get_into = st[0].get_into
-        t0 = time.perf_counter()
-        for rid in ids:
-            got = get_into(rid, lb, size)
-            if got != size:
-                raise RuntimeError(f"Mooncake get_into({rid}) returned {got}")
-        return {"s": time.perf_counter() - t0}
-
-    _serve({"start": start, "single": single, "stream": stream, "loop": loop})
+    _serve({"start": start, "single": single, "stream": stream})
 
 
 # --- profile of our consumer (run in the ours-tcp consumer process) ----------------------------------------
@@ -748,10 +740,11 @@ class Bench:
                 out.append((case, "ours nixl-shm fetch() [ctx]", self._ours_single("ours nixl-shm", size, True)))
                 out.append((case, "ours shm  fetch() [ctx]", self._ours_single("ours shm", size, True)))
         case = f"loop by id {LOOP_N} x 64 KiB"
-        out.append((case, "ours tcp  fetch(id) each (verify on, default)", self._ours_loop("ours tcp")))
+        loop = self._ours_stream("ours tcp", "each", True, n=LOOP_N)
+        out.append((case, "ours tcp  fetch(id) each (verify on, default)", loop))
         out.append((case, "mc-te tcp one read per record", self._mc_stream("each", False, LOOP_N)))
         if self.store is not None:
-            out.append((case, "mc-store tcp get_into per id", self._store_loop()))
+            out.append((case, "mc-store tcp get_into per id", self._store_stream("each", LOOP_N)))
         case = f"stream {STREAM_N} x 64 KiB"
         out.append(
             (case, f"ours tcp  iter_batches({BATCH}) verify on", self._ours_stream("ours tcp", "iter_batches", True))
@@ -803,37 +796,16 @@ class Bench:
 
         return run
 
-    def _ours_stream(self, cfg: str, mode: str, verify: bool, curve: bool = False) -> Callable[[], float]:
+    def _ours_stream(
+        self, cfg: str, mode: str, verify: bool, curve: bool = False, n: int = STREAM_N
+    ) -> Callable[[], float]:
         prod, cons = self.ours[cfg]
 
         def run() -> float:
             tag = self._id("s")
-            ids = [f"{tag}-{i}" for i in range(STREAM_N)]
+            ids = [f"{tag}-{i}" for i in range(n)]
             prod("publish", name="S", size=STREAM_REC, ids=ids)
             return float(cons("stream", ids=ids, mode=mode, verify=verify, curve=curve)["s"])
-
-        return run
-
-    def _ours_loop(self, cfg: str) -> Callable[[], float]:
-        prod, cons = self.ours[cfg]
-
-        def run() -> float:
-            tag = self._id("f")
-            ids = [f"{tag}-{i}" for i in range(LOOP_N)]
-            prod("publish", name="S", size=STREAM_REC, ids=ids)
-            return float(cons("loop", ids=ids)["s"])
-
-        return run
-
-    def _store_loop(self) -> Callable[[], float]:
-        assert self.store is not None
-        sp, sc = self.store
-
-        def run() -> float:
-            tag = self._id("g")
-            ids = [f"{tag}-{i}" for i in range(LOOP_N)]
-            sp("publish", size=STREAM_REC, ids=ids)
-            return float(sc("loop", ids=ids, size=STREAM_REC)["s"])
 
         return run
 
@@ -854,15 +826,15 @@ class Bench:
 
         return run
 
-    def _store_stream(self) -> Callable[[], float]:
+    def _store_stream(self, mode: str = "batched", n: int = STREAM_N) -> Callable[[], float]:
         assert self.store is not None
         sp, sc = self.store
 
         def run() -> float:
             tag = self._id("m")
-            ids = [f"{tag}-{i}" for i in range(STREAM_N)]
+            ids = [f"{tag}-{i}" for i in range(n)]
             sp("publish", size=STREAM_REC, ids=ids)
-            return float(sc("stream", ids=ids)["s"])
+            return float(sc("stream", ids=ids, mode=mode)["s"])
 
         return run
 

@@ -21,6 +21,7 @@ from hsx_harness import ledger_balanced, wait_until
 from hsx_testdata import digest, make_meta, make_rows
 
 from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.records import CaptureRecord
 from vllm_hs_compat.export import ExportConsumer, ExportProducer
 from vllm_hs_compat.export import protocol as P
 
@@ -156,7 +157,7 @@ def test_a_record_from_an_answer_owns_its_bytes(make_producer: Make, backend: st
 
     p = make_producer(num_slots=2, slot_bytes=64 << 10)  # two slots: the second round reuses the first's
 
-    def fetch_round(seeds: list[int]) -> list:  # type: ignore[type-arg]
+    def fetch_round(seeds: list[int]) -> list[CaptureRecord]:
         tickets = [_publish(p, f"r{s}", s) for s in seeds]
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. torch's "The given buffer is not writable"
