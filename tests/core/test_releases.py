@@ -36,10 +36,10 @@ def test_every_tested_release_is_in_exactly_one_adapter_and_supported() -> None:
 
 def test_boundaries_are_each_eras_first_and_last_tested_release() -> None:
     got = releases.boundaries()
-    assert got == ("0.17.1", "0.21.0", "0.22.1", "0.28.0", "0.29.0", "0.33.0")
+    assert got == ("0.17.1", "0.21.0", "0.22.1", "0.28.0", "0.29.0", "0.34.0")
     # negative control: a release past the last era is in none, so it can never become a boundary silently
     with pytest.raises(KeyError, match="outside every era"):
-        releases.era_of("0.34.0")
+        releases.era_of("0.35.0")
     with pytest.raises(KeyError, match="no era named"):
         releases.era_range("v0_99")
 

@@ -4,7 +4,7 @@ One module per era, chosen by the installed release and confirmed by feature pro
 
     v0_17  vLLM 0.17.0 - 0.21.x   MLAAttentionSpec capture spec, BLOCK_TOKEN_PLANE [blocks, tokens, planes, hidden]
     v0_22  vLLM 0.22.0 - 0.28.x   HiddenStateCacheSpec, BLOCK_TOKEN_PLANE
-    v0_29  vLLM 0.29.0 - 0.33.x   HiddenStateCacheSpec, BLOCK_PLANE_TOKEN, strided by the KV-cache layout
+    v0_29  vLLM 0.29.0 - 0.34.x   HiddenStateCacheSpec, BLOCK_PLANE_TOKEN, strided by the KV-cache layout
 
 ``VLLM_HS_COMPAT_ADAPTER=<name>`` overrides the version range (vendor forks, nightlies); the probes
 still have to agree with the chosen adapter.
@@ -69,7 +69,7 @@ def installed_vllm_distribution() -> str:
             continue
     raise VllmNotInstalledError(
         "vLLM is not installed in this environment. Install a supported release "
-        f"({SUPPORTED_VLLM}), e.g. `pip install vllm==0.33.0`."
+        f"({SUPPORTED_VLLM}), e.g. `pip install vllm=={releases.TESTED[-1]}`."
     )
 
 

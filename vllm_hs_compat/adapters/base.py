@@ -23,7 +23,16 @@ from vllm_hs_compat.adapters.shims import Shim, ShimTargets
 from vllm_hs_compat.core.layout import ViewOrder
 from vllm_hs_compat.errors import CaptureGroupError
 
-__all__ = ["CAPTURE_LAYER_PREFIX", "PROBES", "Probe", "ProbeResult", "Ranks", "VllmAdapter", "ensure_platform"]
+__all__ = [
+    "CAPTURE_LAYER_PREFIX",
+    "PROBES",
+    "KvCacheMargin",
+    "Probe",
+    "ProbeResult",
+    "Ranks",
+    "VllmAdapter",
+    "ensure_platform",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,17 @@ class ProbeResult:
     @property
     def ok(self) -> bool:
         return self.expected == self.observed
+
+
+@dataclass(frozen=True)
+class KvCacheMargin:
+    """What vLLM keeps free beside a KV cache it commits after warm-up from the memory it measured free (the
+    extensible KV cache): ``fraction`` of the measured transient peak, at least ``floor_bytes``, of which
+    ``non_torch_bytes`` are held back from torch's allocator for kernel scratch and communication buffers."""
+
+    fraction: float
+    floor_bytes: int
+    non_torch_bytes: int
 
 
 @dataclass(frozen=True)
@@ -171,6 +191,11 @@ PROBES: tuple[Probe, ...] = (
         "which CachedRequestData field names the requests resumed after preemption?",
         _resumed_field,
     ),
+    Probe(
+        "v1_runner",
+        "does Model Runner V1 exist (vllm.v1.worker.gpu_model_runner)?",
+        lambda: _module_exists("vllm.v1.worker.gpu_model_runner"),
+    ),
 )
 
 
@@ -199,8 +224,6 @@ class VllmAdapter(VllmReader):
     """Connector hooks of this era's calling conventions (see :mod:`vllm_hs_compat.adapters.shims`)."""
     uniform_type_specs: ClassVar[bool] = True
     """``UniformTypeKVCacheSpecs`` exists (every supported release): dense verifiers merge the capture layer."""
-    resumed_field: ClassVar[str] = "resumed_req_ids"
-    """``CachedRequestData`` names resumed requests in ``resumed_req_ids`` (every supported release)."""
 
     def __init__(self, version: Version) -> None:
         self.version = version
@@ -214,6 +237,48 @@ class VllmAdapter(VllmReader):
     def get_kv_cache_groups_module(self) -> str:
         """0.33.0: ``get_kv_cache_groups`` moved to ``vllm.v1.core.kv_cache_planning``."""
         return "vllm.v1.core.kv_cache_planning" if self.since("0.33.0") else "vllm.v1.core.kv_cache_utils"
+
+    @property
+    def resumed_field(self) -> str:
+        """0.34.0: ``CachedRequestData.resumed_req_ids`` is gone: with Model Runner V1 deleted, every request resumed
+        after preemption arrives again in ``scheduled_new_reqs`` with its whole block list, as Model Runner V2 has
+        always been sent it (0.17-0.33: ``resumed_req_ids`` names them).  The reader takes both forms."""
+        return "absent" if self.since("0.34.0") else "resumed_req_ids"
+
+    @property
+    def v1_runner(self) -> bool:
+        """0.34.0: Model Runner V1 (``vllm.v1.worker.gpu_model_runner``) is deleted; V2 is the only runner and
+        ``VLLM_USE_V2_MODEL_RUNNER=0`` raises."""
+        return not self.since("0.34.0")
+
+    @property
+    def model_runners(self) -> tuple[str, ...]:
+        """The model runners that can drive ``extract_hidden_states`` on this release, the default first: V1
+        (0.17-0.28), V2 then V1 (0.29-0.33: V1 with ``VLLM_USE_V2_MODEL_RUNNER=0``), V2 alone (0.34.0+)."""
+        if not self.v1_runner:
+            return ("v2",)
+        return ("v2", "v1") if self.default_runner == "v2" else ("v1",)
+
+    @property
+    def default_block_size(self) -> int:
+        """The KV block size (tokens) vLLM uses when ``--block-size`` is not given: 0.34.0 raised
+        ``CacheConfig.DEFAULT_BLOCK_SIZE`` from 16 to 64."""
+        return 64 if self.since("0.34.0") else 16
+
+    @property
+    def extensible_kv_cache(self) -> bool:
+        """0.34.0: the extensible KV cache is on by default on CUDA and ROCm: vLLM commits the KV cache after warm-up
+        from the memory measured free, keeping only a margin, and ``gpu_memory_utilization`` defaults to 1.0.
+        Device memory a connector allocates after that comes out of the margin (``serve-args`` says how much)."""
+        return self.since("0.34.0")
+
+    @property
+    def kv_cache_margin(self) -> KvCacheMargin | None:
+        """The margin the extensible KV cache leaves on CUDA (0.34.0: ``KV_CACHE_MARGIN_FRACTION`` 0.75,
+        ``KV_CACHE_MARGIN_FLOOR_BYTES`` 1 GiB, ``KV_CACHE_NON_TORCH_RESERVE_BYTES`` 512 MiB in
+        ``vllm/v1/worker/extensible_kv_cache.py``; ROCm keeps 3 GiB and 1 GiB); None where vLLM sizes the KV
+        cache from ``gpu_memory_utilization`` before warm-up."""
+        return KvCacheMargin(0.75, 1 << 30, 512 << 20) if self.extensible_kv_cache else None
 
     @property
     def connector_ctor_requires_kv_cache_config(self) -> bool:

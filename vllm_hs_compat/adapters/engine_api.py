@@ -1,7 +1,7 @@
 """vLLM's offline engine entry points, for the tools that run an engine (``demo``, ``verify``).
 
 The faces never spell a vLLM module path; they build engines and sampling parameters through these functions.
-``LLM``, ``SamplingParams`` and ``KVTransferConfig`` sit where they are on every supported release (0.17-0.33), so
+``LLM``, ``SamplingParams`` and ``KVTransferConfig`` sit where they are on every supported release (0.17-0.34), so
 no era module needs to own a delta here.  vLLM is imported on the first call, never at import.
 """
 

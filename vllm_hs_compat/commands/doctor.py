@@ -130,6 +130,7 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
         "capture_spec_types": sorted(adapter.capture_spec_types),
         "hma_with_connector": adapter.hma_with_connector,
         "default_runner": adapter.default_runner,
+        "model_runners": ", ".join(adapter.model_runners) + ("" if adapter.v1_runner else " (Model Runner V1 deleted)"),
         "padding_slots_write": adapter.padding_slots_write,
         "required_kvcache_layout": adapter.required_kvcache_layout,
         "connector_module_path_wins": adapter.connector_module_path_wins,
