@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Final
 
 ADAPTER: Final = "VLLM_HS_COMPAT_ADAPTER"
+UNTESTED: Final = "VLLM_HS_COMPAT_UNTESTED"
 EXPORT_TOKEN: Final = "VLLM_HS_COMPAT_EXPORT_TOKEN"
 EXPORT_TOKEN_FILE: Final = "VLLM_HS_COMPAT_EXPORT_TOKEN_FILE"
 CAPTURE_PATH: Final = "VLLM_HS_COMPAT_CAPTURE_PATH"
@@ -25,6 +26,11 @@ TRITON: Final = "VLLM_HS_COMPAT_TRITON"
 #: name -> (default, what it does).  docs/connector.md ("Environment variables") lists the same.
 VARIABLES: Final[Mapping[str, tuple[str, str]]] = {
     ADAPTER: ("", "the era adapter to use whatever the version says (forks, nightlies); the probes must agree"),
+    UNTESTED: (
+        "probe",
+        "a vLLM newer than the supported range: `probe` runs it when every probe agrees (warning, slot checks on "
+        "every request), `refuse` refuses it",
+    ),
     EXPORT_TOKEN: ("", "the trainer token (else the token file); never put it in `kv_transfer_params`"),
     EXPORT_TOKEN_FILE: ("", "where the trainer token lives (default `~/.cache/vllm-hs-compat/export.token`)"),
     CAPTURE_PATH: ("staged", "default read path on CUDA: `staged` (device buffer + D2H) or `direct` (Triton)"),

@@ -152,6 +152,19 @@ def test_slot_checks_follow_the_first_requests_through_their_steps() -> None:
     assert s.build_plan(StepInfo((), (), {})).saves[0].block_ids == (3, 8)
 
 
+def test_an_untested_release_checks_the_slots_of_every_request() -> None:
+    """A release newer than every era (the adapter is ``untested``): every request is followed, whatever
+    ``check_requests`` says; the control is the tested release's adapter, which follows only the first."""
+    batch = StepInfo(tuple(ScheduledNew(r, ((i + 1,),), 0) for i, r in enumerate("abcd")), (), {r: 2 for r in "abcd"})
+    untested = _adapter("9.1.0")
+    assert untested.untested and untested.check_every_request
+    s = CaptureScheduler(untested, ConnectorConfig.from_extra({"check_requests": 1}), _facts())
+    assert [c.req_id for c in s.build_plan(batch).checks] == list("abcd")
+    control = _scheduler({"check_requests": 1})
+    assert not control.adapter.check_every_request
+    assert [c.req_id for c in control.build_plan(batch).checks] == ["a"]
+
+
 def test_a_shutdown_with_unsent_records_leaves_an_error_file_per_record(tmp_path: Path) -> None:
     s = _scheduler({"sink": "file", "file": {"path": str(tmp_path)}})
     assert s.finished(_request("lost"), [3, 7, 9])[0]

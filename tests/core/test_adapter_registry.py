@@ -8,6 +8,7 @@ from vllm_hs_compat.adapters import (
     ADAPTERS,
     SUPPORTED_VLLM,
     TESTED_RELEASES,
+    UNTESTED_ENV,
     adapter_for_version,
     choose_adapter,
 )
@@ -33,6 +34,7 @@ from vllm_hs_compat.errors import UnsupportedVllmError
 def test_era_boundaries(version: str, name: str, order: ViewOrder) -> None:
     adapter = adapter_for_version(version)
     assert adapter.name == name and adapter.view_order is order
+    assert not adapter.untested and not adapter.check_every_request
 
 
 def test_every_tested_release_has_exactly_one_adapter() -> None:
@@ -41,16 +43,44 @@ def test_every_tested_release_has_exactly_one_adapter() -> None:
         assert release in SUPPORTED_VLLM
 
 
-@pytest.mark.parametrize("version", ["0.16.0", "0.35.0.dev12+gabc", "1.0.0"])
-def test_unsupported_release_names_version_range_and_override(version: str) -> None:
+@pytest.mark.parametrize("version", ["0.16.0", "0.16.9", "0.8.5"])
+def test_a_release_older_than_every_era_names_version_range_and_override(version: str) -> None:
     with pytest.raises(UnsupportedVllmError) as err:
         adapter_for_version(version)
     msg = str(err.value)
     assert version in msg and str(SUPPORTED_VLLM) in msg and "VLLM_HS_COMPAT_ADAPTER" in msg
 
 
+@pytest.mark.parametrize("version", ["0.35.0", "0.35.0.dev12+gabc", "0.36.1", "1.0.0"])
+def test_a_release_newer_than_every_era_gets_the_newest_adapter_marked_untested(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Judged by its facts, not its number: the newest era's adapter, untested (its probes decide, see
+    tests/vllm/test_selection.py), with the slot checks on every request -- never a refusal by the number alone."""
+    monkeypatch.delenv(UNTESTED_ENV, raising=False)
+    adapter = adapter_for_version(version)
+    assert adapter.name == ADAPTERS[-1].name and adapter.untested and adapter.check_every_request
+    assert "UNTESTED" in adapter.describe()
+    # every delta of the newest era holds for it (the probes check them against the install)
+    assert adapter.resumed_field == "absent" and adapter.v1_runner is False and adapter.model_runners == ("v2",)
+
+
+def test_the_strict_switch_refuses_a_newer_release_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(UNTESTED_ENV, "refuse")
+    with pytest.raises(UnsupportedVllmError) as err:
+        adapter_for_version("0.35.0")
+    msg = str(err.value)
+    assert "0.35.0" in msg and f"{UNTESTED_ENV}=refuse" in msg and TESTED_RELEASES[-1] in msg
+    assert adapter_for_version("0.34.0").name == "v0_29"  # the switch leaves the supported range alone
+    monkeypatch.setenv(UNTESTED_ENV, "sometimes")
+    with pytest.raises(UnsupportedVllmError, match="expected one of"):
+        adapter_for_version("0.35.0")
+
+
 def test_override_picks_by_name_and_rejects_unknown_names() -> None:
     assert choose_adapter("0.34.0.dev1", "v0_29").name == "v0_29"
+    assert not choose_adapter("0.34.0.dev1", "v0_29").untested
+    assert choose_adapter("0.35.0.dev1", "v0_29").untested  # a nightly past the range, chosen by name
     with pytest.raises(UnsupportedVllmError, match="names no adapter"):
         choose_adapter("0.29.0", "v9_99")
 

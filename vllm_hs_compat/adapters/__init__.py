@@ -8,12 +8,18 @@ One module per era, chosen by the installed release and confirmed by feature pro
 
 ``VLLM_HS_COMPAT_ADAPTER=<name>`` overrides the version range (vendor forks, nightlies); the probes
 still have to agree with the chosen adapter.
+
+A release newer than every era (one published after this package) is judged by its facts, not its number: it gets
+the newest era's adapter marked ``untested``, which runs only when every probe agrees with it -- with a warning
+naming the release and the connector's slot checks on every request -- and is otherwise refused naming the probes
+that differ and what they saw.  ``VLLM_HS_COMPAT_UNTESTED=refuse`` refuses such a release outright.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -36,6 +42,11 @@ SUPPORTED_VLLM = SpecifierSet(releases.SUPPORTED)
 OVERRIDE_ENV = envs.ADAPTER
 #: Releases proven by the nox matrix (docs/compatibility.md); the list lives in :mod:`vllm_hs_compat.releases`.
 TESTED_RELEASES = releases.TESTED
+UNTESTED_ENV = envs.UNTESTED
+#: The values of ``VLLM_HS_COMPAT_UNTESTED``: judge a release newer than every era by its probes, or refuse it.
+UNTESTED_POLICIES = ("probe", "refuse")
+
+log = logging.getLogger("vllm.vllm_hs_compat.adapters")
 
 __all__ = [
     "ADAPTERS",
@@ -52,6 +63,8 @@ __all__ = [
     "installed_vllm_version",
     "register_connector",
     "select_adapter",
+    "untested_policy",
+    "untested_warning",
 ]
 
 
@@ -108,12 +121,35 @@ def adapter_by_name(name: str) -> type[VllmAdapter]:
     raise UnsupportedVllmError(f"{OVERRIDE_ENV}={name!r} names no adapter; choose one of {[a.name for a in ADAPTERS]}")
 
 
+def untested_policy() -> str:
+    """``VLLM_HS_COMPAT_UNTESTED``: ``probe`` (default) or ``refuse``; anything else is refused by name."""
+    policy = envs.get(UNTESTED_ENV)
+    if policy not in UNTESTED_POLICIES:
+        raise UnsupportedVllmError(f"{UNTESTED_ENV}={policy!r}; expected one of {list(UNTESTED_POLICIES)}")
+    return policy
+
+
+def _newer_than_every_era(version: Version) -> bool:
+    return version >= Version(releases.ERAS[-1][2])
+
+
 def adapter_for_version(raw: str) -> VllmAdapter:
-    """The adapter whose range holds ``raw`` (probes not run)."""
+    """The adapter whose range holds ``raw`` (probes not run).  A release newer than every era gets the newest era's
+    adapter marked ``untested`` (its probes decide, :func:`select_adapter`), unless ``VLLM_HS_COMPAT_UNTESTED=refuse``;
+    a release older than the first era is refused."""
     version = _base_version(raw)
     for cls in ADAPTERS:
         if version in cls.versions:
             return cls(version)
+    if _newer_than_every_era(version):
+        if untested_policy() == "probe":
+            return ADAPTERS[-1](version, untested=True)
+        raise UnsupportedVllmError(
+            f"vLLM {raw} is newer than every release vllm-hs-compat was tested with ({SUPPORTED_VLLM}; tested: "
+            f"{', '.join(TESTED_RELEASES)}) and {UNTESTED_ENV}=refuse is set. Unset it to run the release when "
+            f"every probe agrees with adapter {ADAPTERS[-1].name} (with a warning and the slot checks on every "
+            f"request), install vllm=={TESTED_RELEASES[-1]}, or upgrade vllm-hs-compat."
+        )
     raise UnsupportedVllmError(
         f"vLLM {raw} is not supported: vllm-hs-compat supports {SUPPORTED_VLLM} "
         f"(tested: {', '.join(TESTED_RELEASES)}). Install a supported release, or for a fork or nightly "
@@ -122,14 +158,31 @@ def adapter_for_version(raw: str) -> VllmAdapter:
 
 
 def choose_adapter(raw: str, override: str | None) -> VllmAdapter:
-    """The adapter for version ``raw``, or the one ``override`` names (probes not run)."""
-    return adapter_by_name(override)(_base_version(raw)) if override else adapter_for_version(raw)
+    """The adapter for version ``raw``, or the one ``override`` names (probes not run).  Either is ``untested`` when
+    ``raw`` lies outside the supported range."""
+    if not override:
+        return adapter_for_version(raw)
+    version = _base_version(raw)
+    return adapter_by_name(override)(version, untested=version not in SUPPORTED_VLLM)
+
+
+def untested_warning(adapter: VllmAdapter, raw: str, num_probes: int) -> str:
+    """The warning a release outside the tested range runs with (logged once per process, printed by the CLI)."""
+    return (
+        f"vLLM {raw} is UNTESTED with vllm-hs-compat (supported {SUPPORTED_VLLM}, newest tested "
+        f"{TESTED_RELEASES[-1]}): it runs because all {num_probes} probes of adapter {adapter.name} "
+        "agree with it, and the connector checks every request's slots against the slot mapping vLLM writes with "
+        f"(a mismatch fails that request's record). {UNTESTED_ENV}=refuse refuses such a release; "
+        "`vllm-hs-compat doctor` shows every probe."
+    )
 
 
 def select_adapter(raw: str, override: str | None) -> VllmAdapter:
-    """Choose by range (or by ``override``), then confirm with the feature probes."""
+    """Choose by range (or by ``override``), then confirm with the feature probes.  A release outside the tested
+    range runs only when every probe agrees, with a warning (:func:`untested_warning`)."""
     adapter = choose_adapter(raw, override)
-    bad = [r for r in adapter.run_probes() if not r.ok]
+    results = adapter.run_probes()
+    bad = [r for r in results if not r.ok]
     if bad:
         facts = "; ".join(f"{r.name}: expected {r.expected!r}, observed {r.observed!r}" for r in bad)
         how = (
@@ -137,11 +190,22 @@ def select_adapter(raw: str, override: str | None) -> VllmAdapter:
             if override
             else f"if this is a fork or nightly, set {OVERRIDE_ENV} to the adapter whose era it follows"
         )
+        if adapter.untested and not override:
+            raise AdapterProbeMismatchError(
+                f"vLLM {raw} is newer than every release vllm-hs-compat was tested with ({SUPPORTED_VLLM}; newest "
+                f"tested {TESTED_RELEASES[-1]}). Judged by its facts with adapter {adapter.name}, "
+                f"{len(bad)} of {len(results)} probes differ: {facts}. This release changed what the package "
+                f"relies on, so it is refused: install vllm=={TESTED_RELEASES[-1]} or upgrade vllm-hs-compat "
+                "(or, for a fork that follows an older era, set "
+                f"{OVERRIDE_ENV}). Run `vllm-hs-compat doctor` for the full report."
+            )
         raise AdapterProbeMismatchError(
             f"vLLM {raw} selected adapter {adapter.name} ({adapter.versions}) but its probes disagree: "
             f"{facts}. The install may be a patched build or a mix of two releases; {how} "
             f"(choices: {[a.name for a in ADAPTERS]}). Run `vllm-hs-compat doctor` for the full report."
         )
+    if adapter.untested:
+        log.warning("%s", untested_warning(adapter, raw, len(results)))
     return adapter
 
 

@@ -225,8 +225,17 @@ class VllmAdapter(VllmReader):
     uniform_type_specs: ClassVar[bool] = True
     """``UniformTypeKVCacheSpecs`` exists (every supported release): dense verifiers merge the capture layer."""
 
-    def __init__(self, version: Version) -> None:
+    def __init__(self, version: Version, *, untested: bool = False) -> None:
         self.version = version
+        self.untested = untested
+        """The release lies outside the tested range (newer than every era, or a fork chosen by name): it runs
+        only when every probe agrees, and with :attr:`check_every_request`."""
+
+    @property
+    def check_every_request(self) -> bool:
+        """The connector checks every request's derived slots against the slot mapping vLLM writes with, not only
+        the first ``check_requests``: on a release the matrix has not proven (:attr:`untested`)."""
+        return self.untested
 
     def since(self, release: str) -> bool:
         """True when the installed release includes a change introduced in ``release``."""
@@ -404,4 +413,5 @@ class VllmAdapter(VllmReader):
             )
 
     def describe(self) -> str:
-        return f"{self.name} (vLLM {self.versions}) for installed vLLM {self.version}"
+        untested = ", UNTESTED: newer than the tested range, judged by its probes" if self.untested else ""
+        return f"{self.name} (vLLM {self.versions}) for installed vLLM {self.version}{untested}"

@@ -3,9 +3,10 @@ export transports (NIXL/UCX, shared memory) and CUDA (pinned memory).
 
 Exit codes (also in ``--help``):
 
-* 0: the installed vLLM is supported and every probe agrees with the adapter chosen for it;
+* 0: the installed vLLM is supported and every probe agrees with the adapter chosen for it -- also for a release
+  newer than the tested range, which then runs with a warning (printed);
 * 1: the release is unsupported, or a probe contradicts the adapter (a fork, a nightly, a wrong
-  ``VLLM_HS_COMPAT_ADAPTER``);
+  ``VLLM_HS_COMPAT_ADAPTER``, a newer release that changed what the package relies on);
 * 2: vLLM is not installed (a trainer host: the transport and CUDA sections are still reported).  argparse also
   exits 2 on a usage error.
 
@@ -31,8 +32,9 @@ EXIT_UNSUPPORTED = 1
 EXIT_NO_VLLM = 2
 
 EPILOG = """exit codes:
-  0  supported vLLM, every probe agrees with the adapter
-  1  unsupported vLLM release, or a probe contradicts the adapter (fork, nightly, wrong VLLM_HS_COMPAT_ADAPTER)
+  0  supported vLLM, every probe agrees with the adapter (a release newer than the tested range: with a warning)
+  1  unsupported vLLM release, or a probe contradicts the adapter (fork, nightly, wrong VLLM_HS_COMPAT_ADAPTER,
+     a newer release that changed what the package relies on)
   2  vLLM is not installed (transport and CUDA sections are still reported; a usage error also exits 2)
 The NIXL/UCX and CUDA sections never change the exit code. Progress goes to stderr; --json prints only the
 report on stdout."""
@@ -89,6 +91,7 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
         installed_vllm_distribution,
         installed_vllm_version,
         openai_server_command,
+        untested_warning,
     )
 
     report["supported_vllm"] = str(SUPPORTED_VLLM)
@@ -141,6 +144,7 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
     report.update(
         adapter=adapter.name,
         override=override,
+        untested=adapter.untested,
         probes=[
             {"name": r.name, "ok": r.ok, "expected": r.expected, "observed": r.observed, "question": r.question}
             for r in results
@@ -155,9 +159,16 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
             if override
             else f"reinstall a released vLLM, or for a fork/nightly set {OVERRIDE_ENV}=<{choices}>"
         )
+        if adapter.untested and not override:
+            names = ", ".join(r.name for r in bad)
+            fix = f"this release changed what the package relies on ({names}): refused; install a tested release"
         report["error"] = f"{len(bad)} probe(s) contradict adapter {adapter.name}"
         lines.append(f"vLLM RESULT: {len(bad)} probe(s) contradict adapter {adapter.name}: {fix}")
         return EXIT_UNSUPPORTED
+    if adapter.untested:
+        warning = untested_warning(adapter, raw, len(results))
+        report["warning"] = warning
+        lines.append(f"WARNING: {warning}")
     lines.append(f"vLLM RESULT: ok -- adapter {adapter.name} confirmed by {len(results)} probes")
     return EXIT_OK
 

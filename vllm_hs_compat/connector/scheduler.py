@@ -115,6 +115,8 @@ class CaptureScheduler:
         self._held: set[str] = set()
         self._tracker = BlockTracker(self.group.index)
         self._checks_left = config.check_requests
+        # A release the matrix has not proven (the adapter says so): every request's slots are checked.
+        self._check_every = adapter.check_every_request
         self._locator: dict[str, Any] | None = None
         self._choices = Choices()  # the families of n > 1 requests (see core/choices.py)
         self.counters = {
@@ -126,7 +128,7 @@ class CaptureScheduler:
         }
         LIVE.add(self)
         log.info(
-            "vllm-hs-compat scheduler: %s; %d planes %s; %d blocks; capture=%s window=%s sink=%s",
+            "vllm-hs-compat scheduler: %s; %d planes %s; %d blocks; capture=%s window=%s sink=%s; slot checks: %s",
             self.group.describe(),
             self.labels.num_planes,
             list(self.labels.layer_ids),
@@ -134,6 +136,7 @@ class CaptureScheduler:
             config.capture.mode,
             list(config.capture.window) if config.capture.window else None,
             config.sink,
+            "every request (untested release)" if self._check_every else f"first {config.check_requests} requests",
         )
 
     @classmethod
@@ -171,13 +174,14 @@ class CaptureScheduler:
         plan = StepPlan(self._step, self.group.index, self.group.block_size, self._pending)
         self._pending = []
         self._step += 1
-        if self._checks_left or len(self._tracker):
-            # Only while some of the first `check_requests` requests are alive: afterwards a step costs O(saves).
+        if self._check_every or self._checks_left or len(self._tracker):
+            # Only while some of the first `check_requests` requests are alive (every request on an untested
+            # release): afterwards a step costs O(saves).
             step = self.adapter.read_step(scheduler_output)
             for new in step.new:
-                if self._checks_left and new.req_id not in self._tracker:
+                if (self._check_every or self._checks_left) and new.req_id not in self._tracker:
                     self._tracker.watch(new)
-                    self._checks_left -= 1
+                    self._checks_left = max(0, self._checks_left - 1)
             self._tracker.apply(step)
             starts = {r.req_id: r.num_computed_tokens for r in step.new}
             starts.update({r.req_id: r.num_computed_tokens for r in step.cached})
