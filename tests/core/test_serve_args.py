@@ -168,3 +168,52 @@ def test_trainer_format_prints_the_trainers_layer_ids(tmp_path: Path) -> None:
         args(m, "2,16,29", format="specforge-eagle3"), adapter_for_version("0.33.0"), "0.33.0", S.load_config(str(m))
     )
     assert any("base plane" in e for e in no_base.errors)
+
+
+def test_the_block_size_default_is_the_releases(tmp_path: Path) -> None:
+    """0.34 raised vLLM's default block size from 16 to 64: the cost per block follows the release (asked of its
+    adapter); an explicit --block-size wins."""
+    m = model_dir(tmp_path, LLAMA_8B)
+    cfg = S.load_config(str(m))
+    old = S.plan(args(m, "2,16,29,32"), adapter_for_version("0.33.0"), "0.33.0", cfg)
+    new = S.plan(args(m, "2,16,29,32"), adapter_for_version("0.34.0"), "0.34.0", cfg)
+    assert (old.cost["block_size"], new.cost["block_size"]) == (16, 64)
+    assert new.cost["hs_bytes_per_block"] == 4 * 4096 * 2 * 64
+    assert "2.00 MiB per 64-token block" in S.render(new) and "512.00 KiB per 16-token block" in S.render(old)
+    chosen = S.plan(args(m, "2,16,29,32", block_size=32), adapter_for_version("0.34.0"), "0.34.0", cfg)
+    assert chosen.cost["block_size"] == 32
+    assert new.release_defaults["model_runners"] == ["v2"] and old.release_defaults["model_runners"] == ["v2", "v1"]
+
+
+def test_the_connectors_device_memory_is_stated_against_the_margin_where_vllm_keeps_only_that(
+    tmp_path: Path,
+) -> None:
+    """0.34 commits the KV cache after warm-up and keeps a margin (the extensible KV cache): the connector's own
+    device buffers (staging at most STAGE_BYTES, index tensors) are stated against it with the flag that reserves
+    them.  Control: 0.33 sizes the KV cache before warm-up from gpu_memory_utilization; no such warning."""
+    from vllm_hs_compat.core.transfer import STAGE_BYTES
+
+    m = model_dir(tmp_path, LLAMA_8B)
+    cfg = S.load_config(str(m))
+    new = S.plan(args(m, "2,16,29,32"), adapter_for_version("0.34.0"), "0.34.0", cfg)
+    mem = new.device_memory
+    token_bytes = 4 * 4096 * 2
+    assert mem["tokens_read_in_one_step"] == 1 << 20 and mem["staging_bytes"] == STAGE_BYTES
+    chunk = STAGE_BYTES // token_bytes
+    assert mem["index_bytes"] == 8 * (1 << 20) + 2 * 8 * 4 * chunk
+    assert mem["peak_bytes"] == STAGE_BYTES + mem["index_bytes"]
+    (warning,) = [w for w in new.warnings if "margin" in w]
+    assert "--gpu-memory-utilization" in warning and "1.00 GiB" in warning and "0.996 on an 80 GiB GPU" in warning
+    assert new.release_defaults["gpu_memory_utilization"] == 1.0 and new.release_defaults["kv_cache_margin"]
+    small = S.plan(args(m, "2,16,29,32", tokens=1000), adapter_for_version("0.34.0"), "0.34.0", cfg)
+    assert small.device_memory["staging_bytes"] == 1000 * token_bytes  # a small step stages only its rows
+    old = S.plan(args(m, "2,16,29,32"), adapter_for_version("0.33.0"), "0.33.0", cfg)
+    assert not old.warnings and old.release_defaults["kv_cache_margin"] is None
+    assert old.device_memory == mem  # the connector's buffers are the same; only vLLM's sizing moved
+    assert "connector device memory" in S.render(old)
+
+
+def test_an_untested_release_is_planned_with_a_warning(tmp_path: Path) -> None:
+    m = model_dir(tmp_path, LLAMA_8B)
+    plan = S.plan(args(m, "2,16,29,32"), adapter_for_version("0.35.0"), "0.35.0", S.load_config(str(m)))
+    assert any("newer than every release" in w for w in plan.warnings) and not plan.errors

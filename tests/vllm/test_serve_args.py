@@ -92,3 +92,27 @@ def test_text_output_names_release_and_cost(tmp_path: Path, capsys: pytest.Captu
     assert S.main(["--model", str(tmp_path), "--layers", layers, "--kv-budget-gib", "40"]) == 0
     text = capsys.readouterr().out
     assert f"vLLM {h.vllm_version()}" in text and "32,768 B per token" in text and "262,144 with" in text
+
+
+def test_the_release_defaults_serve_args_states_are_vllms_own() -> None:
+    """What serve-args says the installed release does without flags (its adapter's facts: block size, the
+    extensible KV cache and its margin) against vLLM's own ``CacheConfig`` and ``extensible_kv_cache`` module."""
+    import dataclasses
+
+    from vllm.config import CacheConfig
+
+    adapter = api.get_adapter()
+    named = getattr(CacheConfig, "DEFAULT_BLOCK_SIZE", None)
+    if named is not None:  # the releases that name their default (0.33: 16, 0.34: 64)
+        assert adapter.default_block_size == named
+        assert CacheConfig().block_size == named  # what a server without --block-size gets
+    fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    assert ("enable_extensible_kv_cache" in fields) is adapter.extensible_kv_cache
+    margin = adapter.kv_cache_margin
+    assert (margin is not None) is adapter.extensible_kv_cache
+    if margin is not None:
+        ext = importlib.import_module("vllm.v1.worker.extensible_kv_cache")
+        assert ext.KV_CACHE_MARGIN_FRACTION == margin.fraction
+        assert ext.KV_CACHE_MARGIN_FLOOR_BYTES == margin.floor_bytes  # CUDA's (the test platform is not ROCm)
+        assert ext.KV_CACHE_NON_TORCH_RESERVE_BYTES == margin.non_torch_bytes
+        assert CacheConfig(enable_extensible_kv_cache=True).resolved_gpu_memory_utilization == 1.0

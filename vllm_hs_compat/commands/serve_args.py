@@ -69,7 +69,12 @@ def add_capture_arguments(p: Any) -> None:
     )
     p.add_argument("--capture", choices=("prompt", "all", "output"), default="prompt")
     p.add_argument("--dtype", default=None, help="the serving dtype (default: the model config's)")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (vLLM's default 16)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size in tokens, for the cost lines (default: the installed release's, 16; 64 from vLLM 0.34)",
+    )
     p.add_argument(
         "--hybrid-kv-cache-manager",
         choices=("auto", "on", "off"),
@@ -186,6 +191,10 @@ class Plan:
     errors: list[str] = field(default_factory=list)
     trainer: dict[str, Any] | None = None
     """With ``--format``: the layer ids the trainer's drafter config needs (its numbering) and where they go."""
+    release_defaults: dict[str, Any] = field(default_factory=dict)
+    """What the installed release does where the flags say nothing (:func:`release_defaults`)."""
+    device_memory: dict[str, Any] = field(default_factory=dict)
+    """The connector's own device memory (:func:`connector_device_memory`)."""
 
     @property
     def argv(self) -> list[str]:
@@ -235,6 +244,65 @@ def cost(facts: ModelFacts, num_planes: int, block_size: int, tokens: int, budge
         out["tokens_without_capture"] = budget // kv if kv else None
         out["tokens_with_capture"] = budget // (kv + hs)
     return out
+
+
+# --- the release's serving defaults and the connector's own device memory --------------------------------------------
+def release_defaults(adapter: Any) -> dict[str, Any]:
+    """What the installed release does where the command line says nothing, asked of its adapter: the KV block size
+    (16; 64 from 0.34), whether the extensible KV cache is on by default on CUDA/ROCm (0.34+: committed after
+    warm-up, ``gpu_memory_utilization`` then defaults to 1.0) and the margin it keeps."""
+    margin = adapter.kv_cache_margin
+    return {
+        "block_size": adapter.default_block_size,
+        "extensible_kv_cache": adapter.extensible_kv_cache,
+        "gpu_memory_utilization": 1.0 if adapter.extensible_kv_cache else None,  # None: vLLM's pre-warm-up sizing
+        "kv_cache_margin": asdict(margin) if margin is not None else None,
+        "model_runners": list(adapter.model_runners),
+    }
+
+
+def connector_device_memory(facts: ModelFacts, num_planes: int, tokens: int) -> dict[str, Any]:
+    """The device memory the worker half allocates beside vLLM's, after vLLM sized the KV cache, when ``tokens``
+    tokens of records are read in one step (``core/transfer.py``'s staged path): one staging buffer of at most
+    ``STAGE_BYTES`` (a bigger step is gathered chunk by chunk into the same memory, in stream order), the step's
+    slot index (8 B per token) and each chunk's row index (8 B per token and plane on per-plane layouts, with an
+    intermediate of the same size).  The direct path (Triton into pinned host memory) has no staging buffer."""
+    from vllm_hs_compat.core.transfer import STAGE_BYTES
+
+    token_bytes = num_planes * facts.hidden_size * DTYPE_BYTES[facts.dtype]
+    chunk_tokens = min(tokens, max(1, STAGE_BYTES // token_bytes))
+    staging = min(STAGE_BYTES, tokens * token_bytes)
+    index = 8 * tokens + 2 * 8 * num_planes * chunk_tokens
+    return {
+        "tokens_read_in_one_step": tokens,
+        "stage_limit_bytes": STAGE_BYTES,
+        "staging_bytes": staging,
+        "index_bytes": index,
+        "peak_bytes": staging + index,
+    }
+
+
+def memory_warning(vllm_version: str, defaults: Mapping[str, Any], memory: Mapping[str, Any]) -> str | None:
+    """Where the release commits the KV cache after warm-up (the extensible KV cache), the connector's device
+    memory is stated against the margin vLLM keeps, with the flag that reserves it; None elsewhere (the KV cache is
+    sized from ``gpu_memory_utilization`` before warm-up, which leaves the rest of the GPU to everything else)."""
+    margin = defaults.get("kv_cache_margin")
+    if not defaults.get("extensible_kv_cache") or not margin:
+        return None
+    peak = int(memory["peak_bytes"])
+    floor = int(margin["floor_bytes"])
+    example = 80 << 30
+    return (
+        f"vLLM {vllm_version} commits the KV cache after warm-up from the memory it measured free (the extensible "
+        f"KV cache, on by default on CUDA and ROCm) and keeps only a margin: {margin['fraction']:g} x the measured "
+        f"transient peak, at least {_gib(floor)} on CUDA, of which {_gib(int(margin['non_torch_bytes']))} is held "
+        "back from torch; --gpu-memory-utilization defaults to 1.0. The connector's device buffers, allocated "
+        f"after that, come out of the margin: up to {_gib(peak)} ({_gib(int(memory['staging_bytes']))} staging + "
+        f"{_gib(int(memory['index_bytes']))} index for {int(memory['tokens_read_in_one_step']):,} tokens read in "
+        f"one step), {100 * peak / (floor - int(margin['non_torch_bytes'])):.0f}% of what the margin's floor leaves "
+        f"torch. To reserve it, pass --gpu-memory-utilization 1 - {_gib(peak)} / GPU memory (e.g. "
+        f"{int((1 - peak / example) * 1000) / 1000:g} on an 80 GiB GPU)."
+    )
 
 
 def extra_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -361,6 +429,18 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
     env: dict[str, str] = {}
     if args.sink == "export":
         env[envs.EXPORT_TOKEN] = "$(openssl rand -hex 32)"
+    defaults = release_defaults(adapter)
+    memory = connector_device_memory(facts, len(layers), args.tokens)
+    advice = memory_warning(vllm_version, defaults, memory)
+    if advice is not None:
+        warnings.append(advice)
+    if adapter.untested:
+        warnings.append(
+            f"vLLM {vllm_version} is newer than every release this package was tested with: the connector runs "
+            "only if every probe agrees at start-up (`vllm-hs-compat doctor` shows them now), and then checks the "
+            "slots of every request"
+        )
+    block_size = args.block_size if args.block_size is not None else int(defaults["block_size"])
     return Plan(
         vllm=vllm_version,
         adapter=adapter.describe(),
@@ -371,10 +451,12 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
         extra_flags=extra_flags,
         env=env,
         facts=facts,
-        cost=cost(facts, len(layers), args.block_size, args.tokens, args.kv_budget_gib),
+        cost=cost(facts, len(layers), block_size, args.tokens, args.kv_budget_gib),
         warnings=warnings,
         errors=errors,
         trainer=trainer,
+        release_defaults=defaults,
+        device_memory=memory,
     )
 
 
@@ -410,6 +492,13 @@ def render(p: Plan) -> str:
             f"KV cache: {c['kv_bytes_per_token']:,} B per token ({_gib(c['kv_bytes_per_block'])} per block): the "
             f"capture adds {100 * c['hs_over_kv']:.1f}% per token; at a fixed KV budget "
             f"{100 * c['token_capacity_loss']:.1f}% fewer tokens fit"
+        )
+    if p.device_memory:
+        m = p.device_memory
+        lines.append(
+            f"connector device memory (worker, after vLLM sized the KV cache): up to {_gib(m['peak_bytes'])} for "
+            f"{m['tokens_read_in_one_step']:,} tokens read in one step ({_gib(m['staging_bytes'])} staging, at most "
+            f"{_gib(m['stage_limit_bytes'])}; {_gib(m['index_bytes'])} index)"
         )
     if "budget_bytes" in c:
         lines.append(
