@@ -28,12 +28,15 @@ else:
     harness.force_cpu_platform()
 
     def _describe() -> list[str]:
+        import sched_harness
+
         from vllm_hs_compat import api
 
         adapter = api.get_adapter()
         return [
             f"vllm: {harness.vllm_version()}  adapter: {adapter.name}  view order: {adapter.view_order.name}",
             f"vllm slot mapping: {harness.slot_mapping_path().name}",
+            f"model runners driven: {', '.join(sched_harness.runner_modes())}",
         ]
 
     def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -50,11 +53,14 @@ else:
     @pytest.fixture(scope="session", autouse=True)
     def _record_release(record_testsuite_property: Callable[[str, object], None]) -> None:
         """The release under test, in the junit report of the session (read by the matrix report)."""
+        import sched_harness
+
         from vllm_hs_compat import api
 
         record_testsuite_property("vllm_version", harness.vllm_version())
         record_testsuite_property("adapter", api.get_adapter().name)
         record_testsuite_property("slot_mapping_path", harness.slot_mapping_path().name)
+        record_testsuite_property("model_runners", ", ".join(sched_harness.runner_modes()))
 
     def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "vllm: needs a real vLLM install (run through nox sessions)")

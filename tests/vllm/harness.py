@@ -9,12 +9,15 @@ Everything that decides where hidden states land is vLLM's code of the installed
 * views: ``vllm.v1.worker.utils.allocate_kv_cache`` (0.29+) or the runner's own
   ``GPUModelRunner._allocate_kv_cache_tensors`` + ``_reshape_kv_cache_tensors`` (<= 0.28), borrowed onto an
   uninitialised runner that carries only the attributes those methods read;
-* slots: the release's ``BlockTable`` (manager -> kernel block mapping included) and its slot-mapping kernel;
+* slots: the release's ``BlockTable`` (manager -> kernel block mapping included) and its slot-mapping kernel, or,
+  where Model Runner V1 is gone (0.34+), Model Runner V2's ``_compute_slot_mappings_kernel`` over block-table rows
+  laid out as ``BlockTables`` keeps them;
 * writes: the capture layer's own ``impl.do_kv_cache_update`` (``basic_cache``).
 
 The only thing not vLLM's is how the slot-mapping kernel *executes* on this CPU-only machine, see
-:func:`slot_mapping_path`.  Feature detection (``hasattr``/``inspect``) is used throughout, never version
-comparisons.
+:func:`slot_mapping_path`, and one answer given to the CPU platform (:func:`_answer_triton_gate`: 0.34+ refuses
+to build any config on x86 without Triton, which this harness never runs).  Feature detection
+(``hasattr``/``inspect``) is used throughout, never version comparisons.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import tempfile
@@ -73,6 +77,36 @@ def force_cpu_platform() -> None:
     _torch_cpu_capability_shim()
     _refreeze_platform_facts()
     _inspect_models_in_process()
+    _answer_triton_gate(CpuPlatform)
+
+
+def _answer_triton_gate(cpu_platform: type) -> None:
+    """0.34+: ``CpuPlatform.check_and_update_config`` refuses every config on x86 without Triton ("vLLM on x86 CPUs
+    requires Triton (triton-cpu)"), because its only CPU model runner compiles Triton kernels.  This harness builds
+    configs and never runs a model runner or a Triton kernel (the slot kernels run on :class:`_TritonLanguage`, the
+    runners are the test's), so the one ``HAS_TRITON`` that method reads is answered True for the duration of each
+    call -- nothing else is touched: ``vllm.triton_utils.HAS_TRITON`` is restored before the call returns, and the
+    rest of the method runs as written.  Found by feature: only where the method reads ``HAS_TRITON`` and carries
+    that refusal (0.33 and earlier only log a warning there, and keep it)."""
+    method = cpu_platform.__dict__.get("check_and_update_config")
+    fn = getattr(method, "__func__", None)
+    if fn is None or getattr(fn, "_hs_compat_triton_gate", False) or "HAS_TRITON" not in fn.__code__.co_names:
+        return
+    if not any(isinstance(c, str) and "requires Triton" in c for c in fn.__code__.co_consts):
+        return
+    triton_utils = importlib.import_module("vllm.triton_utils")
+
+    @functools.wraps(fn)
+    def check_and_update_config(cls: type, vllm_config: Any) -> Any:
+        had = triton_utils.HAS_TRITON
+        triton_utils.HAS_TRITON = True
+        try:
+            return fn(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = had
+
+    check_and_update_config._hs_compat_triton_gate = True  # type: ignore[attr-defined]
+    cpu_platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[attr-defined]
 
 
 def _inspect_models_in_process() -> None:
@@ -382,30 +416,37 @@ def _runner_allocate(
 # --------------------------------------------------------------------------------------------------
 # slot mappings, computed by the release's BlockTable and its slot-mapping kernel
 # --------------------------------------------------------------------------------------------------
-class _TritonLanguage(types.SimpleNamespace):
-    """Executes a ``@triton.jit`` kernel body on CPU tensors, one program at a time.
+@dataclass(frozen=True)
+class _PointerType:
+    """``tl.pointer_type(dtype)``: what ``tl.cast`` turns an address into."""
 
-    Only the operations vLLM's slot-mapping kernels use are provided (``program_id``,
-    ``num_programs``, ``arange``, ``load``, ``store``, ``where``); any other attribute raises, so a
-    release whose kernel needs more fails loudly instead of running something else.
+    dtype: torch.dtype
+
+
+class _TritonLanguage(types.SimpleNamespace):
+    """Executes a ``@triton.jit`` kernel body on CPU tensors, one program at a time over a 1-D or 2-D grid.
+
+    Only the operations vLLM's slot-mapping kernels use are provided (``program_id``, ``num_programs``,
+    ``arange``, ``load``, ``store``, ``where``, and for Model Runner V2's kernel the pointer table it reads block
+    tables through: ``cast`` to a ``pointer_type``, resolved by address in ``pointers``, and ``multiple_of``); any
+    other attribute raises, so a release whose kernel needs more fails loudly instead of running something else.
     """
 
     int64 = torch.int64
     int32 = torch.int32
     constexpr = None
 
-    def __init__(self, grid: int) -> None:
+    def __init__(self, grid: tuple[int, ...], pointers: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.grid = grid
-        self.pid = 0
+        self.pid: tuple[int, ...] = (0,) * len(grid)
+        self.pointers = pointers or {}
 
     def program_id(self, axis: int) -> int:
-        assert axis == 0
-        return self.pid
+        return self.pid[axis]
 
     def num_programs(self, axis: int) -> int:
-        assert axis == 0
-        return self.grid
+        return self.grid[axis]
 
     @staticmethod
     def arange(start: int, end: int) -> torch.Tensor:
@@ -420,10 +461,29 @@ class _TritonLanguage(types.SimpleNamespace):
         ptr.store(value, mask)
 
     @staticmethod
-    def where(cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
+    def where(cond: Any, a: Any, b: Any) -> torch.Tensor:
+        cond = cond if isinstance(cond, torch.Tensor) else torch.tensor(cond)
         a = a if isinstance(a, torch.Tensor) else torch.tensor(a)
         b = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=a.dtype)
         return torch.where(cond, a, b)
+
+    @staticmethod
+    def pointer_type(dtype: torch.dtype) -> _PointerType:
+        return _PointerType(dtype)
+
+    def cast(self, value: Any, to: Any) -> Any:
+        """An address loaded from a pointer table, as a pointer to the registered tensor at that address."""
+        if not isinstance(to, _PointerType):
+            return value.to(to) if isinstance(value, torch.Tensor) else value
+        address = int(value.item() if isinstance(value, torch.Tensor) else value)
+        target = self.pointers.get(address)
+        assert target is not None, f"the kernel read address {address:#x}, which names no tensor it was given"
+        assert target.dtype == to.dtype, (target.dtype, to.dtype)
+        return _Ptr(target.reshape(-1))
+
+    @staticmethod
+    def multiple_of(value: Any, _: int) -> Any:
+        return value
 
 
 class _Ptr:
@@ -442,10 +502,12 @@ class _Ptr:
         idx = self.index if isinstance(self.index, torch.Tensor) else torch.tensor(self.index)
         return idx.to(torch.int64)
 
-    def load(self, mask: torch.Tensor | None, other: Any) -> torch.Tensor:
+    def load(self, mask: Any, other: Any) -> torch.Tensor:
         idx = self._idx()
         if mask is None:
             return self.base[idx]
+        mask = mask if isinstance(mask, torch.Tensor) else torch.tensor(mask)
+        mask = mask.expand(idx.shape) if mask.dim() < idx.dim() else mask
         safe = torch.where(mask, idx, torch.zeros_like(idx))
         vals = self.base[safe]
         fill = torch.zeros_like(vals) if other is None else torch.full_like(vals, other)
@@ -461,25 +523,43 @@ class _Ptr:
             self.base[idx[mask]] = val[mask]
 
 
-def _interpret_kernel(raw: Callable[..., Any]) -> Callable[..., None]:
-    """Run ``raw`` (the undecorated kernel function vLLM defines) over its grid on CPU tensors."""
+def _with_language(fn: Any, tl: _TritonLanguage) -> Callable[..., Any]:
+    """``fn``'s code (a kernel or a ``@triton.jit`` device function it calls, such as V2's ``_load_ptr``) bound to
+    ``tl`` instead of Triton: every function it names that itself reads ``tl`` is rebound the same way."""
+    raw = getattr(fn, "fn", fn)  # a real triton JITFunction keeps the Python function in .fn
+    scope = {**raw.__globals__, "tl": tl}
+    for name in raw.__code__.co_names:
+        obj = scope.get(name)  # only functions are looked into: some module globals import on attribute access
+        callee = getattr(obj, "fn", None) if type(obj).__name__ == "JITFunction" else obj
+        if isinstance(callee, types.FunctionType) and callee is not raw and "tl" in callee.__code__.co_names:
+            scope[name] = _with_language(callee, tl)
+    return types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__)
+
+
+def _interpret_kernel(raw: Callable[..., Any], pointers: dict[int, torch.Tensor] | None = None) -> Callable[..., None]:
+    """Run ``raw`` (the undecorated kernel function vLLM defines) over its grid on CPU tensors.  ``pointers``: the
+    tensors the kernel may reach through addresses it loads (V2's block-table pointer table), by address."""
     sig = inspect.signature(raw)
 
-    def launch(*args: Any, _grid: int | None = None, **kwargs: Any) -> None:
+    def launch(*args: Any, _grid: tuple[int, ...] | None = None, **kwargs: Any) -> None:
         bound = sig.bind(*args, **kwargs)
         call_args = {
             name: (_Ptr(v.reshape(-1)) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
             for name, v in bound.arguments.items()
         }
-        qsl = bound.arguments["query_start_loc_ptr"]
-        grid = _grid if _grid is not None else int(qsl.numel())  # one program per request + the pad program
-        assert grid == int(qsl.numel()), (grid, qsl.numel())
+        qsl = bound.arguments.get("query_start_loc_ptr")
+        if qsl is not None:  # V1's kernel: one program per request + the pad program
+            grid = _grid if _grid is not None else (int(qsl.numel()),)
+            assert grid == (int(qsl.numel()),), (grid, qsl.numel())
+        else:
+            assert _grid is not None, f"{raw.__name__} launched without a grid"
+            grid = _grid
         for name, v in bound.arguments.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 assert v.is_contiguous(), f"{name} must be contiguous for a flat pointer"
-        tl = _TritonLanguage(grid)
-        fn = types.FunctionType(raw.__code__, {**raw.__globals__, "tl": tl}, raw.__name__, raw.__defaults__)
-        for pid in range(grid):
+        tl = _TritonLanguage(grid, pointers)
+        fn = _with_language(raw, tl)
+        for pid in itertools.product(*(range(g) for g in grid)):
             tl.pid = pid
             fn(**call_args)
 
@@ -499,8 +579,8 @@ class _GridWrapper:
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         if not self.takes_grid:
             return self.fn
-        g = grid[0] if isinstance(grid, tuple) else grid
-        return functools.partial(self.fn, _grid=int(g))
+        g = tuple(int(x) for x in grid) if isinstance(grid, tuple) else (int(grid),)
+        return functools.partial(self.fn, _grid=g)
 
 
 def _cpu_op_available() -> bool:
@@ -517,6 +597,13 @@ class SlotPath:
     """How the release's slot-mapping kernel is executed here (recorded in the test report)."""
     install: Callable[[], None] = field(repr=False)
     """Puts the CPU replacement in place, once per process -- as vLLM's CPU worker does."""
+    v2: bool = False
+    """Model Runner V2's ``BlockTables.compute_slot_mappings`` (where V1's ``BlockTable`` is gone, 0.34+)."""
+
+
+def has_v1_block_table() -> bool:
+    """Model Runner V1's ``vllm.v1.worker.block_table`` (0.17-0.33; deleted with V1 in 0.34)."""
+    return importlib.util.find_spec("vllm.v1.worker.block_table") is not None
 
 
 def slot_mapping_path() -> SlotPath:
@@ -531,12 +618,40 @@ def slot_mapping_path() -> SlotPath:
       Upstream wheels ship no CPU ``_C`` library, so where the op is missing the kernel function vLLM
       defines is run as written by a small CPU executor of the ``tl.*`` calls it makes
       (:class:`_TritonLanguage`): vLLM's arithmetic, not a re-derived formula.
+    * no V1 ``BlockTable`` (0.34+, Model Runner V1 deleted): Model Runner V2's ``BlockTables.compute_slot_mappings``
+      launches ``_compute_slot_mappings_kernel`` (a 2-D grid of groups x requests + the pad program, block tables
+      read through a pointer table) -- vLLM's method and kernel body, on the same executor, installed with vLLM's
+      own kernel override (``register_kernels``); see :class:`V2BlockTable`.
     """
     return _slot_mapping_path()
 
 
+#: The tensors V2's slot kernel may reach through the block-table pointer table, by address (each V2BlockTable's).
+_V2_POINTERS: dict[int, torch.Tensor] = {}
+V2_SLOT_KERNEL = "vllm.v1.worker.gpu.block_table._compute_slot_mappings_kernel"
+
+
+def _v2_slot_path() -> SlotPath:
+    module_name, attr = V2_SLOT_KERNEL.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    raw = getattr(module, attr)
+    impl = _GridWrapper(_interpret_kernel(raw, _V2_POINTERS), takes_grid=True)
+    dispatcher = importlib.import_module("vllm.triton_utils.dispatcher")
+    done: list[bool] = []
+
+    def install() -> None:
+        if not done:
+            dispatcher.register_kernels({V2_SLOT_KERNEL: impl})
+            done.append(True)
+
+    how = "vLLM's triton kernel body on a CPU tl executor (2-D grid, block tables through the pointer table)"
+    return SlotPath(f"V2 BlockTables.compute_slot_mappings: register_kernels({V2_SLOT_KERNEL}) -> {how}", install, True)
+
+
 @functools.cache
 def _slot_mapping_path() -> SlotPath:
+    if not has_v1_block_table():
+        return _v2_slot_path()
     bt = importlib.import_module("vllm.v1.worker.block_table")
     params = inspect.signature(bt.BlockTable.compute_slot_mapping).parameters
     if "req_indices" in params:
@@ -579,6 +694,61 @@ def _slot_mapping_path() -> SlotPath:
     return SlotPath(f"{where} replaced -> {how}", install_attr)
 
 
+class V2BlockTable:
+    """One KV-cache group's table as Model Runner V2's ``BlockTables`` keeps it, with vLLM's own methods.
+
+    ``BlockTables.__init__`` cannot run here (its host buffers are UVA views of pinned memory, which a CPU-only
+    machine has not), so the object is built uninitialised and carries what vLLM's methods read: the rows
+    (``[max_num_reqs, max_num_blocks]`` int32, a request's manager block ids from column 0 as
+    ``append_block_ids(..., overwrite=True)`` leaves them), the group's manager block size (V2 maps positions with
+    the groups' own block sizes, so its slots are manager slots even where the attention kernel splits blocks) and
+    the persistent ``[groups, max_num_batched_tokens]`` slot buffer.  vLLM's ``init_block_table_layout_tensors``
+    builds the pointer and stride tables, vLLM's ``compute_slot_mappings`` launches the kernel."""
+
+    def __init__(self, *, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int, max_num_batched_tokens: int):
+        from vllm.v1.worker.gpu.block_table import BlockTables
+
+        bt = BlockTables.__new__(BlockTables)
+        rows = torch.zeros(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32)
+        bt.block_sizes = [block_size]
+        bt.max_num_reqs = max_num_reqs
+        bt.max_num_batched_tokens = max_num_batched_tokens
+        bt.device = torch.device("cpu")
+        bt.cp_size, bt.cp_rank, bt.cp_interleave = 1, 0, 1
+        bt.num_kv_cache_groups = 1
+        bt._slot_mapping_enabled = [True]
+        bt.dcp_sharded = torch.tensor([True])
+        bt._sliding_window_reach = [0]
+        bt.has_sliding_window_groups = False
+        bt.block_tables = [types.SimpleNamespace(gpu=rows)]
+        bt.input_block_tables = [torch.zeros_like(rows)]
+        bt.slot_mappings = torch.zeros(1, max_num_batched_tokens, dtype=torch.int64)
+        bt.init_block_table_layout_tensors()
+        _V2_POINTERS[rows.data_ptr()] = rows
+        self.tables = bt
+        self.rows = rows
+
+    def add_row(self, block_ids: Sequence[int], row: int) -> None:
+        self.rows[row].zero_()
+        self.rows[row, : len(block_ids)] = torch.tensor(list(block_ids), dtype=torch.int32)
+
+    def compute(self, query_start_loc: torch.Tensor, positions: torch.Tensor, path: SlotPath) -> torch.Tensor:
+        """vLLM's ``compute_slot_mappings`` for the first ``len(query_start_loc) - 1`` rows in row order; checks
+        that the kernel's pad program overwrote the rest of the buffer with ``PAD_SLOT_ID`` (it was poisoned)."""
+        from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+        num_reqs = int(query_start_loc.numel()) - 1
+        total = int(query_start_loc[-1])
+        buf = self.tables.slot_mappings
+        buf.fill_(0x7FFF_FFFF)  # stale values a missing pad program would leave behind
+        path.install()
+        idx_mapping = torch.arange(num_reqs, dtype=torch.int32)
+        self.tables.compute_slot_mappings(idx_mapping, query_start_loc, positions, total)
+        tail = buf[0, total:]
+        assert bool((tail == PAD_SLOT_ID).all()), "V2's pad program did not pad the slot mapping past the batch"
+        return buf[0, :total].clone()
+
+
 @dataclass
 class ScheduledRequest:
     req_id: str
@@ -595,7 +765,15 @@ def make_block_table(
     max_num_blocks_per_req: int,
     max_num_batched_tokens: int,
 ) -> Any:
-    """The release's ``BlockTable`` on CPU, its "device" buffers aliased to the host ones as vLLM's CPU runner does."""
+    """The release's ``BlockTable`` on CPU, its "device" buffers aliased to the host ones as vLLM's CPU runner does;
+    where V1's is gone, Model Runner V2's table (:class:`V2BlockTable`)."""
+    if not has_v1_block_table():
+        return V2BlockTable(
+            block_size=block_size,
+            max_num_reqs=max_num_reqs,
+            max_num_blocks_per_req=max_num_blocks_per_req,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
     from vllm.v1.utils import CpuGpuBuffer
     from vllm.v1.worker.block_table import BlockTable
 
@@ -627,10 +805,11 @@ def compute_slot_mapping(
     path: SlotPath,
     block_table: Any = None,
 ) -> torch.Tensor:
-    """Slot mapping of ``batch`` (in batch order) from the release's ``BlockTable``, as the V1 runner
-    computes it: rows added per request, ``positions = num_computed + arange``, then
-    ``compute_slot_mapping``.  ``block_table``: a persistent table (:func:`make_block_table`, large enough) whose
-    rows are rewritten, as the runner's persistent batch does; by default a fresh one sized for ``batch``."""
+    """Slot mapping of ``batch`` (in batch order) from the release's ``BlockTable``, as the runner computes it: rows
+    added per request, ``positions = num_computed + arange``, then the release's slot computation (V1
+    ``compute_slot_mapping``; V2 ``compute_slot_mappings``).  ``block_table``: a persistent table
+    (:func:`make_block_table`, large enough) whose rows are rewritten, as the runner's persistent batch does; by
+    default a fresh one sized for ``batch``."""
     num_reqs = len(batch)
     total = sum(r.num_tokens for r in batch)
     bt = block_table
@@ -644,7 +823,6 @@ def compute_slot_mapping(
         )
     for row, r in enumerate(batch):
         bt.add_row(list(r.block_ids), row)
-    bt.commit_block_table(num_reqs)
 
     num_sched = np.array([r.num_tokens for r in batch], dtype=np.int32)
     req_indices = np.repeat(np.arange(num_reqs, dtype=np.int32), num_sched)
@@ -652,14 +830,17 @@ def compute_slot_mapping(
     offsets = np.arange(total, dtype=np.int64) - np.repeat(cu - num_sched, num_sched)
     computed = np.array([r.num_computed for r in batch], dtype=np.int64)
     positions = computed[req_indices] + offsets
+    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.from_numpy(cu.astype(np.int32))
 
+    if isinstance(bt, V2BlockTable):
+        return bt.compute(query_start_loc, torch.from_numpy(positions), path)
+    bt.commit_block_table(num_reqs)
     if "req_indices" in _parameter_names(type(bt).compute_slot_mapping):
         bt.compute_slot_mapping(req_indices, positions)
         if hasattr(bt, "commit_slot_mapping"):
             bt.commit_slot_mapping(total)
         return bt.slot_mapping.cpu[:total].clone()
-    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.from_numpy(cu.astype(np.int32))
     path.install()
     bt.compute_slot_mapping(num_reqs, query_start_loc, torch.from_numpy(positions))
     return bt.slot_mapping.gpu[:total].clone()
@@ -674,13 +855,41 @@ def write_hidden_states(layer: Any, kv_cache: torch.Tensor, to_cache: torch.Tens
 
 
 def proposer_records_capture_group(worker_cfg: Any) -> bool:
-    """Whether the release's V1 ``ExtractHiddenStatesProposer`` remembers which group holds the capture
-    layer (and so builds its slot mapping from that group).  Runs the proposer's own
-    ``validate_same_kv_cache_group`` on an uninitialised proposer: 0.22+ records ``kv_cache_gid``;
-    before that the proposer takes group 0's metadata whatever the grouping."""
+    """Whether the release's extract_hidden_states drafter writes the capture layer with the slot mapping of the
+    group that holds it (rather than group 0's).  Asked of Model Runner V1's proposer where the release has it, else
+    of Model Runner V2's (0.34+, where V1 is deleted)."""
+    if importlib.util.find_spec("vllm.v1.spec_decode.extract_hidden_states") is not None:
+        return _v1_proposer_records_capture_group(worker_cfg)
+    return v2_capture_layer_gets_its_group_slots(worker_cfg)
+
+
+def _v1_proposer_records_capture_group(worker_cfg: Any) -> bool:
+    """Runs the V1 ``ExtractHiddenStatesProposer``'s own ``validate_same_kv_cache_group`` on an uninitialised
+    proposer: 0.22+ records ``kv_cache_gid``; before that the proposer takes group 0's metadata whatever the
+    grouping."""
     from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
 
     proposer = ExtractHiddenStatesProposer.__new__(ExtractHiddenStatesProposer)
     proposer.attn_layer_names = [CAPTURE_LAYER]
     proposer.validate_same_kv_cache_group(worker_cfg)
     return getattr(proposer, "kv_cache_gid", None) == group_index_of(worker_cfg, CAPTURE_LAYER)
+
+
+def v2_capture_layer_gets_its_group_slots(worker_cfg: Any) -> bool:
+    """Model Runner V2's ``ExtractHiddenStatesSpeculator.propose`` writes the capture layer with
+    ``slot_mappings[layer name]``: the per-layer map the runner (``model_runner.py``) and the speculator's own
+    ``_build_drafter_attn_metadata`` (``spec_decode/speculator.py``) build with ``build_slot_mappings_by_layer``
+    from the per-group slot table.  That function is run here on a table whose row ``g`` holds ``g``: the capture
+    layer must get its own group's row."""
+    attn_utils = importlib.import_module("vllm.v1.worker.gpu.attn_utils")
+    speculator = importlib.import_module("vllm.v1.worker.gpu.spec_decode.speculator")
+    build = attn_utils.build_slot_mappings_by_layer
+    if getattr(speculator, "build_slot_mappings_by_layer", None) is not build:
+        raise AssertionError(
+            "V2's speculator no longer builds its per-layer slot mappings with attn_utils.build_slot_mappings_by_layer:"
+            " teach the harness where the capture layer's slot mapping comes from"
+        )
+    n = len(worker_cfg.kv_cache_groups)
+    table = torch.arange(n, dtype=torch.int64).unsqueeze(1).repeat(1, 4)
+    mapping = build(table, worker_cfg)[CAPTURE_LAYER]
+    return bool((mapping == group_index_of(worker_cfg, CAPTURE_LAYER)).all())

@@ -18,7 +18,10 @@ What is vLLM's code here (the release's, found by feature detection, never by ve
 * batch order: V1 the runner's persistent ``InputBatch`` (``remove_request``/``add_request``/``condense``/
   ``refresh_metadata``; optionally ``reorder_batch_to_split_decodes_and_prefills`` as decode-first backends do);
   V2 ``sort_batch_req_ids``;
-* slots: ``harness.compute_slot_mapping`` (the release's ``BlockTable`` and slot kernel);
+* slots: ``harness.compute_slot_mapping`` (the release's ``BlockTable`` and slot kernel; Model Runner V2's
+  ``BlockTables.compute_slot_mappings`` where V1 is gone, 0.34+);
+* the runners: each model runner the release has (:func:`runner_modes`, found by feature): V1 on 0.17-0.33, V2 on
+  0.29+, V2 alone (the default engine, ``VLLM_USE_V2_MODEL_RUNNER`` left unset) from 0.34, which deleted V1;
 * the write: the real ``CacheOnlyAttentionLayer.forward`` inside ``set_forward_context`` -- vLLM's
   ``unified_kv_cache_update`` writes with the layer's ``do_kv_cache_update`` and ``maybe_transfer_kv_layer`` calls
   the connector's ``wait_for_layer_load``/``save_kv_layer`` -- placed where the release's runner places the drafter
@@ -169,14 +172,39 @@ def _env(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = old
 
 
+@functools.cache
+def has_v1_runner() -> bool:
+    """Whether the release has Model Runner V1 (``vllm.v1.worker.gpu_model_runner``, with its persistent
+    ``InputBatch`` and connector mixin): 0.17-0.33; 0.34 deleted it (``VLLM_USE_V2_MODEL_RUNNER=0`` then raises)."""
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
+@functools.cache
 def has_v2_runner() -> bool:
-    """Whether the release runs extract_hidden_states on Model Runner V2: it has the V2 runner's connector helper and
-    its V2 feature check does not list our config (0.22-0.28 list "speculative method 'extract_hidden_states'")."""
-    if importlib.util.find_spec("vllm.v1.worker.gpu.kv_connector") is None:
+    """Whether the release runs extract_hidden_states on Model Runner V2: it has the V2 runner's connector helper,
+    and either V2 is its only runner (0.34+) or its V2 feature check does not list our config (0.22-0.28 list
+    "speculative method 'extract_hidden_states'")."""
+    if not has_v2_module():
         return False
-    cfg = make_vllm_config(EngineSpec(num_blocks=32), connector=False)
+    if not has_v1_runner():
+        return True
+    cfg = make_vllm_config(EngineSpec(num_blocks=32, v2=False), connector=False)
     check = getattr(cfg, "_get_v2_model_runner_unsupported_features", None)
     return check is not None and not check()
+
+
+def runner_modes() -> list[str]:
+    """The model runners this release drives extract_hidden_states with, as scheduler modes: ``v1`` where Model
+    Runner V1 exists, ``v2`` where V2 runs it (both on 0.29-0.33, ``v2`` alone from 0.34)."""
+    return [m for m, present in (("v1", has_v1_runner()), ("v2", has_v2_runner())) if present]
+
+
+def _runner_env(v2: bool) -> str | None:
+    """``VLLM_USE_V2_MODEL_RUNNER`` for an engine of this mode: the switch matters only where both runners exist
+    (0.29-0.33 read it); where V1 is gone (0.34+) it is left unset -- ``=0`` raises and ``=1`` only warns."""
+    if not (has_v1_runner() and has_v2_module()):
+        return None
+    return "1" if v2 else "0"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,7 +215,8 @@ class EngineSpec:
     num_blocks: int
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 4
-    v2: bool = False
+    # Model Runner V2's bookkeeping and hook order; the default where V1 is gone (0.34+)
+    v2: bool = field(default_factory=lambda: not has_v1_runner())
     extra_config: dict[str, Any] | None = None  # None: no connector
     pad_tokens: int = 0  # CUDA-graph style padding rows written to PAD_SLOT_ID (only where pads hit the null block)
     reorder: bool = False  # V1: a decode-first attention backend reorders the persistent batch
@@ -251,9 +280,10 @@ def make_vllm_config(spec: EngineSpec, *, connector: bool) -> Any:
             kv_role="kv_producer",
             kv_connector_extra_config=spec.connector_config(),
         )
-    # The config is validated for the V1 runner: on this machine (no Triton) a V2 config does not validate.  V2
-    # runs (0.29+) then select the V2 paths through the env var the release reads, as a Triton host would.
-    with _env(V2_ENV, "0" if has_v2_module() else None):
+    # The config is validated for the V1 runner where the release has both: on this machine (no Triton) a V2 config
+    # does not validate.  V2 runs (0.29-0.33) then select the V2 paths through the env var the release reads, as a
+    # Triton host would.  Where V1 is gone (0.34+) the variable stays unset.
+    with _env(V2_ENV, _runner_env(False)):
         return VllmConfig(
             model_config=mc,
             cache_config=cache,
@@ -288,7 +318,7 @@ def min_num_blocks(
         cfg.cache_config.num_gpu_blocks_override = None
         layer = h.make_capture_layer(cfg)
         try:
-            with _env(V2_ENV, ("1" if v2 else "0") if has_v2_module() else None):
+            with _env(V2_ENV, _runner_env(v2)):
                 return int(h.build_kv_cache_configs(cfg, layer, verifier, available_memory=mem).scheduler.num_blocks)
         except ValueError:
             return None
@@ -387,8 +417,11 @@ def build_engine(spec: EngineSpec) -> Engine:
     connector = spec.extra_config is not None
     cfg = make_vllm_config(spec, connector=connector)
     exit_stack = contextlib.ExitStack()
-    # V2 runs: the scheduler and both connectors read ``vllm_config.use_v2_model_runner`` (the env var wins).
-    exit_stack.enter_context(_env(V2_ENV, ("1" if spec.v2 else "0") if has_v2_module() else None))
+    # V2 runs (0.29-0.33): the scheduler and both connectors read ``vllm_config.use_v2_model_runner`` (the env var
+    # wins).  0.34+ has no V1 and no switch: V2 always.
+    exit_stack.enter_context(_env(V2_ENV, _runner_env(spec.v2)))
+    if not spec.v2 and not has_v1_runner():
+        raise ValueError("a Model Runner V1 engine was asked for, but this release has no V1 (deleted in 0.34)")
     try:
         layer = h.make_capture_layer(cfg)
         kv = h.build_kv_cache_configs(cfg, layer, spec.verifier)
@@ -439,7 +472,8 @@ def build_engine(spec: EngineSpec) -> Engine:
                 },
             )
         )
-        assert getattr(scheduler, "use_v2_model_runner", False) is spec.v2
+        if has_v1_runner():  # the scheduler's switch exists only where there is a choice (0.29-0.33)
+            assert getattr(scheduler, "use_v2_model_runner", False) is spec.v2
         engine = Engine(
             spec=spec,
             cfg=cfg,
@@ -567,24 +601,13 @@ class Runner:
 
     # ---- helpers shared by both runners ------------------------------------------------------------
     def _new_state(self, nr: Any, tokens: list[int]) -> Any:
-        from vllm.v1.worker.gpu_input_batch import CachedRequestState
-
-        return CachedRequestState(
-            **_fields(
-                CachedRequestState,
-                {
-                    "req_id": nr.req_id,
-                    "prompt_token_ids": tokens,
-                    "mm_features": list(getattr(nr, "mm_features", None) or []),
-                    "sampling_params": nr.sampling_params,
-                    "pooling_params": getattr(nr, "pooling_params", None),
-                    "generator": None,
-                    "block_ids": tuple(list(b) for b in nr.block_ids),
-                    "num_computed_tokens": nr.num_computed_tokens,
-                    "output_token_ids": [],
-                    "lora_request": getattr(nr, "lora_request", None),
-                },
-            )
+        """The runner's state of a new request: what both runners read from it (V1 overrides this with vLLM's own
+        ``CachedRequestState``, which its ``InputBatch`` takes)."""
+        return _RequestState(
+            req_id=nr.req_id,
+            prompt_token_ids=tokens,
+            block_ids=tuple(list(b) for b in nr.block_ids),
+            num_computed_tokens=nr.num_computed_tokens,
         )
 
     def _tokens(self, rid: str) -> list[int]:
@@ -742,9 +765,43 @@ class Runner:
         raise NotImplementedError
 
 
+@dataclass
+class _RequestState:
+    """A request as a runner keeps it: prompt, generated tokens, block ids per group, computed tokens (V2's runner
+    keeps these in its own request-state tables; the harness's V2 reads only these)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
 class RunnerV1(Runner):
     """``GPUModelRunner`` (V1): persistent ``InputBatch``; target forward inside ``maybe_get_kv_connector_output``
-    (its exit calls ``get_finished``), then the drafter writes the capture layer, then ``finalize_kv_connector``."""
+    (its exit calls ``get_finished``), then the drafter writes the capture layer, then ``finalize_kv_connector``.
+    Only on releases that have V1 (0.17-0.33)."""
+
+    def _new_state(self, nr: Any, tokens: list[int]) -> Any:
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+        return CachedRequestState(
+            **_fields(
+                CachedRequestState,
+                {
+                    "req_id": nr.req_id,
+                    "prompt_token_ids": tokens,
+                    "mm_features": list(getattr(nr, "mm_features", None) or []),
+                    "sampling_params": nr.sampling_params,
+                    "pooling_params": getattr(nr, "pooling_params", None),
+                    "generator": None,
+                    "block_ids": tuple(list(b) for b in nr.block_ids),
+                    "num_computed_tokens": nr.num_computed_tokens,
+                    "output_token_ids": [],
+                    "lora_request": getattr(nr, "lora_request", None),
+                },
+            )
+        )
 
     def __init__(
         self, cfg: Any, views: dict[str, torch.Tensor], block_sizes: list[int], kernel_block_sizes: list[int]
@@ -908,8 +965,8 @@ def proposer_runs_connector_cycle() -> bool:
 class RunnerV2(Runner):
     """Model Runner V2 (0.29+): request states rebuilt from the scheduler output (resumed requests arrive as new
     requests), batch sorted by ``sort_batch_req_ids``, connector hooks through ``vllm/v1/worker/gpu/kv_connector.py``:
-    0.29-0.32 run every post-forward hook after the drafter; 0.33 collects ``get_transfer_results`` before the
-    drafter (``post_forward(defer_finalize=True)``) and finalizes after it."""
+    0.29-0.32 run every post-forward hook after the drafter; 0.33 and 0.34 collect ``get_transfer_results`` before the
+    drafter (``post_forward(defer_finalize=True)``) and finalize after it."""
 
     def __init__(self, cfg: Any, views: dict[str, torch.Tensor]) -> None:
         super().__init__(cfg, views)
@@ -1252,10 +1309,12 @@ __all__ = [
     "build_engine",
     "check_cache",
     "engine_for",
+    "has_v1_runner",
     "has_v2_runner",
     "prefix_hashes",
     "receive_record",
     "rows_for",
     "run_schedule",
+    "runner_modes",
     "take_records",
 ]

@@ -21,8 +21,9 @@ runs 10,000).  ``VLLM_HS_COMPAT_SCHEDULE_SEED`` (an integer) seeds hypothesis: t
 sessions set it from the commit under test, so every landing draws other schedules and a failure is replayed with
 the seed the session printed (``VLLM_HS_COMPAT_SCHEDULE_SEED=<seed> nox -s "vllm(release='0.29.0')"``).  Unset,
 the schedules are hypothesis' derandomized ones (the same every run); ``VLLM_HS_COMPAT_SCHEDULE_RANDOM`` draws
-fresh ones.  Releases with Model Runner V2 (0.29+) run both modes: V1, and V2 with resumed requests handed back
-as new requests.
+fresh ones.  Each model runner the release has is a mode (``sched_harness.runner_modes``, found by feature): V1
+(0.17-0.33) with resumed requests handed back as cached ones, V2 (0.29+) with resumed requests handed back as new
+requests; 0.29-0.33 run both, 0.34 (Model Runner V1 deleted) V2 alone.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ pytestmark = pytest.mark.vllm
 NUM_SCHEDULES = int(os.environ.get("VLLM_HS_COMPAT_SCHEDULES", "200"))
 #: Schedules run per scheduler mode in this session (all verifiers).
 SCHEDULES_RUN: Counter[str] = Counter()
-MODES = ["v1", "v2"] if sh.has_v2_runner() else ["v1"]
+#: The runners this release drives the capture with (a fact of the release: V1 where it exists, V2 where it runs
+#: extract_hidden_states); a mode a release lacks is not parametrized at all.
+MODES = sh.runner_modes()
 MAX_MODEL_LEN = h.MAX_MODEL_LEN
 REPORTS = Path(__file__).resolve().parents[2] / "reports"
 _FRESH = "VLLM_HS_COMPAT_SCHEDULE_RANDOM" in os.environ
@@ -481,3 +484,26 @@ def test_negative_control_stale_rows(mode: str, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(sh.Runner, "_write", clobbering)
     with pytest.raises(AssertionError, match="differ from the hidden states of its prefix"):
         run_and_check(_fixed_schedule(mode == "v2"), Counter())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_untested_release_checks_the_slots_of_every_request(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a release newer than the tested range the adapter is ``untested``, and the connector vLLM's scheduler
+    creates checks every request's derived slots against the slot mapping vLLM wrote with, whatever
+    ``check_requests`` says; every record stays bit-exact.  Control: the release's own (tested) adapter checks only
+    the first request."""
+    from vllm_hs_compat.connector import connector as connector_module
+
+    base = _fixed_schedule(mode == "v2")
+    spec = dataclasses.replace(base.spec, extra_config={**(base.spec.extra_config or {}), "check_requests": 1})
+    schedule = Schedule(spec, base.plans, base.seed)
+    tested: Counter[str] = Counter()
+    run_and_check(schedule, tested)
+    real = connector_module.get_adapter()
+    untested_adapter = type(real)(real.version, untested=True)
+    monkeypatch.setattr(connector_module, "get_adapter", lambda: untested_adapter)
+    untested: Counter[str] = Counter()
+    run_and_check(schedule, untested)
+    assert untested["records"] == tested["records"] == 3
+    assert tested["connector_slot_checks"] > 0
+    assert untested["connector_slot_checks"] > tested["connector_slot_checks"], (tested, untested)

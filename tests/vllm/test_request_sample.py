@@ -58,8 +58,9 @@ BAD = {
 
 def test_request_sample_fields_reach_the_record_and_bad_ones_fail_only_their_own() -> None:
     sh.take_records()
+    v2 = not sh.has_v1_runner()  # a V1 engine where the release has one (as before), else V2 (0.34+)
     spec = sh.EngineSpec(
-        num_blocks=sh.min_num_blocks("dense", True, False, 64, 4) * 2, extra_config={"capture": "prompt"}
+        num_blocks=sh.min_num_blocks("dense", True, v2, 64, 4) * 2, extra_config={"capture": "prompt"}, v2=v2
     )
     engine = sh.build_engine(spec)
     try:
