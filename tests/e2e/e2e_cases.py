@@ -8,6 +8,7 @@ paired with the transformers forward of the same weights (:mod:`e2e_pairing`).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import random
@@ -172,8 +173,24 @@ def cases() -> dict[str, Case]:
 
 
 TRITON_CPU_SHIM = HERE / "triton_cpu_shim"
-# Model Runner V2 on a CPU build: Triton must report a "cpu" backend (the shim) and run kernels interpreted.
-V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+#: Where Model Runner V2's classes live; the engine's runner is V2 when one of its classes comes from here.
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM has Model Runner V1 (``vllm.v1.worker.gpu_model_runner``): 0.17-0.33; 0.34 deleted
+    it, so every engine is V2 and ``VLLM_USE_V2_MODEL_RUNNER=0`` raises."""
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
+def v2_env() -> dict[str, str]:
+    """Model Runner V2 on a CPU build: Triton must report a "cpu" backend (the shim) and run kernels interpreted;
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` selects V2 where the release has both runners (0.29-0.33) and is left out where V1
+    is gone (0.34+: redundant, vLLM warns)."""
+    env = {"TRITON_INTERPRET": "1"}
+    if has_v1_runner():
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return env
 
 
 def v2_cases() -> dict[str, Case]:
@@ -285,7 +302,7 @@ def run_case(
     )
     spec.save(out / "spec.json")
     run_env = env if env is not None else base_env([str(TRITON_CPU_SHIM)] if case.v2 else None)
-    run_env = {**run_env, **case.env, **(V2_ENV if case.v2 else {})}
+    run_env = {**run_env, **case.env, **(v2_env() if case.v2 else {})}
     t0 = time.monotonic()
     with open(out / "engine.log", "w") as log:
         try:
@@ -549,7 +566,17 @@ class LogFacts:
     chunked_prefill: bool
 
 
-def log_facts(log: str) -> LogFacts:
+def runs_v2(log: str, result: dict[str, Any] | None) -> bool:
+    """Whether the engine ran Model Runner V2, by fact: the runner class the in-process engine built (its bases
+    include V2's), else -- engines in other processes -- the "Using V2 Model Runner" line 0.29-0.33 log (0.34, V2
+    only, no longer prints it; its multi-process engines are V2 whenever V1 is absent)."""
+    classes = (result or {}).get("model_runner") or []
+    if classes:
+        return any(str(c).startswith(V2_RUNNER_MODULE + ".") for c in classes)
+    return "Using V2 Model Runner" in log or not has_v1_runner()
+
+
+def log_facts(log: str, result: dict[str, Any] | None = None) -> LogFacts:
     workers, sched, counters = [], [], []
     for line in log.splitlines():
         if m := _COUNTERS_RE.match(line):
@@ -571,6 +598,6 @@ def log_facts(log: str) -> LogFacts:
         workers=workers,
         scheduler=sched,
         counters=counters,
-        v2_runner="Using V2 Model Runner" in log,
+        v2_runner=runs_v2(log, result),
         chunked_prefill="Chunked prefill is enabled" in log,
     )

@@ -268,6 +268,18 @@ def kv_cache_groups(llm: Any) -> dict[str, Any]:
     return facts
 
 
+def model_runner_classes(llm: Any) -> list[str]:
+    """The in-process worker's model runner class and its bases (``module.qualname``, most derived first): which
+    runner the engine really built (Model Runner V2's classes live in ``vllm.v1.worker.gpu.model_runner``, the CPU
+    one subclasses it); empty when the engine runs in other processes."""
+    core = _inproc_core(llm)
+    try:
+        runner = core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return []
+    return [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__]
+
+
 def run_consumer(spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
     """Fetch every exported record from a consumer in another process (the trainer's side)."""
     tickets = []
@@ -423,6 +435,7 @@ def main(spec_path: str) -> int:
     llm = build_llm(spec, out)
     result["init_s"] = time.monotonic() - t0
     result["kv_cache_groups"] = kv_cache_groups(llm)
+    result["model_runner"] = model_runner_classes(llm)
     core = _inproc_core(llm)
     witness = FinishWitness(core) if core is not None else None
     timer = None

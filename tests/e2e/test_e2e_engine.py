@@ -38,6 +38,8 @@ ALL_CASES: dict[str, C.Case] = {**C.cases(), **C.v2_cases(), **C.tp_cases()}
 
 
 def _enabled(case: C.Case) -> str | None:
+    if not case.v2 and not C.has_v1_runner():
+        return "a Model Runner V1 case: this vLLM has no V1 (deleted in 0.34); its V2 cases run with HS_E2E_V2=1"
     if case.v2 and os.environ.get("HS_E2E_V2") != "1":
         return "Model Runner V2 cases run with HS_E2E_V2=1 (nox: the e2e session of 0.32.0)"
     if case.engine.get("tensor_parallel_size", 1) > 1 and os.environ.get("HS_E2E_TP") != "1":
@@ -200,7 +202,7 @@ def _checked(run: C.CaseRun, name: str, connector: str) -> C.CheckResult:
 
 def _assert_connector_facts(case: C.Case, run: C.CaseRun, checked: C.CheckResult) -> C.LogFacts:
     result = run.result or {}
-    facts = C.log_facts(run.log)
+    facts = C.log_facts(run.log, result)
     n = checked.expected_status.count("queued")
     for r, expected in zip(result["requests"], checked.expected_status, strict=True):
         cap = (r["kv_transfer_params"] or {}).get(C.RESULT_KEY) or {}
@@ -218,6 +220,8 @@ def _assert_connector_facts(case: C.Case, run: C.CaseRun, checked: C.CheckResult
     assert k["slot_checks"] > 0 and k["slot_checks_failed"] == 0, k
     assert facts.chunked_prefill
     assert facts.v2_runner == case.v2, "Model Runner V2 " + ("expected" if case.v2 else "not expected")
+    if result.get("model_runner") and C.has_v1_runner():  # two sources agree where the release still logs the line
+        assert ("Using V2 Model Runner" in run.log) is facts.v2_runner, result["model_runner"]
     if case.sink == "export":
         assert result.get("consumer_rc") == 0, (run.out / "consumer.log").read_text()[-3000:]
         summary = C.json.loads((run.out / "export_records" / "summary.json").read_text())
