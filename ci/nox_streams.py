@@ -5,10 +5,10 @@
 A vLLM release session is one process at a time, mostly on one core (venv creation and wheel linking, then pytest
 with torch on one thread), so on the 2-core CI machine two sessions side by side take about the time of one.  The
 sessions (as ``nox -l --json`` lists them for the selection) are dealt to the streams longest first by a rough cost
-(era boundaries run twice the schedules; releases with Model Runner V2 run both scheduler modes).  Each stream is
-one ``nox -s ...`` process, its lines prefixed with the stream's number and the seconds since the start.  Every
-session runs whatever another stream does; the exit status is 1 when any stream failed.  ``--jobs 1`` is one plain
-``nox`` over the selection.
+(era boundaries run twice the schedules; releases with both model runners, 0.29-0.33, run both scheduler modes).
+Each stream is one ``nox -s ...`` process, its lines prefixed with the stream's number and the seconds since the
+start.  Every session runs whatever another stream does; the exit status is 1 when any stream failed.  ``--jobs 1``
+is one plain ``nox`` over the selection.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import sys
 import threading
 import time
 
-#: Releases from here on run both scheduler modes (V1 and Model Runner V2) in tests/vllm: twice the schedules.
+#: Releases from here on run both scheduler modes (V1 and Model Runner V2) in tests/vllm: twice the schedules...
 V2_FROM = (0, 29)
+#: ... until Model Runner V1 was deleted (0.34): one mode again.
+V1_UNTIL = (0, 34)
 
 
 def _release(call_spec: dict[str, object]) -> tuple[int, ...]:
@@ -38,7 +40,7 @@ def cost(entry: dict[str, object]) -> float:
         return 1.0
     tags = entry.get("tags")
     schedules = 2.0 if isinstance(tags, list) and "boundary" in tags else 1.0
-    modes = 2.0 if _release(spec) >= V2_FROM else 1.0
+    modes = 2.0 if V2_FROM <= _release(spec) < V1_UNTIL else 1.0
     return 1.0 + schedules * modes
 
 

@@ -23,7 +23,8 @@ def test_selected_adapter_is_the_era_of_the_installed_release_and_every_probe_ag
     if release is not None:  # set by the nox session: the install is the release we asked for
         assert _installed() == Version(release)
     adapter = adapters.select_adapter(adapters.installed_vllm_version(), None)
-    assert _installed() in adapter.versions
+    # a release newer than every era (nox -s vllm_newest on a day-one release) gets the newest era's adapter, untested
+    assert _installed() in adapter.versions or (adapter.untested and adapter.name == adapters.ADAPTERS[-1].name)
     results = adapter.run_probes()
     assert [r.name for r in results if not r.ok] == []
     assert len(results) >= 9
