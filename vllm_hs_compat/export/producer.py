@@ -61,7 +61,7 @@ from vllm_hs_compat.export.capabilities import (
     verify,
 )
 from vllm_hs_compat.export.credentials import check_token, new_token
-from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
+from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available, settings_differ
 from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES, Lease, LeasePool
 from vllm_hs_compat.export.server import Call, ControlLimits, ControlServer
 from vllm_hs_compat.export.settings import CLAIMED_POLL_S, CLAIMED_SPIN_S
@@ -224,6 +224,7 @@ class ExportProducer:
             "claim_retries": 0,
             "inline_reads": 0,
             "inline_claims": 0,
+            "transfer_settings_mismatches": 0,
         }
         self._counter_lock = threading.Lock()
         # publish_nowait: records handed over and not yet taken by the writer (``queued`` in stats, part of the
@@ -573,6 +574,9 @@ class ExportProducer:
         if isinstance(req, P.PlainReq):
             self._trainer_only(trainer, "plain (the trainer's own channel)")
             return P.PlainReply(self.plain_endpoint)
+        if isinstance(req, P.TransferSettingsReq):
+            self._trainer_only(trainer, "transfer_settings (the trainer's transport)")
+            return self._transfer_settings(req)
         if isinstance(req, P.ClaimReq):
             publication = None
             if not trainer:
@@ -602,6 +606,16 @@ class ExportProducer:
             self._trainer_only(trainer, "stats")
             return P.StatsReply({k: v for k, v in self.stats().items() if isinstance(v, int | float | str)})
         raise E.ProtocolError(f"no handler for {type(req).__name__}")  # pragma: no cover - the union is closed
+
+    def _transfer_settings(self, req: P.TransferSettingsReq) -> P.TransferSettingsReply:
+        """This producer's settings a transfer depends on; a consumer's that differ are counted
+        (``transfer_settings_mismatches``): it refuses them itself, before any transfer."""
+        mine: dict[str, str] = dict(getattr(self.transport, "settings", {}))
+        differ = settings_differ(mine, req.settings) if mine else {}
+        if differ:
+            self._count("transfer_settings_mismatches")
+            log.warning("a trainer runs other UCX settings than this producer (%s); it refuses to transfer", differ)
+        return P.TransferSettingsReply(mine)
 
     @staticmethod
     def _trainer_only(trainer: bool, what: str) -> None:

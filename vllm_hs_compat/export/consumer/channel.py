@@ -18,9 +18,10 @@ from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.client import ControlClient
 from vllm_hs_compat.export.consumer.landing import _Landing
 from vllm_hs_compat.export.consumer.state import _State
-from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport
+from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, settings_differ
 from vllm_hs_compat.export.plain import PlainClient
 from vllm_hs_compat.export.shm import ShmConsumerTransport
+from vllm_hs_compat.export.transport import ConsumerTransport
 
 log = logging.getLogger(__package__)  # one logger for the whole consumer: vllm_hs_compat.export.consumer
 
@@ -189,6 +190,7 @@ class _Connected(_State):
         if not isinstance(rep, P.HelloReply):
             raise E.ProtocolError(f"hello answered with {type(rep).__name__}")
         info = rep.transport
+        kind = ""
         if info is not None:
             kind = "shm" if isinstance(info, P.ShmInfo) else "nixl"
             if self._want != "auto" and kind != self._want:
@@ -196,29 +198,66 @@ class _Connected(_State):
                     f"producer at {self.endpoint} serves transport {kind!r}, this consumer was asked for "
                     f"{self._want!r}; use backend='auto' or start the producer with backend={self._want!r}"
                 )
-            if self._transport is None or self._transport.kind != kind:
-                if self._transport is not None:
-                    self._transport.close()
-                    self._transport = None
-                    self._landing = self._new_landing()  # records lent from the old buffers keep them
-                if kind == "nixl":
-                    self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
-                else:
-                    self._transport = ShmConsumerTransport(self._landing_bytes, self._shm_dir)
-                self.producer = None
-            if rep.producer != self.producer:
-                self._transport.attach(info)
         elif rep.principal == "trainer":
             raise E.ProtocolError("the producer sent the trainer no transport description")
-        if self.producer is not None and rep.producer != self.producer:
+        renew = info is not None and (self._transport is None or self._transport.kind != kind)
+        if self.producer is not None and rep.producer != self.producer and not renew:
             self.counters["producer_changes"] += 1
             log.info("producer at %s changed (%s -> %s); re-attached", self.endpoint, self.producer, rep.producer)
-        self.producer = rep.producer
         self._hello = rep
         self.hello = msgspec.to_builtins(rep, builtin_types=(bytes,))
         self.counters["handshakes"] += 1
         if rep.principal == "trainer" and self._direct_wanted and self._ticket is None:
-            self._channel.go_direct(self.producer, self.timeout_s)
+            self._channel.go_direct(rep.producer, self.timeout_s)
+        if info is not None and (renew or rep.producer != self.producer):
+            self._attach(info, kind, renew)
+        self.producer = rep.producer
+
+    def _attach(self, info: P.TransportInfo, kind: str, renew: bool) -> None:
+        """Make the transport the producer describes (``renew``: a new one, of ``kind``), check the settings its
+        transfers depend on, and load the producer's pool description (its agent metadata)."""
+        if renew:
+            if self._transport is not None:
+                self._transport.close()
+                self._transport = None
+                self._landing = self._new_landing()  # records lent from the old buffers keep them
+            if kind == "nixl":
+                self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
+            else:
+                self._transport = ShmConsumerTransport(self._landing_bytes, self._shm_dir)
+        transport = self._transport
+        if transport is None:  # pragma: no cover - made above
+            raise E.ExportClosedError("consumer is closed")
+        self._check_settings(transport)
+        transport.attach(info)
+
+    def _check_settings(self, transport: ConsumerTransport) -> None:
+        """Before the producer's agent metadata is loaded (no transfer yet): the settings a transfer depends on must
+        be the producer's (see :mod:`~vllm_hs_compat.export.nixl_backend`), else
+        :class:`TransportSettingsMismatchError`.  An older producer that does not know the request is not checked."""
+        mine = getattr(transport, "settings", None)
+        if not mine:
+            return
+        client = self._channel.client
+        try:
+            rep, _ = self._channel.exchange(
+                P.TransferSettingsReq(dict(mine)), client.timeout_s if client is not None else None
+            )
+        except E.ProtocolError as e:  # an older producer: `protocol` error
+            log.info("producer at %s does not compare transfer settings (%s); not checked", self.endpoint, e)
+            return
+        if not isinstance(rep, P.TransferSettingsReply):
+            raise E.ProtocolError(f"transfer_settings answered with {type(rep).__name__}")
+        differ = settings_differ(mine, rep.settings)
+        if differ:
+            mismatch = ", ".join(f"{k}: {a} bytes here, {b} at the producer" for k, (a, b) in differ.items())
+            raise E.TransportSettingsMismatchError(
+                f"this process and the producer at {self.endpoint} run different UCX settings that a transfer "
+                f"depends on ({mismatch}); UCX's TCP transport does not negotiate them, and the first large read "
+                "would abort a process.  Give both processes the same values in the environment before either "
+                "imports NIXL (vllm-hs-compat sets 256k when they are unset; here another library or the "
+                "environment set them first), or the same UcxSettings(tcp_seg_size=...) on both sides"
+            )
 
     def _new_landing(self) -> _Landing:
         landing = _Landing(self._landing_bytes)
