@@ -218,7 +218,7 @@ def role_ours_consumer() -> None:
         c = cons["L"]
         cl = c.claim(rid)
         off = c._landing.alloc(cl.extent)
-        tr = c._transport
+        tr = c._landing.transport
         if off is None or tr is None:
             raise RuntimeError("no landing space or no transport for the raw read")
         try:
@@ -432,7 +432,7 @@ def _profile_large(c: Any, rid_a: str, rid_b: str, rid_c: str, n: int) -> dict[s
 
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
-    c._call(P.PingReq())
+    c._session.call(P.PingReq())
     out["ping"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     ca = c.claim(rid_a)
@@ -455,7 +455,7 @@ def _profile_large(c: Any, rid_a: str, rid_b: str, rid_c: str, n: int) -> dict[s
     del ra, rb
     # the raw transport under the same consumer: one READ of the whole record, then 2 MiB pieces
     cc = c.claim(rid_c)
-    tr = c._transport
+    tr = c._landing.transport
     off = c._landing.alloc(cc.extent)
     try:
         dl = time.monotonic() + 30
@@ -500,7 +500,7 @@ def _instrumented(c: Any) -> Iterator[dict[str, float]]:
         return wrap
 
     client_cls, state_cls = type(c._channel.client), records_mod.ChecksumState
-    tr = c._transport
+    tr = c._landing.transport
     # (owner, attribute) -> what it was; checksum_bytes and checksum_function as the consumer's reads and batches
     # modules imported them
     targets: list[tuple[Any, str, str]] = [
