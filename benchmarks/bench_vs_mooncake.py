@@ -223,7 +223,7 @@ def role_ours_consumer() -> None:
             raise RuntimeError("no landing space or no transport for the raw read")
         try:
             t0 = time.perf_counter()
-            tr.read([(cl.offset, off, cl.extent)], b"", time.monotonic() + 60)
+            tr.read([(cl.offset, off, cl.extent)], time.monotonic() + 60)
             dt = time.perf_counter() - t0
         finally:
             c._landing.free(off, cl.extent)
@@ -460,12 +460,12 @@ def _profile_large(c: Any, rid_a: str, rid_b: str, rid_c: str, n: int) -> dict[s
     try:
         dl = time.monotonic() + 30
         t0 = time.perf_counter()
-        tr.read([(cc.offset, off, cc.extent)], b"", dl)
+        tr.read([(cc.offset, off, cc.extent)], dl)
         out["raw_one"] = time.perf_counter() - t0
         step = consumer_mod.CHECK_PIECE_BYTES
         t0 = time.perf_counter()
         for at in range(0, cc.extent, step):
-            tr.read([(cc.offset + at, off + at, min(step, cc.extent - at))], b"", dl)
+            tr.read([(cc.offset + at, off + at, min(step, cc.extent - at))], dl)
         out["raw_pieces"] = time.perf_counter() - t0
         out["pieces"] = -(-cc.extent // step)
         out["raw_pieces_xxh3_seq"], out["raw_pieces_xxh3_posted"] = _pieces_checked(tr, cc.offset, off, cc.nbytes, step)

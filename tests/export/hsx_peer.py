@@ -150,7 +150,7 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError("no transport")
         print(json.dumps({"progress": "looping"}), file=CHANNEL, flush=True)
         while True:
-            transport.read([(c.offset, 0, c.nbytes)], b"", time.monotonic() + 30)
+            transport.read([(c.offset, 0, c.nbytes)], time.monotonic() + 30)
     if op == "cstats":
         return {"stats": consumer.stats()}
     raise ValueError(f"unknown command {op!r}")

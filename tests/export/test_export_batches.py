@@ -292,14 +292,14 @@ def test_many_ranges_in_one_read_are_checked_and_copied_exactly(backend: str, ma
         t = c._landing.transport
         assert t is not None
         items = [(lease.offset + 4099 * k, 8192 * k + k, 517 + k) for k in range(40)]
-        t.read(items, b"", time.monotonic() + 10)
+        t.read(items, time.monotonic() + 10)
         src = p.transport.buffer
         for r, lo, n in items:
             assert torch.equal(t.landing[lo : lo + n], src[r : r + n])
         t.landing.zero_()
         bad = [*items[:30], (p.pool.pool_bytes - 8, 0, 64), *items[30:]]
         with pytest.raises(DescriptorError, match="outside the pool"):
-            t.read(bad, b"", time.monotonic() + 10)
+            t.read(bad, time.monotonic() + 10)
         assert int(t.landing.count_nonzero()) == 0
 
 

@@ -329,14 +329,14 @@ def test_out_of_range_descriptors_are_refused(backend: str, make_producer: Make)
         t = c._landing.transport
         assert t is not None
         with pytest.raises(DescriptorError):
-            t.read([(p.pool.pool_bytes - 10, 0, 100)], b"", time.monotonic() + 5)
+            t.read([(p.pool.pool_bytes - 10, 0, 100)], time.monotonic() + 5)
         with pytest.raises(DescriptorError):
-            t.read([(0, c._landing.nbytes - 10, 100)], b"", time.monotonic() + 5)
+            t.read([(0, c._landing.nbytes - 10, 100)], time.monotonic() + 5)
         if backend == "nixl":  # NIXL's own check, with ours bypassed, maps to the same named error
             base = int(p.transport.describe()["base"])
             lbase = int(t.landing.data_ptr())
             with pytest.raises(DescriptorError):
-                t._read_raw([(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], b"", time.monotonic() + 5)
+                t._read_raw([(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], time.monotonic() + 5)
 
 
 def test_wrong_or_missing_credentials_are_refused(backend: str, make_producer: Make, peer: Peer) -> None:
@@ -656,12 +656,12 @@ def test_landing_space_of_a_timed_out_read_is_never_reused(
         real = c._landing.transport.read
         seen: list[int] = []
 
-        def stalled(items: Any, notif: bytes, deadline: float) -> None:
+        def stalled(items: Any, deadline: float) -> None:
             seen.extend(lo for _, lo, _ in items)
             raise ExportTimeoutError("simulated: the READ is still in progress at its deadline")
 
         def stalled_checked(items: Any, algorithm: str, deadline: float) -> list[int]:
-            stalled([it[:3] for it in items], b"", deadline)
+            stalled([it[:3] for it in items], deadline)
             return []
 
         monkeypatch.setattr(c._landing.transport, "read", stalled)

@@ -308,11 +308,11 @@ class NixlConsumerTransport:
                 log.debug("remove_remote_agent(%s): %s", self._remote, e)
             self._remote = None
 
-    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+    def read(self, items: Sequence[tuple[int, int, int]], deadline: float) -> None:
         """One READ request for every range (each checked against both buffers first), polled to completion or
         the deadline."""
         local, remote = self._descs(items)
-        self._read_raw(local, remote, notif, deadline)
+        self._read_raw(local, remote, deadline)
 
     def post_read(self, items: Sequence[tuple[int, int, int]]) -> PostedRead:
         """Post one READ request for ``(remote_offset, local_offset, nbytes)`` ranges (checked as :meth:`read`
@@ -320,7 +320,7 @@ class NixlConsumerTransport:
         always releases it (:meth:`release_read`).  Its ``done`` says the transport moved the bytes while posting
         (UCX's same-host shared memory does; TCP and RDMA move them later)."""
         local, remote = self._descs(items)
-        posted = self._post(local, remote, b"")
+        posted = self._post(local, remote)
         posted.done = posted.state == "DONE"
         return posted
 
@@ -425,30 +425,24 @@ class NixlConsumerTransport:
         remote[:, 1] = n
         return local, remote
 
-    def _read_raw(
-        self,
-        local: Any,
-        remote: Any,
-        notif: bytes,
-        deadline: float,
-    ) -> None:
+    def _read_raw(self, local: Any, remote: Any, deadline: float) -> None:
         """READ absolute address ranges (no range checks: tests use it to prove NIXL's own checks map)."""
-        posted = self._post(local, remote, notif)
+        posted = self._post(local, remote)
         try:
             if posted.state != "DONE":
                 self._wait(posted.handle, deadline, SPIN_S, local)
         finally:
             self._release(posted.handle)  # done: frees the handle; at the deadline: NIXL's attempt to cancel it
 
-    def _post(self, local: Any, remote: Any, notif: bytes) -> PostedRead:
-        """Make and post one READ request: its NIXL handle and the state ``transfer`` returned (the handle is
-        released here when posting fails)."""
+    def _post(self, local: Any, remote: Any) -> PostedRead:
+        """Make and post one READ request, with no notification (the release goes over the control plane): its
+        NIXL handle and the state ``transfer`` returned (the handle is released here when posting fails)."""
         agent = self._agent
         handle = None
         try:
             ldesc = agent.get_xfer_descs(local, "DRAM")
             rdesc = agent.get_xfer_descs(remote, "DRAM")
-            handle = agent.initialize_xfer("READ", ldesc, rdesc, self._remote, notif)
+            handle = agent.initialize_xfer("READ", ldesc, rdesc, self._remote, b"")
             state = agent.transfer(handle)
         except Exception as e:
             if handle is not None:

@@ -430,7 +430,7 @@ class Batches:
         if part.direct and self._reads.verify_checksum and part.hidden_bytes >= OVERLAP_MIN_BYTES:
             ranges = [(r, lo, m, m) for r, lo, m in items[:n]] + [(r, lo, m, 0) for r, lo, m in items[n:]]
             return self._reads.read_checked(transport, ranges, [algorithm] * len(ranges), deadline)[:n]
-        transport.read(items, b"", deadline)
+        transport.read(items, deadline)
         return None
 
     def _packed(self, landing: torch.Tensor, part: _Part) -> tuple[torch.Tensor, torch.Tensor]:

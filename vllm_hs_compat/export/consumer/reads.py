@@ -283,7 +283,7 @@ class Reads:
         k + 1 while this thread checksums piece k (it pays only where a core is free)."""
         total = sum(c.extent for _, c, _ in group)
         if not self.verify_checksum or (total < OVERLAP_MIN_BYTES and checked_reads(transport) is None):
-            transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
+            transport.read([(c.offset, off, c.extent) for _, c, off in group], deadline)
             return [None] * len(group)
         return list(
             self.read_checked(
@@ -339,7 +339,7 @@ class Reads:
         posting = posted_reads(transport)
         if posting is None or READ_WINDOW <= 1:  # a transport without posted reads: one piece after another
             for piece in pieces:
-                transport.read([(r, lo, n) for r, lo, n, _, _ in piece], b"", deadline)
+                transport.read([(r, lo, n) for r, lo, n, _, _ in piece], deadline)
                 check(piece)
             return [st.digest() for st in states]
         post, wait, release = posting.post_read, posting.wait_read, posting.release_read
@@ -389,14 +389,14 @@ class Reads:
         deadline: float,
     ) -> list[int]:
         reader = self._reader_pool()
-        fut = reader.submit(transport.read, [(r, lo, n) for r, lo, n, _, _ in pieces[0]], b"", deadline)
+        fut = reader.submit(transport.read, [(r, lo, n) for r, lo, n, _, _ in pieces[0]], deadline)
         try:
             for p, piece in enumerate(pieces):
                 fut.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
                 fut = None
                 if p + 1 < len(pieces):
                     nxt = [(r, lo, n) for r, lo, n, _, _ in pieces[p + 1]]
-                    fut = reader.submit(transport.read, nxt, b"", deadline)
+                    fut = reader.submit(transport.read, nxt, deadline)
                 check(piece)
         except TimeoutError:
             raise E.ExportTimeoutError(f"a read of {total} bytes is still in progress past its deadline") from None
