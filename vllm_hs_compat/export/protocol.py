@@ -1,12 +1,15 @@
 """The export control plane's wire schema, version 4: the one place that defines every message.
 
-Transport: ZeroMQ over TCP with CURVE (see :mod:`vllm_hs_compat.export.control`).  A request is three frames, a
+Transport: ZeroMQ over TCP with CURVE (the gate's public socket, or the trainer's direct socket: see
+:mod:`vllm_hs_compat.export.server` and :mod:`vllm_hs_compat.export.client`), or the trainer's plain channel
+(:mod:`vllm_hs_compat.export.plain`: the same frames, concatenated behind a length).  A request is three frames, a
 reply four::
 
     request:  HEADER | rid (16 random bytes) | msgpack(Request)
     reply:    HEADER | rid (echoed)          | producer instance id (ASCII) | msgpack(Reply)
 
-``HEADER`` carries the wire version: a peer of another version gets a ``protocol`` error naming both versions.
+``HEADER`` carries the wire version: a peer of another version is answered ``wire_version``
+(:class:`~vllm_hs_compat.errors.WireVersionError`, naming both versions) before any body is decoded.
 Bodies are msgpack maps decoded straight into the typed :class:`msgspec.Struct` classes below, which carry
 every type, length, range and pattern constraint: a message is decoded and validated in one step, and anything
 that does not fit is a :class:`~vllm_hs_compat.errors.ProtocolError` before any handler runs.  Nothing from the
