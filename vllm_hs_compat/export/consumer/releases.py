@@ -2,7 +2,7 @@
 
 :class:`Releases` settles leases (waiting for the verdicts), or, far from a lease's deadline, posts the release and
 takes its verdict as given (``defer_releases``): the answers to posted releases are checked when they have arrived
-(before it releases more, and in :meth:`Releases.pending`, :meth:`Releases.stats` and at close).
+(before it releases more, in :meth:`Releases.pending`, when the consumer's stats are read, and at close).
 """
 
 from __future__ import annotations
@@ -140,11 +140,6 @@ class Releases:
         client.collect(self._session.timeout_s if timeout_s is None else timeout_s)
         self.reconcile()
         return sum(len(v) for v in self._unsettled.values())
-
-    def stats(self) -> dict[str, int]:
-        """The counters, after checking the answers that have arrived."""
-        self.reconcile()
-        return dict(self.counters)
 
     def close(self) -> None:
         """Wait up to ``CLOSE_COLLECT_S`` for the answers to posted releases (``unanswered_releases`` counts the

@@ -86,10 +86,8 @@ class Streams:
         copy: bool = True,
         on_error: str = "raise",
     ) -> Iterator[CaptureRecord]:
-        """Stream published records oldest first (trainer only): rounds of :meth:`next_records` of ``batch``
-        records, small records packed (``pack_small``).  Stops after ``idle_timeout_s`` without a record (``None``:
-        never).  ``on_error="raise"`` raises each failed record's error (the stream survives; call ``next`` again),
-        ``"skip"`` logs and counts it."""
+        """Rounds of :meth:`next_records` of ``batch`` records, small ones packed, as one stream (the facade's
+        ``iter_records`` says what a caller sees)."""
         return _Stream(
             lambda wait: self.next_records(batch, wait, copy, pack_small=True), wait_s, idle_timeout_s, on_error
         )
@@ -102,10 +100,8 @@ class Streams:
         copy: bool = True,
         on_error: str = "raise",
     ) -> Iterator[RecordBatch]:
-        """Stream published records as :class:`RecordBatch` objects, oldest first (trainer only; see
-        :meth:`Batches.next_batches`).  Stops after ``idle_timeout_s`` without a record (``None``: never).  A record
-        that failed is not in any batch: ``on_error="raise"`` raises its error after the batches of its claim (the
-        stream survives; call ``next`` again), ``"skip"`` logs it (it is counted either way)."""
+        """Rounds of :meth:`Batches.next_batches` as one stream (the facade's ``iter_batches`` says what a caller
+        sees)."""
         batches = self._batches
         return _Stream(lambda wait: batches.next_batches(max_records, wait, copy), wait_s, idle_timeout_s, on_error)
 
