@@ -97,7 +97,7 @@ def main() -> None:
     for i in range(args.iters):
         for k, c in consumers.items():
             t0 = time.perf_counter()
-            c._call(P.PingReq())
+            c._session.call(P.PingReq())
             t1 = time.perf_counter()
             claim = c.claim(f"{k[0]}c{i}")
             t2 = time.perf_counter()

@@ -319,7 +319,7 @@ def bench_large(srv: Server, backend: str, size: int, iters: int) -> dict[str, f
         srv(op="drain", name=name)
         zdt, z = _timed(lambda: c.fetch(f"Z{i}", copy=False))  # noqa: B023
         zdt += _timed(lambda: c.release(z))[0]  # noqa: B023
-        pdt, _ = _timed(lambda: c._call(P.PingReq()))
+        pdt, _ = _timed(lambda: c._session.call(P.PingReq()))
         qdt, _ = _timed(bare.round_trip)
         if raw is not None:
             srv(op="publish_large", name=name, size=size, id=f"B{i}")

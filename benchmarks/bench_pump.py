@@ -169,7 +169,7 @@ def role_consumer() -> None:
 
     def timed_reads() -> None:
         """Time the consumer's transport READs (the part of a fetch the producer's pump decides over TCP)."""
-        tr = cons[0]._transport
+        tr = cons[0]._landing.transport
         if tr is None or getattr(tr, "_bench_timed", False):
             return
         inner = tr.read

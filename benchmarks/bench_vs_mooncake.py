@@ -218,12 +218,12 @@ def role_ours_consumer() -> None:
         c = cons["L"]
         cl = c.claim(rid)
         off = c._landing.alloc(cl.extent)
-        tr = c._transport
+        tr = c._landing.transport
         if off is None or tr is None:
             raise RuntimeError("no landing space or no transport for the raw read")
         try:
             t0 = time.perf_counter()
-            tr.read([(cl.offset, off, cl.extent)], b"", time.monotonic() + 60)
+            tr.read([(cl.offset, off, cl.extent)], time.monotonic() + 60)
             dt = time.perf_counter() - t0
         finally:
             c._landing.free(off, cl.extent)
@@ -432,7 +432,7 @@ def _profile_large(c: Any, rid_a: str, rid_b: str, rid_c: str, n: int) -> dict[s
 
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
-    c._call(P.PingReq())
+    c._session.call(P.PingReq())
     out["ping"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     ca = c.claim(rid_a)
@@ -455,17 +455,17 @@ def _profile_large(c: Any, rid_a: str, rid_b: str, rid_c: str, n: int) -> dict[s
     del ra, rb
     # the raw transport under the same consumer: one READ of the whole record, then 2 MiB pieces
     cc = c.claim(rid_c)
-    tr = c._transport
+    tr = c._landing.transport
     off = c._landing.alloc(cc.extent)
     try:
         dl = time.monotonic() + 30
         t0 = time.perf_counter()
-        tr.read([(cc.offset, off, cc.extent)], b"", dl)
+        tr.read([(cc.offset, off, cc.extent)], dl)
         out["raw_one"] = time.perf_counter() - t0
         step = consumer_mod.CHECK_PIECE_BYTES
         t0 = time.perf_counter()
         for at in range(0, cc.extent, step):
-            tr.read([(cc.offset + at, off + at, min(step, cc.extent - at))], b"", dl)
+            tr.read([(cc.offset + at, off + at, min(step, cc.extent - at))], dl)
         out["raw_pieces"] = time.perf_counter() - t0
         out["pieces"] = -(-cc.extent // step)
         out["raw_pieces_xxh3_seq"], out["raw_pieces_xxh3_posted"] = _pieces_checked(tr, cc.offset, off, cc.nbytes, step)
@@ -500,7 +500,7 @@ def _instrumented(c: Any) -> Iterator[dict[str, float]]:
         return wrap
 
     client_cls, state_cls = type(c._channel.client), records_mod.ChecksumState
-    tr = c._transport
+    tr = c._landing.transport
     # (owner, attribute) -> what it was; checksum_bytes and checksum_function as the consumer's reads and batches
     # modules imported them
     targets: list[tuple[Any, str, str]] = [

@@ -53,9 +53,9 @@ def consumer_phases(backend: str, n: int, repeats: int) -> list[dict[str, float]
         ep = srv(op="start", name="S", backend=backend, num_slots=n + 64, slot_bytes=B.SMALL_SLOT)
         c = ExportConsumer(ep["endpoint"], ep["token"], landing_bytes=B.BATCH * B.SMALL_SLOT * 4, timeout_s=60)
         acc: dict[str, float] = collections.defaultdict(float)
-        _wrap(c, "_call", "control calls (claim + release round trips, producer work included)", acc)
-        assert c._transport is not None
-        _wrap(c._transport, "read", "transfer (transport.read)", acc)
+        _wrap(c._session, "call", "control calls (claim + release round trips, producer work included)", acc)
+        assert c._landing.transport is not None
+        _wrap(c._landing.transport, "read", "transfer (transport.read)", acc)
         _wrap(P, "decode_descriptors", "descriptor decoding", acc)
         runs = []
         for rep in range(repeats + 1):  # the first pass warms up
@@ -105,7 +105,7 @@ def floor_phases(c: ExportConsumer, n: int, repeats: int) -> list[dict[str, floa
             t0 = time.perf_counter()
             raw.read([((b + j) * B.SMALL_SLOT, j * B.SMALL_SLOT, B.SMALL_SLOT) for j in range(k)])
             t1 = time.perf_counter()
-            c._call(P.PingReq())
+            c._session.call(P.PingReq())
             t2 = time.perf_counter()
             land = memoryview(raw.buf.numpy())
             for j in range(k):

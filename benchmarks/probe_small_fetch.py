@@ -308,7 +308,7 @@ def run_config(name: str, kw: dict[str, Any], a: argparse.Namespace, log_dir: Pa
             for j in range(20, a.n):
                 t0 = time.perf_counter_ns()
                 if mode == "ping":
-                    c._call(P.PingReq())
+                    c._session.call(P.PingReq())
                 elif mode == "claim":  # the fetch's claim alone (bytes in its answer), released after the loop
                     claims.append(c.claim(f"r{mi * a.n + j}"))
                 else:

@@ -36,12 +36,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.func(args))
 
 
-def doctor(as_json: bool = False) -> int:
-    """``vllm-hs-compat doctor`` (kept for callers of the former module-level function)."""
-    from vllm_hs_compat.commands.doctor import doctor as run
-
-    return run(as_json=as_json)
-
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -175,6 +175,11 @@ class UnsafePoolFileError(TransportUnavailableError):
     symbolic link, a directory, another user's file): refused, never mapped."""
 
 
+class TransportSettingsMismatchError(TransportUnavailableError):
+    """The two sides disagree on a setting a transfer depends on (UCX's TCP segment sizes, which UCX does not
+    negotiate): refused by the consumer before any transfer, since the first large READ would abort a process."""
+
+
 class RemoteDisconnectedError(TransportError):
     """The peer agent went away during or before a transfer."""
 

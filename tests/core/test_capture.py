@@ -86,15 +86,18 @@ def test_connector_config_validates_every_key() -> None:
 
 
 def test_every_export_key_is_an_export_producer_argument() -> None:
-    """The connector forwards ``export`` settings to ExportProducer (``token_file`` is the sink's own)."""
+    """The connector forwards ``export`` settings to ExportProducer (``token_file`` is the sink's own): each key is
+    a field of the ExportSettings the producer takes (as the object, or field by field as keywords)."""
+    import dataclasses
     import inspect
 
     from vllm_hs_compat.connector.config import export_keys
-    from vllm_hs_compat.export import ExportProducer
+    from vllm_hs_compat.export import ExportProducer, ExportSettings
 
     keys = export_keys() - {"token_file"}
-    accepted = set(inspect.signature(ExportProducer).parameters)
-    assert keys <= accepted, sorted(keys - accepted)
+    assert "settings" in inspect.signature(ExportProducer).parameters
+    defaults = ExportSettings()
+    assert dataclasses.replace(defaults, **{k: getattr(defaults, k) for k in keys}) == defaults  # every key a field
     assert ConnectorConfig.from_extra({"export": {"handshake_timeout_s": 2.0}}).export["handshake_timeout_s"] == 2.0
 
 

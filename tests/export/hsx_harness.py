@@ -143,6 +143,25 @@ def producer_factory(backend: str) -> Iterator[Callable[..., ExportProducer]]:
             p.close()
 
 
+def run_script(script: str, args: list[str], env: dict[str, str | None], timeout_s: float) -> dict[str, Any]:
+    """Run ``tests/export/<script>`` with ``args`` in a Python process of its own (``env``: overrides of this
+    process's environment, None removes a variable): the last JSON line it printed.  A process that fails or prints
+    none (one UCX aborted) is an AssertionError naming its exit status, with the end of its stderr."""
+    penv = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for k, v in env.items():
+        if v is None:
+            penv.pop(k, None)
+        else:
+            penv[k] = v
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, script), *args], capture_output=True, text=True, env=penv, timeout=timeout_s
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise AssertionError(f"{script} {args} ended with status {done.returncode}: {done.stderr[-3000:]}")
+    return dict(json.loads(lines[-1]))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

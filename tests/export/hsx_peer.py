@@ -145,12 +145,12 @@ def handle(cmd: dict[str, Any]) -> dict[str, Any]:
         return {"results": out}
     if op == "read_forever":  # keep one claimed record's bytes in flight until killed
         c = claims[0]
-        transport = consumer._transport
+        transport = consumer._landing.transport
         if transport is None:
             raise RuntimeError("no transport")
         print(json.dumps({"progress": "looping"}), file=CHANNEL, flush=True)
         while True:
-            transport.read([(c.offset, 0, c.nbytes)], b"", time.monotonic() + 30)
+            transport.read([(c.offset, 0, c.nbytes)], time.monotonic() + 30)
     if op == "cstats":
         return {"stats": consumer.stats()}
     raise ValueError(f"unknown command {op!r}")

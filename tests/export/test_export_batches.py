@@ -212,7 +212,7 @@ def test_copy_false_views_the_landing_buffer_until_release_and_lent_space_comes_
         (b,) = c.next_batches(max_records=2, wait_s=0.5, copy=False)
         assert isinstance(b, RecordBatch)
         check_batch(b, sent)
-        landing = c._transport.landing if c._transport is not None else None
+        landing = c._landing.transport.landing if c._landing.transport is not None else None
         assert landing is not None
         lo, hi = landing.data_ptr(), landing.data_ptr() + landing.numel()
         assert lo <= b.hidden_states.data_ptr() < hi  # a view of the landing buffer
@@ -236,14 +236,14 @@ def test_a_lease_that_expired_before_the_release_fails_every_record_of_it(
     p = make_producer(lease_ttl_s=0.3, max_redeliveries=0)  # at-most-once: the expired leases end the records
     publish_all(p, 3, [(3, 2, 64, "bfloat16")])
     with ExportConsumer(p.endpoint, p.token) as c:
-        assert c._transport is not None
-        real = c._transport.read
+        assert c._landing.transport is not None
+        real = c._landing.transport.read
 
         def slow(*a: Any, **kw: Any) -> None:
             real(*a, **kw)
             time.sleep(0.6)  # the leases run out while the bytes are "in flight"
 
-        monkeypatch.setattr(c._transport, "read", slow)
+        monkeypatch.setattr(c._landing.transport, "read", slow)
         got = c.next_batches(max_records=8, wait_s=0.5)
         assert [type(g) for g in got] == [LeaseExpiredError] * 3
         assert c.stats()["lease_expired"] == 3 and c.stats()["records"] == 0
@@ -289,17 +289,17 @@ def test_many_ranges_in_one_read_are_checked_and_copied_exactly(backend: str, ma
     p.publish(make_meta("src", rows), rows)
     lease = p.pool._by_record["src"]
     with ExportConsumer(p.endpoint, p.token, landing_bytes=4 * MiB) as c:
-        t = c._transport
+        t = c._landing.transport
         assert t is not None
         items = [(lease.offset + 4099 * k, 8192 * k + k, 517 + k) for k in range(40)]
-        t.read(items, b"", time.monotonic() + 10)
+        t.read(items, time.monotonic() + 10)
         src = p.transport.buffer
         for r, lo, n in items:
             assert torch.equal(t.landing[lo : lo + n], src[r : r + n])
         t.landing.zero_()
         bad = [*items[:30], (p.pool.pool_bytes - 8, 0, 64), *items[30:]]
         with pytest.raises(DescriptorError, match="outside the pool"):
-            t.read(bad, b"", time.monotonic() + 10)
+            t.read(bad, time.monotonic() + 10)
         assert int(t.landing.count_nonzero()) == 0
 
 
@@ -322,7 +322,7 @@ def test_shm_copy_checksums_on_the_way_across_chunk_boundaries(
     lease = p.pool._by_record["src"]
     chunk = shm.COPY_CHUNK_BYTES
     with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:
-        t = c._transport
+        t = c._landing.transport
         assert isinstance(t, shm.ShmConsumerTransport)
         items = [(lease.offset, 0, 2 * chunk + 77, chunk + 5), (lease.offset + 13, 3 * chunk, chunk - 1, chunk - 1)]
         got = t.read_checked(items, "xxh3_64", time.monotonic() + 10)
@@ -399,9 +399,9 @@ def test_a_release_near_the_deadline_waits_for_its_verdict(
     p = make_producer(lease_ttl_s=1.0)
     sent = publish_all(p, 2, [(5, 2, 64, "bfloat16")])
     with ExportConsumer(p.endpoint, p.token) as c:
-        assert c._transport is not None
+        assert c._landing.transport is not None
         for name in ("read", "read_checked"):
-            real = getattr(c._transport, name, None)
+            real = getattr(c._landing.transport, name, None)
             if real is not None:
 
                 def slow(*a: Any, _real: Any = real, **kw: Any) -> Any:
@@ -409,7 +409,7 @@ def test_a_release_near_the_deadline_waits_for_its_verdict(
                     time.sleep(0.6)  # past half the TTL since the claim: the verdict must be waited for
                     return out
 
-                monkeypatch.setattr(c._transport, name, slow)
+                monkeypatch.setattr(c._landing.transport, name, slow)
         (b,) = c.next_batches(max_records=4, wait_s=0.5)
         assert isinstance(b, RecordBatch) and b.record_ids == ("r-0", "r-1")
         check_batch(b, sent)
@@ -426,7 +426,7 @@ def test_a_posted_release_answered_otherwise_is_counted_and_logged(
     publish_all(p, 1, [(5, 2, 64, "bfloat16")])
     with ExportConsumer(p.endpoint, p.token) as c:
         claim = c.claim("r-0")
-        got = c._release([(claim.lease, "0" * 16, "delivered")], time.monotonic(), ["r-0"])  # a wrong nonce
+        got = c._releases.release([(claim.lease, "0" * 16, "delivered")], time.monotonic(), ["r-0"])  # a wrong nonce
         assert got == ["released"]  # taken as released at once (posted) ...
         with caplog.at_level("ERROR"):
             assert c.settle_pending(5.0) == 0
@@ -451,14 +451,14 @@ def test_fetch_batch_reads_the_ids_asked_for_in_their_order_and_fails_the_others
     assert sorted(want) == sorted(sent)
     with ExportConsumer(p.endpoint, p.token) as c:
         calls: list[int] = []
-        call = c._call
+        call = c._session.call
 
         def counted(req: P.Request, timeout_s: float | None = None) -> P.Reply:
             if isinstance(req, P.ClaimReq):
                 calls.append(len(req.ids))
             return call(req, timeout_s)
 
-        c._call = counted  # type: ignore[method-assign]
+        c._session.call = counted  # type: ignore[method-assign]
         got = c.fetch_batch([*want, "nope", "r-3", "gone"])
         (b,), errors = split(got)
         assert list(b.record_ids) == want
@@ -515,7 +515,7 @@ def test_a_large_batch_is_verified_piece_by_piece_as_it_lands(
         p.publish(m, r)
     p.transport.buffer[p.pool._by_record["big-2"].offset + 1_000_003] ^= 0x04
     with ExportConsumer(p.endpoint, p.token) as c:
-        t = c._transport
+        t = c._landing.transport
         assert t is not None
         reads: list[int] = []
         on_shm = isinstance(t, shm.ShmConsumerTransport)
@@ -552,7 +552,7 @@ def test_fetch_batch_reads_what_it_claimed_when_the_control_plane_fails_midway(
     p = make_producer(num_slots=64, slot_bytes=64 << 10)
     sent = publish_all(p, 40, [(3, 2, 64, "bfloat16")])
     with ExportConsumer(p.endpoint, p.token) as c:
-        call = c._call
+        call = c._session.call
         claims = 0
 
         def flaky(req: P.Request, timeout_s: float | None = None) -> P.Reply:
@@ -563,12 +563,12 @@ def test_fetch_batch_reads_what_it_claimed_when_the_control_plane_fails_midway(
                     raise ExportTimeoutError("no answer (injected)")
             return call(req, timeout_s)
 
-        c._call = flaky  # type: ignore[method-assign]
+        c._session.call = flaky  # type: ignore[method-assign]
         (b,), errors = split(c.fetch_batch(list(sent)))
         assert list(b.record_ids) == list(sent)[:32]
         check_batch(b, sent)
         assert len(errors) == 8 and all(isinstance(e, ExportTimeoutError) for e in errors)
-        c._call = call  # type: ignore[method-assign]
+        c._session.call = call  # type: ignore[method-assign]
         (rest,) = c.fetch_batch(list(sent)[32:])  # nothing was lost: they are still there
         assert isinstance(rest, RecordBatch) and len(rest) == 8
     wait_until(lambda: p.occupancy() == 0, 5.0, "every lease to be released")

@@ -5,9 +5,7 @@ per process."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,27 +15,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hsx_harness import NIXL_REASON  # noqa: E402
+from hsx_harness import NIXL_REASON, run_script  # noqa: E402
 
 from vllm_hs_compat import errors as E  # noqa: E402
 from vllm_hs_compat.export import ExportProducer, nixl_available  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def _probe(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
-    done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "hsx_pump_probe.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=90,
-    )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise AssertionError(f"pump probe {args} failed ({done.returncode}): {done.stderr[-3000:]}")
-    return dict(json.loads(lines[-1]))
+    return run_script("hsx_pump_probe.py", list(args), {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, 90)
 
 
 @pytest.fixture(scope="module")

@@ -233,7 +233,7 @@ def _consumer_child(conn: Any, endpoint: str, token: str, point: str, after: int
     torch.set_num_threads(1)
     rng = random.Random(seed)
     c = ExportConsumer(endpoint, token, landing_bytes=MiB, timeout_s=10.0)
-    real = c._release
+    real = c._releases.release
     done = [0]
 
     def release(entries: Any, claimed_at: float, names: Any) -> Any:
@@ -242,7 +242,7 @@ def _consumer_child(conn: Any, endpoint: str, token: str, point: str, after: int
             _die()  # verified and reported, never released: it must come back, and be dropped as a duplicate
         return real(entries, claimed_at, names)
 
-    c._release = release  # type: ignore[method-assign]
+    c._releases.release = release  # type: ignore[method-assign]
     while True:
         claims = c.claim_next(max_records=batch, wait_s=0.2)
         if not claims:

@@ -1,12 +1,11 @@
-"""ExportSettings is the producer's settings, not a copy kept by hand: its fields and defaults are
-``ExportProducer``'s keyword arguments (the token aside), the connector's ``"export"`` keys are its fields, and
-every one of them -- the nested UCX and control-plane limits included -- reaches a producer started from vLLM's
-config."""
+"""ExportSettings is the producer's settings, not a copy kept by hand: the producer takes the object (or its fields
+as keywords, nothing else), the connector's ``"export"`` keys are its fields, and every one of them -- the nested
+UCX and control-plane limits included -- reaches a producer started from vLLM's config."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+from typing import Any
 
 import pytest
 
@@ -18,22 +17,32 @@ from vllm_hs_compat.export.control import ControlLimits
 from vllm_hs_compat.export.nixl_backend import UcxSettings
 from vllm_hs_compat.export.settings import ExportSettings
 
-
-def _producer_kwargs() -> dict[str, object]:
-    params = inspect.signature(ExportProducer.__init__).parameters
-    return {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "token"}
-
-
-def test_the_fields_and_defaults_are_the_producers() -> None:
-    fields = {f.name: f.default for f in dataclasses.fields(ExportSettings)}
-    assert fields == _producer_kwargs()
-    assert export_keys() == set(fields) | {"token_file"}
+#: a value other than the default for fields a test producer can take (shm, loopback)
+CHANGED: dict[str, Any] = {
+    "num_slots": 3,
+    "slot_bytes": 8192,
+    "lease_ttl_s": 7.0,
+    "claimed_spin_s": 0.25,
+    "plain_port": None,
+}
 
 
-def test_the_comparison_sees_a_producer_argument_missing_here() -> None:
-    """Negative control: a settings type without one of the producer's arguments differs."""
-    fields = {f.name: f.default for f in dataclasses.fields(ExportSettings) if f.name != "claimed_spin_s"}
-    assert fields != _producer_kwargs()
+def test_the_producer_takes_its_settings_or_their_fields_as_keywords() -> None:
+    """The settings object and the same fields as keywords make the same producer; keywords apply over an object;
+    the connector's keys are the fields."""
+    settings = ExportSettings(backend="shm", **CHANGED)
+    with ExportProducer(settings) as a, ExportProducer(backend="shm", **CHANGED) as b:
+        assert a.settings == b.settings == settings
+        assert (a.pool.num_slots, a.pool.slot_bytes, a.plain_endpoint) == (3, 8192, None)
+    with ExportProducer(settings, num_slots=5) as c:
+        assert c.settings == dataclasses.replace(settings, num_slots=5) and c.pool.num_slots == 5
+    assert export_keys() == {f.name for f in dataclasses.fields(ExportSettings)} | {"token_file"}
+
+
+def test_a_keyword_that_is_no_setting_is_refused() -> None:
+    """Negative control: a keyword the settings type does not have never reaches a producer."""
+    with pytest.raises(TypeError, match="num_slot"):
+        ExportProducer(backend="shm", num_slot=4)
 
 
 def test_nested_settings_come_from_maps_and_are_checked() -> None:

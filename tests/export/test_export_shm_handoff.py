@@ -45,7 +45,7 @@ def _gone(pid: int, timeout_s: float = 10.0) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split(") ", 1)[1].startswith("Z"):
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
             return
         time.sleep(0.02)
     raise AssertionError(f"pid {pid} still alive after {timeout_s} s")

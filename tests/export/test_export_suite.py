@@ -292,7 +292,7 @@ def test_stale_or_garbled_transport_metadata_is_refused(backend: str, make_produ
     p = make_producer()
     info = p.transport.describe()
     with ExportConsumer(p.endpoint, p.token) as c:
-        t = c._transport
+        t = c._landing.transport
         assert t is not None
         if backend == "nixl":
             bad = [
@@ -326,17 +326,17 @@ def test_out_of_range_descriptors_are_refused(backend: str, make_producer: Make)
         (res,) = c.read([Claim(msgspec.structs.replace(claim.desc, offset=p.pool.pool_bytes - 8))])
         assert isinstance(res, DescriptorError)
         wait_until(drained(p), 3.0, "the refused lease to be given back")
-        t = c._transport
+        t = c._landing.transport
         assert t is not None
         with pytest.raises(DescriptorError):
-            t.read([(p.pool.pool_bytes - 10, 0, 100)], b"", time.monotonic() + 5)
+            t.read([(p.pool.pool_bytes - 10, 0, 100)], time.monotonic() + 5)
         with pytest.raises(DescriptorError):
-            t.read([(0, c._landing_bytes - 10, 100)], b"", time.monotonic() + 5)
+            t.read([(0, c._landing.nbytes - 10, 100)], time.monotonic() + 5)
         if backend == "nixl":  # NIXL's own check, with ours bypassed, maps to the same named error
             base = int(p.transport.describe()["base"])
             lbase = int(t.landing.data_ptr())
             with pytest.raises(DescriptorError):
-                t._read_raw([(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], b"", time.monotonic() + 5)
+                t._read_raw([(lbase, 4096, 0)], [(base + p.pool.pool_bytes + MiB, 4096, 0)], time.monotonic() + 5)
 
 
 def test_wrong_or_missing_credentials_are_refused(backend: str, make_producer: Make, peer: Peer) -> None:
@@ -534,7 +534,7 @@ def test_a_flip_in_a_middle_piece_fails_that_record_alone(backend: str, make_pro
     at = p.pool._by_record["mid"].offset + 4 * MiB + 12_345
     p.transport.buffer[at] ^= 0x10
     with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB) as c:
-        t = c._transport
+        t = c._landing.transport
         assert t is not None
         posted: list[int] = []
         live: set[int] = set()
@@ -593,7 +593,7 @@ def test_a_failed_piece_leaves_no_read_in_flight(
     publish(p, "slow", 1024, 4, 1024)  # 8 MiB of hidden states and the token ids: five pieces
     h = publish(p, "next", 1024, 4, 1024, seed=5)
     with ExportConsumer(p.endpoint, p.token, landing_bytes=32 * MiB) as c:
-        t = c._transport
+        t = c._landing.transport
         assert t is not None
         real_post, real_wait, real_release = t.post_read, t.wait_read, t.release_read  # type: ignore[attr-defined]
         live: dict[int, Any] = {}
@@ -652,32 +652,32 @@ def test_landing_space_of_a_timed_out_read_is_never_reused(
     publish(p, "late", 512, 4, 512)
     h = publish(p, "next", 512, 4, 512, seed=5)
     with ExportConsumer(p.endpoint, p.token, landing_bytes=8 * MiB) as c:
-        assert c._transport is not None
-        real = c._transport.read
+        assert c._landing.transport is not None
+        real = c._landing.transport.read
         seen: list[int] = []
 
-        def stalled(items: Any, notif: bytes, deadline: float) -> None:
+        def stalled(items: Any, deadline: float) -> None:
             seen.extend(lo for _, lo, _ in items)
             raise ExportTimeoutError("simulated: the READ is still in progress at its deadline")
 
         def stalled_checked(items: Any, algorithm: str, deadline: float) -> list[int]:
-            stalled([it[:3] for it in items], b"", deadline)
+            stalled([it[:3] for it in items], deadline)
             return []
 
-        monkeypatch.setattr(c._transport, "read", stalled)
-        real_checked = getattr(c._transport, "read_checked", None)
+        monkeypatch.setattr(c._landing.transport, "read", stalled)
+        real_checked = getattr(c._landing.transport, "read_checked", None)
         if real_checked is not None:  # shm: the copy that checksums on the way
-            monkeypatch.setattr(c._transport, "read_checked", stalled_checked)
+            monkeypatch.setattr(c._landing.transport, "read_checked", stalled_checked)
         with pytest.raises(ExportTimeoutError):
             c.fetch("late")
-        monkeypatch.setattr(c._transport, "read", real)
+        monkeypatch.setattr(c._landing.transport, "read", real)
         if real_checked is not None:
-            monkeypatch.setattr(c._transport, "read_checked", real_checked)
+            monkeypatch.setattr(c._landing.transport, "read_checked", real_checked)
         st = c.stats()
         assert st["quarantined_bytes"] > 0 and st["landing_pages_in_use"] > 0
         rec = c.fetch("next")
         assert digest(rec.hidden_states) == h
-        got = rec.hidden_states.data_ptr() - c._transport.landing.data_ptr()
+        got = rec.hidden_states.data_ptr() - c._landing.transport.landing.data_ptr()
         assert not 0 <= got - seen[0] < st["quarantined_bytes"]  # not in the quarantined range
     wait_until(drained(p), 10.0, "the timed-out lease to be given back")
     ledger_balanced(p.stats())

@@ -301,9 +301,9 @@ def test_collate_padded_batches_items_of_different_lengths(tmp_path: Path) -> No
 # --- at-least-once: redelivered records -------------------------------------------------------------------------
 def _slow_first_transfer(monkeypatch: pytest.MonkeyPatch, pause_s: float) -> None:
     """The first read of the stream outlasts its lease (a trainer slower than lease_ttl_s)."""
-    from vllm_hs_compat.export.consumer import ExportConsumer
+    from vllm_hs_compat.export.consumer import Reads
 
-    real = ExportConsumer._transfer
+    real = Reads._transfer
     calls = [0]
 
     def slow(self: Any, *a: Any, **kw: Any) -> Any:
@@ -313,7 +313,7 @@ def _slow_first_transfer(monkeypatch: pytest.MonkeyPatch, pause_s: float) -> Non
             time.sleep(pause_s)
         return out
 
-    monkeypatch.setattr(ExportConsumer, "_transfer", slow)
+    monkeypatch.setattr(Reads, "_transfer", slow)
 
 
 def test_a_lease_that_expired_under_the_stream_is_skipped_and_the_record_comes_again(

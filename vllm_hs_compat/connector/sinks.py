@@ -61,7 +61,7 @@ class ExportSink(Sink):
 
         opts = dict(options)
         token, self.token_file = load_or_create_token(opts.pop(TOKEN_FILE_KEY, None))
-        self.producer = ExportProducer(token=token, **ExportSettings.from_options(opts).producer_kwargs())
+        self.producer = ExportProducer(ExportSettings.from_options(opts), token=token)
 
     def locator(self) -> dict[str, Any]:
         """Endpoint, instance, backend, the producer's public CURVE key and its capability key.  The capability

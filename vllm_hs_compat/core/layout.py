@@ -74,12 +74,6 @@ class CaptureView:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_tokens
 
-    def token_is_contiguous(self) -> bool:
-        """True when one token's ``P x C`` rows are one contiguous run (``BLOCK_TOKEN_PLANE`` packed)."""
-        if self.order is ViewOrder.BLOCK_TOKEN_PLANE:
-            return self.strides[3] == 1 and self.strides[2] == self.hidden_size
-        return self.strides[3] == 1 and self.strides[1] == self.hidden_size
-
     def describe(self) -> str:
         split = f", kernel split x{self.kernel_split}" if self.kernel_split > 1 else ""
         return (

@@ -43,6 +43,7 @@ from vllm_hs_compat.errors import (
     RemoteError,
     StaleMetadataError,
     TransportError,
+    TransportSettingsMismatchError,
     TransportUnavailableError,
     UnknownRecordError,
     WireVersionError,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from vllm_hs_compat.export.nixl_backend import UcxSettings, nixl_available
     from vllm_hs_compat.export.producer import ExportProducer
     from vllm_hs_compat.export.protocol import PARAMS_KEY, WIRE_VERSION, ExportTicket
+    from vllm_hs_compat.export.settings import ExportSettings
 
 #: Imported on first use (PEP 562), so ``import vllm_hs_compat.export`` does not pay for ZeroMQ and msgspec
 #: until a producer, a consumer or a ticket is asked for.
@@ -72,6 +74,7 @@ _LAZY = {
     "PARAMS_KEY": "protocol",
     "WIRE_VERSION": "protocol",
     "ExportTicket": "protocol",
+    "ExportSettings": "settings",
 }
 
 
@@ -108,6 +111,7 @@ __all__ = [
     "ExportConsumer",
     "ExportError",
     "ExportProducer",
+    "ExportSettings",
     "ExportTicket",
     "ExportTimeoutError",
     "LandingBufferFullError",
@@ -124,6 +128,7 @@ __all__ = [
     "RemoteError",
     "StaleMetadataError",
     "TransportError",
+    "TransportSettingsMismatchError",
     "TransportUnavailableError",
     "UcxSettings",
     "UnknownRecordError",

@@ -31,10 +31,12 @@ waits in a bounded queue (and at most ``max_parked_per_peer`` per connection) an
 signals a publish (:meth:`ControlServer.wake`) or its deadline passes.
 
 The modules, one job each: :mod:`~vllm_hs_compat.export.credentials` (the token, its file, every key derived from
-it), :mod:`~vllm_hs_compat.export.server` (:class:`ControlServer`: the gate, the direct socket, the plain channel,
-the serving thread), :mod:`~vllm_hs_compat.export.client` (:class:`ControlClient`), :mod:`~vllm_hs_compat.export.plain`
-(the trainer's plain channel, both sides), :mod:`~vllm_hs_compat.export.protocol` (the messages, the error codes, the
-endpoints).  This module names them all, for callers that import the control plane as one.
+it), :mod:`~vllm_hs_compat.export.server` (:class:`ControlServer`: the serving thread, the direct socket, the routes
+of the gate's and the plain channel's requests), :mod:`~vllm_hs_compat.export.supervisor` (starts, watches and
+restarts the gate), :mod:`~vllm_hs_compat.export.gate` (the gate process), :mod:`~vllm_hs_compat.export.client`
+(:class:`ControlClient`), :mod:`~vllm_hs_compat.export.plain` (the trainer's plain channel, both sides),
+:mod:`~vllm_hs_compat.export.protocol` (the messages, the error codes, the endpoints).  This module names them all,
+for callers that import the control plane as one.
 """
 
 from __future__ import annotations

@@ -21,6 +21,14 @@ once):
   256 KiB segments a 16-64 MiB READ over loopback TCP took about half the time (docs/benchmarks.md, "UCX's TCP
   segment size").  Only UCX's ``tcp`` transport reads them; set by default, the user's value wins.
 
+The TCP segment sizes are also what a transfer depends on: UCX's TCP transport does not negotiate them, and a side
+whose receive segment is smaller than what its peer sends corrupts its heap on the first large READ (glibc aborts
+the trainer), after which the producer's UCX may abort the producer too (``Fatal: unexpected error: Endpoint
+timeout``; seen in one run of four here).  Each agent records the values in effect when UCX read them
+(:func:`transfer_settings`); the consumer sends its own in the ``transfer_settings`` request before it loads the
+producer's metadata, the producer answers with its own and counts a mismatch, and the consumer refuses a mismatch
+by name (:class:`~vllm_hs_compat.errors.TransportSettingsMismatchError`) before any transfer.
+
 Agents run with ``enable_prog_thread=False``: the producer's pump thread polls ``get_new_notifs()`` (which
 also drives UCX progress for incoming connections); the consumer polls ``check_xfer_state``.  Every wait has
 a deadline.
@@ -32,11 +40,12 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
@@ -68,6 +77,39 @@ class UcxSettings:
             "UCX_TCP_RX_SEG_SIZE": self.tcp_seg_size,
         }
         return {k: v for k, v in pairs.items() if v is not None}
+
+
+#: The UCX settings a transfer depends on, which both sides must share, with UCX's own defaults (its TCP transport's
+#: configuration table; in effect when the environment sets none).  UCX reads them when an agent is created.
+TRANSFER_SETTINGS: Final = {"UCX_TCP_TX_SEG_SIZE": "8kb", "UCX_TCP_RX_SEG_SIZE": "64kb"}
+_MEMUNITS: Final = re.compile(r"\s*(\d+)\s*([kmgt]?)b?\s*", re.IGNORECASE)
+
+
+def _memunits(value: str) -> str:
+    """A UCX memory size as a count of bytes (``256k``, ``256kb`` and ``262144`` are one value); anything else as
+    written, lower-cased."""
+    m = _MEMUNITS.fullmatch(value)
+    if m is None:
+        return value.strip().lower()
+    return str(int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " ")))
+
+
+def transfer_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The values of :data:`TRANSFER_SETTINGS` UCX reads in this process now (``environ``: ``os.environ``), else
+    UCX's defaults; sizes as counts of bytes."""
+    env = os.environ if environ is None else environ
+    return {k: _memunits(env.get(k, default)) for k, default in TRANSFER_SETTINGS.items()}
+
+
+def settings_differ(mine: Mapping[str, str], theirs: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The settings of :data:`TRANSFER_SETTINGS` whose values differ: ``{name: (mine, theirs)}`` (a setting one
+    side does not report counts as UCX's default there)."""
+    out: dict[str, tuple[str, str]] = {}
+    for key, default in TRANSFER_SETTINGS.items():
+        a, b = mine.get(key, _memunits(default)), theirs.get(key, _memunits(default))
+        if a != b:
+            out[key] = (a, b)
+    return out
 
 
 #: Import names tried in order: the ``nixl`` meta package (it picks the CUDA major itself), then the backend
@@ -169,6 +211,8 @@ class NixlProducerTransport:
         self.pool_bytes = pool_bytes
         self.buffer = host_buffer(pool_bytes)
         self.agent_name = f"hsx-p-{instance}"
+        #: the settings a transfer depends on, as UCX read them for this agent (see :func:`transfer_settings`)
+        self.settings = transfer_settings()
         self._agent = _agent(api, self.agent_name)
         try:
             self._reg = self._agent.register_memory([(self.buffer.data_ptr(), pool_bytes, 0, "")], "DRAM")
@@ -223,6 +267,8 @@ class NixlConsumerTransport:
         api = _load(ucx or UcxSettings())
         self.landing = host_buffer(landing_bytes)
         self.agent_name = f"hsx-c-{uuid.uuid4().hex}"
+        #: the settings a transfer depends on, as UCX read them for this agent (see :func:`transfer_settings`)
+        self.settings = transfer_settings()
         self._agent = _agent(api, self.agent_name)
         try:
             self._reg = self._agent.register_memory([(self.landing.data_ptr(), landing_bytes, 0, "")], "DRAM")
@@ -262,11 +308,11 @@ class NixlConsumerTransport:
                 log.debug("remove_remote_agent(%s): %s", self._remote, e)
             self._remote = None
 
-    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+    def read(self, items: Sequence[tuple[int, int, int]], deadline: float) -> None:
         """One READ request for every range (each checked against both buffers first), polled to completion or
         the deadline."""
         local, remote = self._descs(items)
-        self._read_raw(local, remote, notif, deadline)
+        self._read_raw(local, remote, deadline)
 
     def post_read(self, items: Sequence[tuple[int, int, int]]) -> PostedRead:
         """Post one READ request for ``(remote_offset, local_offset, nbytes)`` ranges (checked as :meth:`read`
@@ -274,7 +320,7 @@ class NixlConsumerTransport:
         always releases it (:meth:`release_read`).  Its ``done`` says the transport moved the bytes while posting
         (UCX's same-host shared memory does; TCP and RDMA move them later)."""
         local, remote = self._descs(items)
-        posted = self._post(local, remote, b"")
+        posted = self._post(local, remote)
         posted.done = posted.state == "DONE"
         return posted
 
@@ -379,30 +425,24 @@ class NixlConsumerTransport:
         remote[:, 1] = n
         return local, remote
 
-    def _read_raw(
-        self,
-        local: Any,
-        remote: Any,
-        notif: bytes,
-        deadline: float,
-    ) -> None:
+    def _read_raw(self, local: Any, remote: Any, deadline: float) -> None:
         """READ absolute address ranges (no range checks: tests use it to prove NIXL's own checks map)."""
-        posted = self._post(local, remote, notif)
+        posted = self._post(local, remote)
         try:
             if posted.state != "DONE":
                 self._wait(posted.handle, deadline, SPIN_S, local)
         finally:
             self._release(posted.handle)  # done: frees the handle; at the deadline: NIXL's attempt to cancel it
 
-    def _post(self, local: Any, remote: Any, notif: bytes) -> PostedRead:
-        """Make and post one READ request: its NIXL handle and the state ``transfer`` returned (the handle is
-        released here when posting fails)."""
+    def _post(self, local: Any, remote: Any) -> PostedRead:
+        """Make and post one READ request, with no notification (the release goes over the control plane): its
+        NIXL handle and the state ``transfer`` returned (the handle is released here when posting fails)."""
         agent = self._agent
         handle = None
         try:
             ldesc = agent.get_xfer_descs(local, "DRAM")
             rdesc = agent.get_xfer_descs(remote, "DRAM")
-            handle = agent.initialize_xfer("READ", ldesc, rdesc, self._remote, notif)
+            handle = agent.initialize_xfer("READ", ldesc, rdesc, self._remote, b"")
             state = agent.transfer(handle)
         except Exception as e:
             if handle is not None:

@@ -530,11 +530,6 @@ class LeasePool:
             hook()  # a requeued record is claimable: wake the long polls parked for one
         return n
 
-    def next_deadline(self) -> float:
-        with self._cond:
-            fronts = [next(iter(q.values())).deadline for q in (self._ready, self._claimed) if q]
-            return min(fronts, default=float("inf"))
-
     def claimed_count(self) -> int:
         return len(self._claimed)
 

@@ -2,7 +2,7 @@
 
 Caller: the capture connector's worker process, once per finished request::
 
-    producer = ExportProducer(backend="auto", num_slots=64, slot_bytes=16 << 20)
+    producer = ExportProducer(ExportSettings(num_slots=64, slot_bytes=16 << 20))   # or the same as keywords
     ticket = producer.publish(meta, rows)            # rows: CPU or GPU tensor [tokens, planes, hidden]
     return ticket.kv_transfer_params()               # -> {"hs_export": {endpoint, record_id, cap, ...}}
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
+import dataclasses
 import logging
 import queue
 import secrets
@@ -42,7 +43,6 @@ import torch
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import (
     CHECKSUM_ALGORITHMS,
-    DEFAULT_CHECKSUM,
     ChecksumState,
     RecordMeta,
     byte_view,
@@ -61,11 +61,11 @@ from vllm_hs_compat.export.capabilities import (
     verify,
 )
 from vllm_hs_compat.export.credentials import check_token, new_token
-from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, UcxSettings, nixl_available
-from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES, Lease, LeasePool
-from vllm_hs_compat.export.server import Call, ControlLimits, ControlServer
-from vllm_hs_compat.export.settings import CLAIMED_POLL_S, CLAIMED_SPIN_S
-from vllm_hs_compat.export.shm import DEFAULT_SHM_DIR, ShmProducerTransport
+from vllm_hs_compat.export.nixl_backend import NixlProducerTransport, nixl_available, settings_differ
+from vllm_hs_compat.export.pool import Lease, LeasePool
+from vllm_hs_compat.export.server import Call, ControlServer
+from vllm_hs_compat.export.settings import ExportSettings
+from vllm_hs_compat.export.shm import ShmProducerTransport
 from vllm_hs_compat.export.transport import ProducerTransport
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,6 @@ _EMPTY: Final = memoryview(b"")  # a fetch answer's entry for a record whose byt
 
 #: The pump's "hot" window: after a control-plane request it polls every ``poll_interval_s`` for this long.
 HOT_S = 0.5
-# CLAIMED_SPIN_S, CLAIMED_POLL_S: the pump's claimed window and pause, documented where the settings live.
 
 #: Host rows are copied into the pool and checksummed in pieces of this many bytes: each piece is checksummed right
 #: after its copy, while it is still in cache, so the destination is not read back from memory a second time.
@@ -132,68 +131,29 @@ def _id_bytes(token_ids: tuple[int, ...]) -> array.array[int]:
 class ExportProducer:
     """The serving side of the export: a registered pool of leased slots and its control plane."""
 
-    def __init__(
-        self,
-        *,
-        backend: str = "auto",
-        num_slots: int = 64,
-        slot_bytes: int = 16 << 20,
-        lease_ttl_s: float = 30.0,
-        ready_ttl_s: float | None = 300.0,
-        on_full: str = "drop",
-        wait_timeout_s: float = 1.0,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        token: str | None = None,
-        advertise_host: str | None = None,
-        checksum: str = DEFAULT_CHECKSUM,
-        shm_dir: str = DEFAULT_SHM_DIR,
-        ucx: UcxSettings | None = None,
-        poll_interval_s: float = 200e-6,
-        idle_poll_interval_s: float = 20e-3,
-        claimed_poll_interval_s: float = CLAIMED_POLL_S,
-        claimed_spin_s: float = CLAIMED_SPIN_S,
-        handshake_timeout_s: float = 5.0,
-        max_redeliveries: int = DEFAULT_MAX_REDELIVERIES,
-        control_limits: ControlLimits | None = None,
-        direct_port: int | None = 0,
-        plain_port: int | None = 0,
-        shm_handoff: str = "fd",
-    ) -> None:
-        """``lease_ttl_s``: how long a consumer may hold a claimed record before it is taken back; a record
-        taken back unreleased goes back to the queue under a new lease, up to ``max_redeliveries`` times
-        (at-least-once delivery: a consumer that dies loses nothing), then it is counted ``expired_claimed``;
-        ``0`` gives at-most-once.  ``ready_ttl_s``: how long a published (or requeued) record waits unclaimed.
-
-        The pump (NIXL only; UCX answers a consumer's READ only while this process progresses it, e.g. over
-        TCP): every ``claimed_poll_interval_s`` (50 us; ``0``: back to back, yielding only the GIL between polls)
-        from a claim until its leases are released, for at most ``claimed_spin_s`` after the latest claim; every
-        ``poll_interval_s`` while leases stay claimed longer, or within 0.5 s of a hello or a claim; otherwise it
-        waits ``idle_poll_interval_s`` -- or until the next hello or claim wakes it (so the idle wait only paces
-        UCX's background work: keepalives, a peer's disconnect).  Leases whose bytes went out in their claim's
-        answer (small records fetched by id) need no READ, so they keep the pump waiting, as pings, releases and
-        reads over the control plane do.
-
-        ``direct_port``: the trainer's direct control socket in this process, past the gate (its ZAP handler admits
-        the trainer's key only): ``0`` an ephemeral port on ``host``, ``N`` that port, ``None`` none.
-
-        ``plain_port``: the trainer's plain control channel (:mod:`vllm_hs_compat.export.plain`: a bare TCP
-        connection to this process's serving thread, authenticated both ways by the token, not encrypted -- it
-        carries what the data plane carries; trainers use it before the direct socket): ``0`` an ephemeral port on
-        ``host``, ``N`` that port, ``None`` none (the trainer's requests then stay CURVE-encrypted).
-
-        ``shm_handoff`` (shm only): ``"fd"`` the pool has no name and the trainer gets its descriptor over an
-        abstract Unix socket (nothing is left in ``shm_dir``, whatever kills the process; the trainer must share
-        this process's network namespace), ``"path"`` the named ``hsx2-<pid>-<instance>.pool`` file (left behind
-        by a SIGKILL until the next producer's sweep).
-        See :mod:`.pool` for the ledger and docs/export.md for the rest."""
+    def __init__(self, settings: ExportSettings | None = None, *, token: str | None = None, **keywords: Any) -> None:
+        """``settings``: every setting but the token (:class:`~vllm_hs_compat.export.settings.ExportSettings`,
+        whose docstring explains each); ``keywords``: any of its fields one by one, over ``settings``
+        (``ExportProducer(backend="shm", num_slots=8)``); a keyword that is no field is a ``TypeError``.
+        ``token``: the trainer token (generated unless given).  See :mod:`.pool` for the ledger and docs/export.md
+        for the rest."""
+        settings = dataclasses.replace(settings if settings is not None else ExportSettings(), **keywords)
+        #: what this producer was started with
+        self.settings = settings
+        backend, checksum = settings.backend, settings.checksum
         if backend not in BACKENDS:
             raise E.ExportConfigError(f"backend must be one of {BACKENDS}, found {backend!r}")
         if checksum not in CHECKSUM_ALGORITHMS:
             raise E.ExportConfigError(f"checksum must be one of {CHECKSUM_ALGORITHMS}, found {checksum!r}")
         self._closed = False
         self.pool = LeasePool(
-            num_slots, slot_bytes, lease_ttl_s, ready_ttl_s, on_full, wait_timeout_s, max_redeliveries=max_redeliveries
+            settings.num_slots,
+            settings.slot_bytes,
+            settings.lease_ttl_s,
+            settings.ready_ttl_s,
+            settings.on_full,
+            settings.wait_timeout_s,
+            max_redeliveries=settings.max_redeliveries,
         )
         self.pool.rewire = _rewire
         self.instance = secrets.token_hex(8)
@@ -201,18 +161,14 @@ class ExportProducer:
         #: derived per instance: mints the capability a ticket carries (see :mod:`.capabilities`)
         self.capability_key: CapabilityKey = derive_key(self.token, self.instance)
         self.checksum = checksum
-        for name, value in (
-            ("poll_interval_s", poll_interval_s),
-            ("idle_poll_interval_s", idle_poll_interval_s),
-            ("claimed_poll_interval_s", claimed_poll_interval_s),
-            ("claimed_spin_s", claimed_spin_s),
-        ):
+        for name in ("poll_interval_s", "idle_poll_interval_s", "claimed_poll_interval_s", "claimed_spin_s"):
+            value = getattr(settings, name)
             if not value >= 0.0:  # NaN fails too
                 raise E.ExportConfigError(f"{name} must be a number of seconds >= 0, found {value!r}")
-        self._poll_s = poll_interval_s
-        self._idle_poll_s = idle_poll_interval_s
-        self._claimed_poll_s = claimed_poll_interval_s
-        self._claimed_spin_s = claimed_spin_s
+        self._poll_s = settings.poll_interval_s
+        self._idle_poll_s = settings.idle_poll_interval_s
+        self._claimed_poll_s = settings.claimed_poll_interval_s
+        self._claimed_spin_s = settings.claimed_spin_s
         self._expiry_interval_s = 0.02
         self._counters = {
             "offered": 0,
@@ -224,6 +180,7 @@ class ExportProducer:
             "claim_retries": 0,
             "inline_reads": 0,
             "inline_claims": 0,
+            "transfer_settings_mismatches": 0,
         }
         self._counter_lock = threading.Lock()
         # publish_nowait: records handed over and not yet taken by the writer (``queued`` in stats, part of the
@@ -249,9 +206,11 @@ class ExportProducer:
             backend = "nixl" if nixl_available() else "shm"
         self.transport: ProducerTransport
         if backend == "nixl":
-            self.transport = NixlProducerTransport(self.pool.pool_bytes, self.instance, ucx)
+            self.transport = NixlProducerTransport(self.pool.pool_bytes, self.instance, settings.ucx)
         else:
-            self.transport = ShmProducerTransport(self.pool.pool_bytes, self.instance, shm_dir, shm_handoff)
+            self.transport = ShmProducerTransport(
+                self.pool.pool_bytes, self.instance, settings.shm_dir, settings.shm_handoff
+            )
         self.backend = backend
         self._buf = self.transport.buffer
         # the pool's bytes as one buffer, sliced per answer that carries a record's bytes (a byte_view per answer
@@ -268,15 +227,15 @@ class ExportProducer:
             self._server = ControlServer(
                 self._handle,
                 self.token,
-                host,
-                port,
+                settings.host,
+                settings.port,
                 producer=self.instance,
-                handshake_timeout_s=handshake_timeout_s,
-                limits=control_limits,
-                direct=direct_port is not None,
-                direct_port=direct_port or 0,
-                plain=plain_port is not None,
-                plain_port=plain_port or 0,
+                handshake_timeout_s=settings.handshake_timeout_s,
+                limits=settings.control_limits,
+                direct=settings.direct_port is not None,
+                direct_port=settings.direct_port or 0,
+                plain=settings.plain_port is not None,
+                plain_port=settings.plain_port or 0,
             )
         except BaseException:
             self._stop.set()
@@ -289,7 +248,7 @@ class ExportProducer:
         # What clients are told to dial: the bind address, unless it is a wildcard (then the host name) or an
         # explicit advertise_host is given (NAT, several NICs).
         bound_host, bound_port = self._server.address
-        adv = advertise_host or (socket.gethostname() if bound_host in ("0.0.0.0", "::", "") else bound_host)
+        adv = settings.advertise_host or (socket.gethostname() if bound_host in ("0.0.0.0", "::", "") else bound_host)
         self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
         dport = self._server.direct_port
         #: the trainer's direct control endpoint (same host, the producer's own socket, past the gate), or None
@@ -573,6 +532,9 @@ class ExportProducer:
         if isinstance(req, P.PlainReq):
             self._trainer_only(trainer, "plain (the trainer's own channel)")
             return P.PlainReply(self.plain_endpoint)
+        if isinstance(req, P.TransferSettingsReq):
+            self._trainer_only(trainer, "transfer_settings (the trainer's transport)")
+            return self._transfer_settings(req)
         if isinstance(req, P.ClaimReq):
             publication = None
             if not trainer:
@@ -602,6 +564,16 @@ class ExportProducer:
             self._trainer_only(trainer, "stats")
             return P.StatsReply({k: v for k, v in self.stats().items() if isinstance(v, int | float | str)})
         raise E.ProtocolError(f"no handler for {type(req).__name__}")  # pragma: no cover - the union is closed
+
+    def _transfer_settings(self, req: P.TransferSettingsReq) -> P.TransferSettingsReply:
+        """This producer's settings a transfer depends on; a consumer's that differ are counted
+        (``transfer_settings_mismatches``): it refuses them itself, before any transfer."""
+        mine: dict[str, str] = dict(getattr(self.transport, "settings", {}))
+        differ = settings_differ(mine, req.settings) if mine else {}
+        if differ:
+            self._count("transfer_settings_mismatches")
+            log.warning("a trainer runs other UCX settings than this producer (%s); it refuses to transfer", differ)
+        return P.TransferSettingsReply(mine)
 
     @staticmethod
     def _trainer_only(trainer: bool, what: str) -> None:

@@ -1,12 +1,15 @@
 """The export control plane's wire schema, version 4: the one place that defines every message.
 
-Transport: ZeroMQ over TCP with CURVE (see :mod:`vllm_hs_compat.export.control`).  A request is three frames, a
+Transport: ZeroMQ over TCP with CURVE (the gate's public socket, or the trainer's direct socket: see
+:mod:`vllm_hs_compat.export.server` and :mod:`vllm_hs_compat.export.client`), or the trainer's plain channel
+(:mod:`vllm_hs_compat.export.plain`: the same frames, concatenated behind a length).  A request is three frames, a
 reply four::
 
     request:  HEADER | rid (16 random bytes) | msgpack(Request)
     reply:    HEADER | rid (echoed)          | producer instance id (ASCII) | msgpack(Reply)
 
-``HEADER`` carries the wire version: a peer of another version gets a ``protocol`` error naming both versions.
+``HEADER`` carries the wire version: a peer of another version is answered ``wire_version``
+(:class:`~vllm_hs_compat.errors.WireVersionError`, naming both versions) before any body is decoded.
 Bodies are msgpack maps decoded straight into the typed :class:`msgspec.Struct` classes below, which carry
 every type, length, range and pattern constraint: a message is decoded and validated in one step, and anything
 that does not fit is a :class:`~vllm_hs_compat.errors.ProtocolError` before any handler runs.  Nothing from the
@@ -31,7 +34,7 @@ version  date        what changed
                      ``fetch`` (small records' bytes in the claim's answer)
 4        2026-12-03  a descriptor's ``meta`` is the record's ``RecordMeta`` (every field encoded, ``record_id``
                      instead of ``request_id``, ``token_ids`` empty); the descriptor's own ``record_id`` is gone
-                     (it was a copy of the metadata's)
+                     (it was a copy of the metadata's); later ``plain`` and ``transfer_settings`` as optional ops
 =======  ==========  ===========================================================================================
 """
 
@@ -187,8 +190,33 @@ class PlainReq(_Request, tag="plain"):
     ``protocol`` error, and the consumer uses the direct socket or the gate."""
 
 
+#: A setting's name and value in :class:`TransferSettingsReq` (``UCX_...``; sizes as counts of bytes).
+SettingName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^UCX_[A-Z0-9_]+$")]
+SettingValue = Annotated[str, msgspec.Meta(max_length=64)]
+Settings = Annotated[dict[SettingName, SettingValue], msgspec.Meta(max_length=16)]
+
+
+class TransferSettingsReq(_Request, tag="transfer_settings"):
+    """The settings the consumer's transfers depend on (UCX's TCP segment sizes, which UCX does not negotiate), sent
+    after ``hello`` and before the consumer loads the producer's agent metadata (trainer only).  The producer answers
+    with its own and counts a mismatch; the consumer refuses a mismatch before any transfer.  Its own op, as
+    ``direct``: an older producer answers it with a ``protocol`` error, and the consumer goes on unchecked."""
+
+    settings: Settings
+
+
 Request = (
-    HelloReq | PingReq | ClaimReq | FetchReq | ClaimNextReq | ReleaseReq | ReadReq | StatsReq | DirectReq | PlainReq
+    HelloReq
+    | PingReq
+    | ClaimReq
+    | FetchReq
+    | ClaimNextReq
+    | ReleaseReq
+    | ReadReq
+    | StatsReq
+    | DirectReq
+    | PlainReq
+    | TransferSettingsReq
 )
 
 
@@ -354,6 +382,12 @@ class PlainReply(_Reply, tag="plain"):
     endpoint: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
 
+class TransferSettingsReply(_Reply, tag="transfer_settings"):
+    """The producer's settings of :class:`TransferSettingsReq` (those its transport's agent runs with)."""
+
+    settings: Settings
+
+
 class ErrorReply(_Reply, tag="error"):
     """A failed request: ``code`` names the error class (``control.ERROR_CODES``)."""
 
@@ -371,6 +405,7 @@ Reply = (
     | StatsReply
     | DirectReply
     | PlainReply
+    | TransferSettingsReply
     | ErrorReply
 )
 

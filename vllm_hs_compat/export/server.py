@@ -1,25 +1,23 @@
-"""The control plane's server: :class:`ControlServer`, its supervised gate process, the trainer's direct socket
-and plain channel, one serving thread (see :mod:`vllm_hs_compat.export.control` for the security model)."""
+"""The control plane's server: :class:`ControlServer`, one serving thread that answers every request -- those the
+gate forwards (the gate process is :mod:`~vllm_hs_compat.export.gate`, started and restarted by
+:mod:`~vllm_hs_compat.export.supervisor`), those of the trainer's direct socket (here, with its ZAP handler) and
+those of its plain channel (:mod:`~vllm_hs_compat.export.plain`) -- and routes each answer back the way its request
+came (see :mod:`vllm_hs_compat.export.control` for the security model)."""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
 import hmac
-import json
 import logging
 import os
 import select
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -28,10 +26,10 @@ from zmq.utils import z85
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.credentials import TOKEN_ENV, check_token, curve_keys, plain_key
-from vllm_hs_compat.export.gate import COUNTERS as GATE_COUNTERS
+from vllm_hs_compat.export.credentials import check_token, curve_keys, plain_key
 from vllm_hs_compat.export.plain import PlainRequest, PlainServer
 from vllm_hs_compat.export.protocol import error_code, zmq_address
+from vllm_hs_compat.export.supervisor import GATE_MIN_MEMORY, GateSupervisor
 
 log = logging.getLogger("vllm_hs_compat.export.control")
 
@@ -107,16 +105,6 @@ class ControlLimits:
             )
 
 
-#: The gate script (run as a file: ``-m`` would import the package, and the package imports torch).
-GATE_SCRIPT: Final = str(Path(__file__).with_name("gate.py"))
-#: Smallest address-space limit the gate starts under (measured ~120 MiB of mappings at start; see docs).
-GATE_MIN_MEMORY: Final = 96 << 20
-#: How long a gate may take to start and bind (a busy host starts Python slowly).
-GATE_START_S: Final = 30.0
-#: A gate that dies sooner than this after starting is restarted after a growing delay (0.05 s doubling to 1 s),
-#: so a gate that cannot run does not spin; one that served a while is restarted at once.
-GATE_STABLE_S: Final = 0.25
-
 _OWN_COUNTERS: Final = (
     "requests",
     "bad_frames",
@@ -127,10 +115,6 @@ _OWN_COUNTERS: Final = (
     "parked_over_peer_limit",
     "replies_dropped",
     "restarts",
-    "gate_restarts",
-    "gate_exits_signal",
-    "gate_exits_code",
-    "gate_start_failures",
     "direct_requests",
     "direct_zap_accepted",
     "direct_zap_denied",
@@ -189,22 +173,12 @@ class ControlServer:
         self._recheck = False
         self._stopping = False
         self._own: dict[str, int] = dict.fromkeys(_OWN_COUNTERS, 0)
-        self._gate_now: dict[str, int] = {}  # the running gate's last report
-        self._gate_done: dict[str, int] = {}  # the sum of the final reports of gates that have ended
-        #: why the last gate ended ("" while none has): ``exit N`` or ``signal SIGNAME``
-        self.gate_last_exit = ""
-        self._gate: subprocess.Popen[bytes] | None = None
-        self._gate_out = b""
-        self._gate_started = 0.0
-        self._gate_fast_deaths = 0
-        self._gate_retry_at = 0.0
-        self._generation = 0
         # the standard library's poll, not zmq.Poller: ZeroMQ sockets are watched through their ZMQ_FD (see _serve);
         # zmq.Poller's wake-up after an idle spell cost ~0.1 ms more than select.poll's on the 2-vCPU box
         self._poller = select.poll()
         self._dir = tempfile.mkdtemp(prefix="hsx-gate-")  # 0700: only this user can reach the private socket
         self._backend = f"ipc://{self._dir}/control"
-        self._gate_cfg: dict[str, Any] = {
+        gate_cfg: dict[str, Any] = {
             "header": P.HEADER.hex(),
             "rid_bytes": P.RID_BYTES,
             "producer": producer,
@@ -222,6 +196,7 @@ class ControlServer:
             "memory_bytes": self.limits.gate_memory_bytes,
             "backend": self._backend,
         }
+        self._gate = GateSupervisor(gate_cfg, self._poller.register, self._poller.unregister)
         self._trainer_key = z85.decode(trainer_public)
         self._ctx = zmq.Context(io_threads=1)
         self._zap: zmq.Socket[bytes] | None = None
@@ -264,12 +239,12 @@ class ControlServer:
                 self.plain_port = self._plain.port
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._wake_lock = threading.Lock()
-            self._start_gate(port)
-            if self._gate_port <= 0:  # pragma: no cover - _start_gate raises instead
+            self._gate.start(port)
+            if self._gate.port <= 0:  # pragma: no cover - start raises instead
                 raise E.GateError("the control gate reported no port")
-            self.address: tuple[str, int] = (host, self._gate_port)
+            self.address: tuple[str, int] = (host, self._gate.port)
         except BaseException:
-            self._stop_gate()
+            self._gate.stop()
             if self._plain is not None:
                 self._plain.close()
             self._ctx.destroy(linger=0)
@@ -381,18 +356,19 @@ class ControlServer:
         out = dict(self._own)
         if self._plain is not None:
             out.update(self._plain.counters)
-        for k in (*GATE_COUNTERS, "forwarded"):
-            out.setdefault(k, 0)
-        for part in (self._gate_done, self._gate_now):
-            for k, v in part.items():
-                out[k] = out.get(k, 0) + v
+        for k, v in self._gate.reported().items():
+            out[k] = out.get(k, 0) + v
         return out
 
     @property
     def gate_pid(self) -> int:
         """The running gate's pid (0 while none runs)."""
-        gate = self._gate
-        return gate.pid if gate is not None else 0
+        return self._gate.pid
+
+    @property
+    def gate_last_exit(self) -> str:
+        """Why the last gate ended (``""`` while none has): ``exit N`` or ``signal SIGNAME``."""
+        return self._gate.last_exit
 
     def wake(self) -> None:
         """Retry parked long polls now (the producer calls it after each publish; any thread; a no-op once
@@ -413,157 +389,6 @@ class ControlServer:
             except BlockingIOError:
                 pass  # the pipe is full: a retry is pending anyway
 
-    # --- the gate ----------------------------------------------------------------------------------------------
-    def _start_gate(self, port: int) -> None:
-        """Start a gate bound to ``port`` (0: any) and wait for it to report the port it bound."""
-        self._generation += 1
-        cfg = {**self._gate_cfg, "port": port, "generation": self._generation}
-        # one malloc arena: a predictable address space; the gate needs no credential but its key (sent below)
-        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-        env["MALLOC_ARENA_MAX"] = "1"
-        proc = subprocess.Popen(
-            # -P: the script's directory (this package's modules) is not put on sys.path; PYTHONPATH is kept, so
-            # the gate imports the same pyzmq as this process
-            [sys.executable, "-P", GATE_SCRIPT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-        )
-        if proc.stdin is None or proc.stdout is None:  # pragma: no cover - both are pipes
-            raise E.GateError("the control gate was started without its pipes")
-        out_fd = proc.stdout.fileno()
-        os.set_blocking(out_fd, False)
-        self._gate = proc
-        self._gate_out = b""
-        self._gate_started = time.monotonic()
-        self._gate_now = {}
-        try:
-            proc.stdin.write(json.dumps(cfg).encode() + b"\n")
-            proc.stdin.flush()
-        except OSError:
-            pass  # it died at once: reported below
-        deadline = time.monotonic() + GATE_START_S
-        line = b""
-        waiter = select.poll()  # not select.select: a serving process may hold descriptors past FD_SETSIZE
-        waiter.register(out_fd, select.POLLIN)
-        while b"\n" not in line:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._stop_gate(kill=True)
-                raise E.GateError(f"the control gate did not start within {GATE_START_S:.0f}s (host overloaded?)")
-            if not waiter.poll(int(min(left, 1.0) * 1000) + 1):
-                continue
-            try:
-                chunk = os.read(out_fd, 65536)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                rc = proc.wait()
-                self._gate = None
-                raise E.GateError(f"the control gate exited at start ({_exit_reason(rc)}); its stderr says why")
-            line += chunk
-        first, _, rest = line.partition(b"\n")
-        self._gate_out = rest
-        info = json.loads(first)
-        if "error" in info:
-            self._stop_gate(kill=True)
-            host = self._gate_cfg["host"]
-            raise E.ExportConfigError(
-                f"control plane cannot bind {host}:{port}: {info['error']}; pass port=0 for an ephemeral port, or "
-                "another bind address"
-            )
-        self._gate_port = int(info["port"])
-        self._poller.register(out_fd, select.POLLIN)
-
-    def _stop_gate(self, kill: bool = False) -> int | None:
-        """End the running gate (EOF on its stdin; SIGKILL after 2 s or with ``kill``); its exit status."""
-        proc = self._gate
-        if proc is None:
-            return None
-        self._gate = None
-        if proc.stdout is not None:
-            try:
-                self._poller.unregister(proc.stdout.fileno())
-            except (KeyError, ValueError):
-                pass
-        if kill:
-            proc.kill()
-        if proc.stdin is not None:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            rc = proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        if proc.stdout is not None:
-            try:
-                self._read_gate_lines(proc.stdout.read() or b"")  # its final report
-            except OSError:
-                pass
-            proc.stdout.close()
-        done = dict(self._gate_done)  # a new dict, assigned whole: stats() may be iterating the old one
-        for k, v in self._gate_now.items():
-            done[k] = done.get(k, 0) + v
-        self._gate_done, self._gate_now = done, {}
-        return rc
-
-    def _read_gate_lines(self, data: bytes) -> None:
-        buf = self._gate_out + data
-        *lines, self._gate_out = buf.split(b"\n")
-        for line in lines:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            counters = msg.get("c") if isinstance(msg, dict) else None
-            if isinstance(counters, dict):
-                self._gate_now = {str(k): int(v) for k, v in counters.items() if isinstance(v, int)}
-
-    def _gate_readable(self) -> None:
-        """Read the gate's reports; at EOF it has died: count why and schedule its restart."""
-        proc = self._gate
-        if proc is None or proc.stdout is None:
-            return
-        try:
-            data = os.read(proc.stdout.fileno(), 65536)
-        except BlockingIOError:
-            return
-        if data:
-            self._read_gate_lines(data)
-            return
-        lived = time.monotonic() - self._gate_started
-        rc = self._stop_gate()
-        reason = _exit_reason(rc if rc is not None else 0)
-        self.gate_last_exit = reason
-        self._own["gate_exits_signal" if rc is not None and rc < 0 else "gate_exits_code"] += 1
-        self._gate_fast_deaths = self._gate_fast_deaths + 1 if lived < GATE_STABLE_S else 0
-        delay = 0.0 if self._gate_fast_deaths == 0 else min(1.0, 0.05 * 2 ** (self._gate_fast_deaths - 1))
-        self._gate_retry_at = time.monotonic() + delay
-        log.warning(
-            "export control gate (pid %d) ended after %.1fs: %s; restarting it on port %d in %.2fs",
-            proc.pid,
-            lived,
-            reason,
-            self.address[1],
-            delay,
-        )
-
-    def _restart_gate(self) -> None:
-        try:
-            self._start_gate(self.address[1])
-        except (E.GateError, E.ExportConfigError) as e:
-            self._own["gate_start_failures"] += 1
-            self._gate_fast_deaths += 1
-            delay = min(2.0, 0.05 * 2 ** min(self._gate_fast_deaths, 6))
-            self._gate_retry_at = time.monotonic() + delay
-            log.error("export control gate could not be restarted (%s); trying again in %.2fs", e, delay)
-            return
-        self._own["gate_restarts"] += 1
-
     # --- the serving thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         failures = 0
@@ -580,7 +405,7 @@ class ControlServer:
         except Exception:
             log.exception("export control plane: answering parked long polls at close failed")
         finally:
-            self._stop_gate()
+            self._gate.stop()
             if self._plain is not None:
                 self._plain.close()
             for sock in (self._sock, self._direct, self._zap):
@@ -607,9 +432,10 @@ class ControlServer:
         next_retry = 0.0
         while not self._stopping:
             now = time.monotonic()
-            if self._gate is None and now >= self._gate_retry_at:
-                self._restart_gate()
-            timeout_ms = 50 if self._parked or self._gate is None else 200
+            gate = self._gate
+            if gate.due(now):
+                gate.restart()
+            timeout_ms = 50 if self._parked or gate.proc is None else 200
             if self._parked:
                 first = min(p.deadline for p in self._parked.values())
                 timeout_ms = max(0, min(timeout_ms, int((first - now) * 1000) + 1))
@@ -619,9 +445,9 @@ class ControlServer:
                 timeout_ms = 0
             ready = dict(poller.poll(timeout_ms))
             woke = False
-            gate = self._gate
-            if gate is not None and gate.stdout is not None and gate.stdout.fileno() in ready:
-                self._gate_readable()
+            gate_fd = gate.fd()
+            if gate_fd is not None and gate_fd in ready:
+                gate.readable()
             if self._wake_r in ready:
                 woke = True
                 self._wake_pending = False  # before draining: a wake() from now on writes again
@@ -809,13 +635,3 @@ class ControlServer:
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     """Whether a ZeroMQ socket holds a message now (``ZMQ_EVENTS``; reading it also re-arms its ``ZMQ_FD``)."""
     return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-def _exit_reason(rc: int) -> str:
-    """``exit N`` or ``signal SIGNAME`` of a child's return code."""
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"exit {rc}"

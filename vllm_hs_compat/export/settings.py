@@ -1,9 +1,7 @@
 """The export's settings as one type: what ``ExportProducer`` takes besides its token, and what a deployment may set
 in ``kv_connector_extra_config["export"]`` -- the connector's allowed keys are this type's fields (plus
-``token_file``), never a second list.
-
-``tests/export/test_export_settings.py`` keeps the fields and their defaults equal to ``ExportProducer``'s keyword
-arguments, so a producer argument added without a field here fails in the default test run.
+``token_file``), never a second list.  The producer takes the object (``ExportProducer(settings, token=...)``) or
+the same fields as keywords.
 """
 
 from __future__ import annotations
@@ -34,7 +32,37 @@ TOKEN_FILE_KEY: Final = "token_file"
 
 @dataclasses.dataclass(frozen=True)
 class ExportSettings:
-    """Every ``ExportProducer`` setting but the token, with the producer's defaults (its docstring explains each)."""
+    """Every ``ExportProducer`` setting but the token.
+
+    * The pool: ``num_slots`` slots of ``slot_bytes`` (a record takes a run of slots); ``on_full``: ``"drop"`` a
+      record no run of slots is free for, or ``"wait"`` up to ``wait_timeout_s``; ``checksum``: ``xxh3_64`` or
+      ``crc32``; ``backend``: ``"nixl"``, ``"shm"`` or ``"auto"`` (NIXL if importable); ``shm_dir``, ``ucx``
+      (:class:`~vllm_hs_compat.export.nixl_backend.UcxSettings`): the transports'.
+    * Leases: ``lease_ttl_s``: how long a consumer may hold a claimed record before it is taken back; a record
+      taken back unreleased goes back to the queue under a new lease, up to ``max_redeliveries`` times
+      (at-least-once delivery: a consumer that dies loses nothing), then it is counted ``expired_claimed``; ``0``
+      gives at-most-once.  ``ready_ttl_s``: how long a published (or requeued) record waits unclaimed (None: ever).
+    * The pump (NIXL only; UCX answers a consumer's READ only while this process progresses it, e.g. over TCP):
+      every ``claimed_poll_interval_s`` (50 us; ``0``: back to back, yielding only the GIL between polls) from a
+      claim until its leases are released, for at most ``claimed_spin_s`` after the latest claim; every
+      ``poll_interval_s`` while leases stay claimed longer, or within 0.5 s of a hello or a claim; otherwise it
+      waits ``idle_poll_interval_s`` -- or until the next hello or claim wakes it (so the idle wait only paces
+      UCX's background work: keepalives, a peer's disconnect).  Leases whose bytes went out in their claim's answer
+      (small records fetched by id) need no READ, so they keep the pump waiting, as pings, releases and reads over
+      the control plane do.
+    * The control plane: ``host`` and ``port`` (loopback and an ephemeral port by default; ``advertise_host``: what
+      tickets name when ``host`` is a wildcard), ``handshake_timeout_s``, ``control_limits``
+      (:class:`~vllm_hs_compat.export.server.ControlLimits`).  ``direct_port``: the trainer's direct control socket
+      in the producer's process, past the gate (its ZAP handler admits the trainer's key only): ``0`` an ephemeral
+      port on ``host``, ``N`` that port, ``None`` none.  ``plain_port``: the trainer's plain control channel
+      (:mod:`vllm_hs_compat.export.plain`: a bare TCP connection to the serving thread, authenticated both ways by
+      the token, not encrypted -- it carries what the data plane carries; trainers use it before the direct
+      socket): ``0``, ``N`` or ``None`` likewise (``None``: the trainer's requests stay CURVE-encrypted).
+    * ``shm_handoff`` (shm only): ``"fd"`` the pool has no name and the trainer gets its descriptor over an abstract
+      Unix socket (nothing is left in ``shm_dir``, whatever kills the process; the trainer must share the producer's
+      network namespace), ``"path"`` the named ``hsx2-<pid>-<instance>.pool`` file (left behind by a SIGKILL until
+      the next producer's sweep).
+    """
 
     backend: str = "auto"
     num_slots: int = 64
@@ -111,10 +139,6 @@ class ExportSettings:
             _text(name, getattr(self, name))
         if self.advertise_host is not None:
             _text("advertise_host", self.advertise_host)
-
-    def producer_kwargs(self) -> dict[str, Any]:
-        """``ExportProducer(token=..., **settings.producer_kwargs())``."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def _nested(key: str, kind: type[Any], raw: Mapping[str, Any]) -> Any:

@@ -564,7 +564,7 @@ class ShmConsumerTransport:
             self._local_views[k] = got
         return buf, got[1], lo
 
-    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+    def read(self, items: Sequence[tuple[int, int, int]], deadline: float) -> None:
         """Copy ``(remote_offset, local_offset, nbytes)`` ranges; each is checked against both buffers first."""
         remote = self._check(items)
         lv, rv = self._views(remote)

@@ -114,10 +114,9 @@ class ConsumerTransport(Protocol):
         """(Re)connect to the pool described by a producer's ``describe()``; forgets any earlier producer."""
         ...
 
-    def read(self, items: Sequence[tuple[int, int, int]], notif: bytes, deadline: float) -> None:
+    def read(self, items: Sequence[tuple[int, int, int]], deadline: float) -> None:
         """Copy ``(remote_offset, local_offset, nbytes)`` ranges from the pool into ``landing`` (or another
-        landing region, see ``REGION_SHIFT``); ``notif`` (if not empty) goes to the producer when the reads are
-        complete, where the transport supports it."""
+        landing region, see ``REGION_SHIFT``) by ``deadline``."""
         ...
 
     def add_region(self, buf: torch.Tensor) -> int:

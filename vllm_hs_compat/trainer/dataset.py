@@ -32,7 +32,7 @@ with DataLoader workers, a duplicate that reaches another worker (or another ran
 drops it too).
 
 Several endpoints (``from_export([ep1, ep2, ...])``: the engines of ``--data-parallel-size N``, several servers):
-every iterating process opens one consumer per endpoint and sweeps them (see :meth:`_ExportSource._stream`); the
+every iterating process opens one consumer per endpoint and sweeps them (the consumer's ``Sweep``); the
 producers' claims hand each record to one claimant whichever rank or worker asks.  Equal step counts over
 ``torch.distributed`` ranks: :func:`~vllm_hs_compat.trainer.even_steps`.
 
@@ -84,8 +84,6 @@ COUNTERS: Final = (
     "duplicates",  # export: records dropped because this stream yielded the same id recently (dedupe_window)
     "lease_expired",  # export stream: a lease expired under this consumer; the producer hands the record out again
 )
-#: Several endpoints: how long a stream skips an endpoint whose producer answered a claim with nothing.
-EMPTY_BACKOFF_S: Final = 0.05
 #: Default of ``dedupe_window``: record ids remembered per stream to drop a redelivered record.
 DEDUPE_WINDOW: Final = 1 << 16
 _IDX: Final = {name: i for i, name in enumerate(COUNTERS)}
@@ -615,22 +613,15 @@ class _ExportSource(_Source):
                 c.close()
 
     def _stream(self, consumers: Any, budget: int | None, first: int = 0) -> Iterator[SourceItem]:
-        """Claim, read and yield records from one consumer or several (one per endpoint).
+        """Yield records from one consumer or several (one per endpoint), round after round of the consumers'
+        own (:class:`~vllm_hs_compat.export.consumer.Sweep`: one long-polled, or several swept in turn), each
+        record or its named error in claim order; this adds the budget, the idle end (``wait_s``), dropping a
+        record yielded recently and skipping a lease that expired under this stream."""
+        from vllm_hs_compat.export.consumer import Sweep
 
-        Several: each round claims without waiting from the consumers in turn, starting after the one that
-        answered last, and takes the first non-empty answer; a consumer whose producer was empty is skipped for
-        :data:`EMPTY_BACKOFF_S` (no round trip to an idle server per claim; its new records wait at most that
-        long while the others have records).  When none had a record, it long-polls one consumer (the next in
-        turn) for ``poll_s / len(consumers)``, so a record published on any endpoint is seen within ``poll_s``
-        of an idle stream.  The producers' claims hand each record to one claimant, whichever stream of
-        whichever rank asks."""
-        cs: list[Any] = list(consumers) if isinstance(consumers, list) else [consumers]
-        n = len(cs)
-        bad_seen = [c.counters["bad_descriptors"] for c in cs]
+        sweep = Sweep(list(consumers) if isinstance(consumers, list) else [consumers], first)
         last = time.monotonic()
         taken = 0
-        turn = first % n
-        empty_until = [0.0] * n
         while budget is None or taken < budget:
             expired = False
             if self.wait_s is None:
@@ -640,41 +631,12 @@ class _ExportSource(_Source):
                 expired = left <= 0
                 poll = min(self.poll_s, max(left, 0.0))
             want = self.batch if budget is None else min(self.batch, budget - taken)
-            claims: list[Any] = []
-            k = turn
-            if n == 1:
-                claims = cs[0].claim_next(max_records=want, wait_s=poll)
-            else:
-                if expired:  # the last look asks every producer
-                    empty_until = [0.0] * n
-                now = time.monotonic()
-                for j in range(n):
-                    k = (turn + j) % n
-                    if empty_until[k] > now:
-                        continue
-                    claims = cs[k].claim_next(max_records=want, wait_s=0.0)
-                    if claims:
-                        break
-                    empty_until[k] = now + EMPTY_BACKOFF_S
-                if not claims:  # every producer is empty: wait on one, then sweep again
-                    k = turn
-                    claims = cs[k].claim_next(max_records=want, wait_s=poll / n)
-                    if claims:
-                        empty_until[k] = 0.0
-                turn = (k + 1) % n
-            consumer = cs[k]
-            for i, c in enumerate(cs):
-                bad = c.counters["bad_descriptors"] - bad_seen[i]
-                bad_seen[i] += bad
-                for _ in range(bad):  # claim_next gave these leases back (abandoned) and logged them
-                    yield E.DescriptorError(
-                        f"{c.endpoint}: a record's descriptor was refused (see the log); its lease was given back"
-                    )
-            if not claims:
+            items = sweep.next_records(want, poll, last_look=expired)
+            if not items:
                 if expired:
                     return
                 continue
-            for res in consumer.read(claims):
+            for res in items:
                 if isinstance(res, CaptureRecord):
                     rid = res.meta.record_id
                     if rid in self.recent:

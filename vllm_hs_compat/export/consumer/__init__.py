@@ -30,17 +30,28 @@ or process.  With ``copy=False`` a record's tensor is a view of the landing buff
 three quarters of it by default): its tensor views the landing space it was read into, which comes back to the
 consumer when the tensor is garbage collected.  Past that share it is copied into freshly allocated memory.
 
-The package, one module a job.  ``landing.py`` is the landing space (landing buffer, spill arenas; a component
-the consumer holds).  The other jobs are layers :class:`ExportConsumer` stacks, each built on the one before
-(``state.py`` declares the state they share and says why they are layers, not components):
+The package: :class:`ExportConsumer` (``core.py``) is a facade that holds the parts below, each the one owner of
+its state, and hands each public call to the part that does it.  Reading order, each part using only the ones
+before it (a test patches one part's method, e.g. ``consumer._session.call`` or ``consumer._releases.release``):
 
-* ``channel.py``: the control connection (gate, direct endpoint), the hello that attaches the transport, calls;
-* ``releases.py``: leases released with their outcomes, posted releases and their verdicts;
-* ``claims.py``: :class:`Claim` and claiming records;
-* ``reads.py``: checked reads of claimed records;
-* ``batches.py``: records read together, packed into :class:`~vllm_hs_compat.export.batch.RecordBatch` objects;
-* ``streams.py``: ``iter_records`` and ``iter_batches``;
-* ``core.py``: :class:`ExportConsumer` itself (constructor, ``fetch``, ``release``, ``stats``, ``close``).
+1. ``landing.py``, :class:`Landing`: the data transport (NIXL or the ``/dev/shm`` ring, made for the producer's
+   kind of pool) and the space records land in: the landing buffer, spill arenas, records lent or held;
+2. ``channel.py``, :class:`ControlChannel`: the control connection (gate, plain channel, direct endpoint);
+3. ``session.py``, :class:`Session`: hello, the producer attached (its transport checked and attached through the
+   landing), every call to it;
+4. ``releases.py``, :class:`Releases`: leases released with their outcomes, posted releases and their verdicts;
+5. ``claims.py``, :class:`Claims` and :class:`Claim`: claiming records, descriptors checked one by one;
+6. ``reads.py``, :class:`Reads`: checked reads of claimed records (transfer, verification, release, hand-out);
+7. ``batches.py``, :class:`Batches`: records read together, packed into
+   :class:`~vllm_hs_compat.export.batch.RecordBatch` objects;
+8. ``streams.py``, :class:`Streams`: rounds of records and the streams made of them; :class:`Sweep` over several
+   consumers (the trainer's dataset streams through it).
+
+Common changes: how a record is claimed -- ``claims.py``; what is checked before bytes are handed out --
+``reads.py`` (``batches.py`` for batches); when a release waits for its answer -- ``releases.py``; where bytes land
+and when they are lent or copied -- ``landing.py``.  Tests: ``tests/export`` (``test_export_suite.py`` and
+``test_export_faults.py`` on both transports, ``test_export_batches.py``, ``test_export_inline.py``,
+``test_export_direct.py``, ``test_export_plain.py``, ``test_export_ucx.py``), ``tests/trainer/test_dataset.py``.
 
 The tuning constants below are re-exported for reading; a test or benchmark that changes one patches it in the
 module that uses it (``reads.CHECK_PIECE_BYTES``...).
@@ -48,11 +59,11 @@ module that uses it (``reads.CHECK_PIECE_BYTES``...).
 
 from __future__ import annotations
 
-from vllm_hs_compat.export.consumer.batches import BATCH_DIRECT_MIN_BYTES
-from vllm_hs_compat.export.consumer.channel import DIRECT_CONFIRM_S
-from vllm_hs_compat.export.consumer.claims import INLINE_BYTES, MAX_BATCH, Claim
+from vllm_hs_compat.export.consumer.batches import BATCH_DIRECT_MIN_BYTES, Batches
+from vllm_hs_compat.export.consumer.channel import DIRECT_CONFIRM_S, ControlChannel
+from vllm_hs_compat.export.consumer.claims import INLINE_BYTES, MAX_BATCH, Claim, Claims
 from vllm_hs_compat.export.consumer.core import ExportConsumer
-from vllm_hs_compat.export.consumer.landing import LEND_MIN_BYTES, PAGE, SPILL_ROUND_BYTES
+from vllm_hs_compat.export.consumer.landing import LEND_MIN_BYTES, PAGE, SPILL_ROUND_BYTES, Landing
 from vllm_hs_compat.export.consumer.reads import (
     CHECK_PIECE_BYTES,
     OVERLAP_MIN_BYTES,
@@ -60,8 +71,11 @@ from vllm_hs_compat.export.consumer.reads import (
     PIECE_MIN_BYTES,
     PIECE_SPIN_S,
     READ_WINDOW,
+    Reads,
 )
-from vllm_hs_compat.export.consumer.releases import CLOSE_COLLECT_S, DEFER_FRACTION
+from vllm_hs_compat.export.consumer.releases import CLOSE_COLLECT_S, DEFER_FRACTION, Releases
+from vllm_hs_compat.export.consumer.session import Session
+from vllm_hs_compat.export.consumer.streams import EMPTY_BACKOFF_S, Streams, Sweep
 
 __all__ = [
     "BATCH_DIRECT_MIN_BYTES",
@@ -69,6 +83,7 @@ __all__ = [
     "CLOSE_COLLECT_S",
     "DEFER_FRACTION",
     "DIRECT_CONFIRM_S",
+    "EMPTY_BACKOFF_S",
     "INLINE_BYTES",
     "LEND_MIN_BYTES",
     "MAX_BATCH",
@@ -79,6 +94,15 @@ __all__ = [
     "PIECE_SPIN_S",
     "READ_WINDOW",
     "SPILL_ROUND_BYTES",
+    "Batches",
     "Claim",
+    "Claims",
+    "ControlChannel",
     "ExportConsumer",
+    "Landing",
+    "Reads",
+    "Releases",
+    "Session",
+    "Streams",
+    "Sweep",
 ]

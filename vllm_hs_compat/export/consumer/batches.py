@@ -1,7 +1,8 @@
 """Batches: many claimed records read, verified and released together, packed by schema into
 :class:`~vllm_hs_compat.export.batch.RecordBatch` objects (one transfer request and one release per batch).
 
-Built on the reads layer (its checked reads and verdicts).
+:class:`Batches` claims through the claims, reads through the landing's transport with the record reader's checked
+reads (its ``verify_checksum`` is the one setting both follow) and releases through the releases.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from vllm_hs_compat.core.records import RecordMeta, byte_view, checksum_function
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.batch import BatchSchema, RecordBatch
-from vllm_hs_compat.export.consumer.claims import Claim
-from vllm_hs_compat.export.consumer.landing import PAGE, _copied
-from vllm_hs_compat.export.consumer.reads import OVERLAP_MIN_BYTES, _Reads
+from vllm_hs_compat.export.consumer.claims import Claim, Claims
+from vllm_hs_compat.export.consumer.landing import PAGE, Landing, _copied
+from vllm_hs_compat.export.consumer.reads import OVERLAP_MIN_BYTES, Reads
+from vllm_hs_compat.export.consumer.releases import Entry, Releases
+from vllm_hs_compat.export.consumer.session import Session
 from vllm_hs_compat.export.transport import ConsumerTransport
 
 #: Over NIXL, a batch whose records average at least this many bytes is read straight into its packed layout
@@ -85,7 +88,7 @@ def _batch_schema(d: P.RecordDesc) -> BatchSchema:
 
 
 class _Miss(enum.Enum):
-    """Why :meth:`_Batches._read_part` made no batch."""
+    """Why :meth:`Batches._read_part` made no batch."""
 
     #: the landing buffer cannot hold the part now: read it in halves
     SPLIT = "split"
@@ -113,8 +116,18 @@ class _Part:
     places: list[int]
 
 
-class _Batches(_Reads):
+class Batches:
     """Reading claimed records as batches."""
+
+    def __init__(self, session: Session, claims: Claims, releases: Releases, reads: Reads, landing: Landing) -> None:
+        self._session = session
+        self._claims = claims
+        self._releases = releases
+        self._reads = reads
+        self._landing = landing
+        self.counters = dict.fromkeys(
+            ("records", "batches", "bytes", "checksum_failures", "read_failures", "quarantined_bytes"), 0
+        )
 
     def next_batches(
         self,
@@ -131,10 +144,10 @@ class _Batches(_Reads):
         One claim message, one transfer request per batch (one descriptor per record for small records, two for
         large ones) and one release message; no per-record tensor or :class:`RecordMeta` is made.  ``copy``: as
         for :meth:`fetch` (``False``: the batch's tensors view the landing buffer until :meth:`release`)."""
-        raws, claimed_at = self._claim_next_reply(max_records, wait_s, max(PAGE, self._landing.free_bytes() // 2))
+        raws, claimed_at = self._claims.next_reply(max_records, wait_s, max(PAGE, self._landing.free_bytes() // 2))
         if not raws:
             return []
-        return self._batches(raws, claimed_at, copy, timeout_s, [])
+        return self.batches(raws, claimed_at, copy, timeout_s, [])
 
     def fetch_batch(
         self,
@@ -155,7 +168,7 @@ class _Batches(_Reads):
         Records claimed are read at once, not held while the ids still missing
         are waited for: those that turn up later come in batches of their own.  An id given twice is fetched
         once."""
-        if self._transport is None:
+        if self._landing.transport is None:
             raise E.ExportConfigError(
                 "fetch_batch needs the trainer token (a ticket holder fetches its one record with fetch())"
             )
@@ -176,9 +189,9 @@ class _Batches(_Reads):
             cut: E.ExportError | None = None
             for i in range(0, len(ids), P.MAX_CLAIM_IDS):
                 sent = time.monotonic()
-                req = P.ClaimReq(ids[i : i + P.MAX_CLAIM_IDS], max_reply_bytes=self._budget())
+                req = P.ClaimReq(ids[i : i + P.MAX_CLAIM_IDS], max_reply_bytes=self._session.budget())
                 try:
-                    rep = self._call(req, timeout_s)
+                    rep = self._session.call(req, timeout_s)
                     if not isinstance(rep, P.ClaimReply):
                         raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
                 except E.ExportError as e:  # this and the later ids fail with it; what was claimed is still read
@@ -197,7 +210,7 @@ class _Batches(_Reads):
                     else:
                         missing.append((err.record_id, err.message))
             if raws:  # read now: a claimed lease must not age while the other ids are waited for
-                got = self._batches(raws, claimed_at, copy, timeout_s, [], order)
+                got = self.batches(raws, claimed_at, copy, timeout_s, [], order)
                 out.extend(g for g in got if isinstance(g, RecordBatch))
                 errors.extend(g for g in got if not isinstance(g, RecordBatch))
             if cut is not None:  # no more rounds: the control plane failed
@@ -213,7 +226,7 @@ class _Batches(_Reads):
             ids = sorted(again, key=order.__getitem__)
         return out + errors
 
-    def _batches(
+    def batches(
         self,
         raws: list[bytes],
         claimed_at: float,
@@ -229,16 +242,16 @@ class _Batches(_Reads):
             descs = decoded if decoded is not None else P.decode_descriptors(raws)
         except (E.ProtocolError, E.RecordFormatError):  # one of them is bad: learn which, one by one
             descs = []
-            bad: list[tuple[int, str, str]] = []
+            bad: list[Entry] = []
             for raw in raws:
                 try:
                     descs.append(P.decode_descriptor(raw))
                 except (E.ProtocolError, E.RecordFormatError) as e:
-                    errors.append(self._refused(raw, e, bad))
-            self._give_back_refused(bad)
+                    errors.append(self._claims.refused(raw, e, bad))
+            self._claims.give_back(bad)
         if order is not None:
             descs.sort(key=lambda d: order.get(d.record_id, len(order)))
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + (self._session.timeout_s if timeout_s is None else timeout_s)
         out: list[RecordBatch | HsCompatError] = []
         groups: list[list[P.RecordDesc]] = []  # by schema, in order of first appearance (usually one)
         last: list[P.RecordDesc] = []
@@ -265,18 +278,18 @@ class _Batches(_Reads):
         try:
             schema = _batch_schema(descs[0])
         except E.RecordFormatError as e:
-            bad: list[tuple[int, str, str]] = []
-            errors.extend(self._refused(d, e, bad) for d in descs)
-            self._give_back_refused(bad)
+            bad: list[Entry] = []
+            errors.extend(self._claims.refused(d, e, bad) for d in descs)
+            self._claims.give_back(bad)
             return []
         rb = schema.planes * schema.hidden * dtype_itemsize(schema.dtype)
-        pool = self._hello.pool_bytes if self._hello is not None else 0
-        producer = self.producer
+        pool = self._session.pool_bytes
+        producer = self._session.producer
         # every nonce is 16 characters (the decoder checks lengths): all hex together, or check them one by one
         all_hex = P.is_hex("".join([d.nonce for d in descs]))
         is_nonce = P.is_nonce
         good: list[P.RecordDesc] = []
-        refused: list[tuple[int, str, str]] = []
+        refused: list[Entry] = []
         for d in descs:
             m, nb = d.meta, d.nbytes
             t = m.shape[0]
@@ -296,13 +309,13 @@ class _Batches(_Reads):
                 continue
             try:  # name what is wrong: the per-record checks of fetch()
                 c = Claim.from_desc(d)
-                self._check(c)
+                self._reads.check(c)
                 raise E.RecordFormatError(f"record {d.record_id!r}: descriptor disagrees with its batch schema")
             except E.StaleMetadataError as e:
                 errors.append(e)  # a lease of another producer instance: nothing to give back
             except (E.RecordFormatError, E.DescriptorError) as e:
-                errors.append(self._refused(d, e, refused))
-        self._give_back_refused(refused)
+                errors.append(self._claims.refused(d, e, refused))
+        self._claims.give_back(refused)
         out: list[RecordBatch] = []
         todo = [good] if good else []
         while todo:
@@ -327,7 +340,7 @@ class _Batches(_Reads):
     ) -> RecordBatch | _Miss:
         """One batch of records of ``schema`` (``rb`` bytes per token row), or why there is none (:class:`_Miss`);
         failed records' errors are appended to ``errors``."""
-        transport = self._transport
+        transport = self._landing.transport
         if transport is None:
             raise E.ExportClosedError("consumer has no transport (a ticket holder cannot stream batches)")
         n = len(descs)
@@ -345,11 +358,11 @@ class _Batches(_Reads):
                 self._landing.free(part.off, part.size)
             errors.extend([e] * n)
             if not isinstance(e, E.RemoteDisconnectedError | E.StaleMetadataError):
-                self._abandon_leases(descs)
+                self._claims.abandon_leases(descs)
             return _Miss.FAILED
         hidden, ids32 = self._packed(transport.landing, part)
         failed, outcomes = self._verify_part(part, hidden, ids32, digests, algorithm)
-        settled = self._release(outcomes, claimed_at, [d.record_id for d in descs])
+        settled = self._releases.release(outcomes, claimed_at, [d.record_id for d in descs])
         if isinstance(settled, E.ExportError):
             self._landing.free(part.off, part.size)
             errors.extend([settled] * n)
@@ -357,7 +370,8 @@ class _Batches(_Reads):
         for k, d in enumerate(descs):
             verdict = settled[k]
             if verdict != "released":  # an expired lease explains whatever the bytes looked like: it comes first
-                failed[k] = self._verdict(Claim.from_desc(d), verdict) or failed.get(k) or E.ExportError("internal")
+                bad = self._releases.verdict(d.record_id, d.lease, verdict)
+                failed[k] = bad or failed.get(k) or E.ExportError("internal")
         errors.extend(failed[k] for k in sorted(failed))
         if len(failed) == n:
             self._landing.free(part.off, part.size)
@@ -390,8 +404,8 @@ class _Batches(_Reads):
         if off is None:
             if n > 1:
                 return _Miss.SPLIT
-            errors.append(self._landing.no_room(descs[0].record_id, size, len(self._held), batches=True))
-            self._abandon_leases(descs)
+            errors.append(self._landing.no_room(descs[0].record_id, size, batches=True))
+            self._claims.abandon_leases(descs)
             return _Miss.FAILED
         places = [0] * len(slots)
         at = off
@@ -413,10 +427,10 @@ class _Batches(_Reads):
                       for k, d in enumerate(descs)]  # fmt: skip
         else:
             items = [(d.offset, part.places[k], d.extent) for k, d in enumerate(descs)]
-        if part.direct and self.verify_checksum and part.hidden_bytes >= OVERLAP_MIN_BYTES:
+        if part.direct and self._reads.verify_checksum and part.hidden_bytes >= OVERLAP_MIN_BYTES:
             ranges = [(r, lo, m, m) for r, lo, m in items[:n]] + [(r, lo, m, 0) for r, lo, m in items[n:]]
-            return self._read_checked(transport, ranges, [algorithm] * len(ranges), deadline)[:n]
-        transport.read(items, b"", deadline)
+            return self._reads.read_checked(transport, ranges, [algorithm] * len(ranges), deadline)[:n]
+        transport.read(items, deadline)
         return None
 
     def _packed(self, landing: torch.Tensor, part: _Part) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,7 +444,7 @@ class _Batches(_Reads):
         hidden = torch.empty(part.hidden_bytes, dtype=torch.uint8)
         ids32 = torch.empty(cu[-1], dtype=torch.int32)
         if not _pack_uniform(landing, off, part.descs, part.slots[0], hidden, ids32):
-            hout, iout, lv = byte_view(hidden), byte_view(ids32), self._bytes_of(landing)
+            hout, iout, lv = byte_view(hidden), byte_view(ids32), self._landing.bytes_of(landing)
             for k, d in enumerate(part.descs):
                 a, b, at = cu[k], cu[k + 1], part.places[k]
                 hout[a * rb : b * rb] = lv[at : at + d.nbytes]
@@ -444,7 +458,7 @@ class _Batches(_Reads):
         on the way): the failed records' errors by index, and each record's release entry."""
         rb, cu = part.rb, part.cu
         digest = checksum_function(algorithm)
-        verify = self.verify_checksum
+        verify = self._reads.verify_checksum
         outcomes: list[tuple[int, str, str]] = []
         failed: dict[int, HsCompatError] = {}
         hv, iv = byte_view(hidden), byte_view(ids32)
@@ -511,8 +525,8 @@ class _Batches(_Reads):
         self.counters["batches"] += 1
         if part.direct and not failed:
             if not copy:
-                self._held[id(batch)] = (batch, off, size)
-            elif self._landing.lent + size <= self.lend_bytes and self._landing.free_bytes() >= size + PAGE:
+                self._landing.hold(batch, off, size)
+            elif self._landing.lendable(size):
                 flat = self._landing.lend(landing, off, off, size, part.hidden_bytes)
                 batch.hidden_states = flat.view(schema.torch_dtype).view(-1, schema.planes, schema.hidden)
             else:

@@ -1,8 +1,9 @@
-"""The control channel: the consumer's connection to its producer and every control call over it.
+"""The control channel: the consumer's connection to its producer.
 
-:class:`ControlChannel` holds the connection (through the gate, or a trainer's past it on the producer's direct
-endpoint, back to the gate when that fails); the :class:`_Connected` layer says hello, attaches the data
-transport the producer describes and makes the calls (``_call``: re-attaching when the producer restarted).
+:class:`ControlChannel` holds the connection: through the gate (the endpoint a ticket names), or a trainer's past
+it on the producer's plain channel or direct endpoint, back to the gate when that fails.  It sends requests
+(:meth:`ControlChannel.exchange`) and knows nothing of what they mean: the session (:mod:`.session`) says hello
+and makes the calls.
 """
 
 from __future__ import annotations
@@ -10,17 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import msgspec
-
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.client import ControlClient
-from vllm_hs_compat.export.consumer.landing import _Landing
-from vllm_hs_compat.export.consumer.state import _State
-from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport
 from vllm_hs_compat.export.plain import PlainClient
-from vllm_hs_compat.export.shm import ShmConsumerTransport
 
 log = logging.getLogger(__package__)  # one logger for the whole consumer: vllm_hs_compat.export.consumer
 
@@ -30,17 +25,15 @@ DIRECT_CONFIRM_S = 2.0
 
 class ControlChannel:
     """The control connection: ``gate`` (through the endpoint a ticket names) and ``client``, the one calls go
-    to (the gate, or the producer's direct endpoint once confirmed); both ``None`` before :meth:`open` and after
-    :meth:`close`.  ``counters``: the consumer's (``direct_*``)."""
+    to (the gate, or the producer's plain channel or direct endpoint once confirmed); both ``None`` before
+    :meth:`open` and after :meth:`close`.  ``counters``: its switches (``direct_*``, ``plain_switches``)."""
 
-    def __init__(
-        self, endpoint: str, token: str | None, max_reply_bytes: int, counters: dict[str, int], plain: bool = True
-    ) -> None:
+    def __init__(self, endpoint: str, token: str | None, max_reply_bytes: int, plain: bool = True) -> None:
         self.endpoint = endpoint
         self._token = token
         self._plain_wanted = plain
         self._max_reply_bytes = max_reply_bytes
-        self._counters = counters
+        self.counters = dict.fromkeys(("direct_switches", "direct_failures", "direct_fallbacks", "plain_switches"), 0)
         self.client: ControlClient | PlainClient | None = None
         #: the connection through the gate (the ticket's endpoint); ``client`` is it, or the direct one
         self.gate: ControlClient | None = None
@@ -96,7 +89,7 @@ class ControlChannel:
             producer,
             timeout_s,
         ):
-            self._counters["plain_switches"] += 1
+            self.counters["plain_switches"] += 1
             return
         self._switch(
             gate,
@@ -135,7 +128,7 @@ class ControlChannel:
             if not isinstance(pong, P.PongReply) or answered != producer:
                 raise E.StaleMetadataError(f"{what} {endpoint} answered as {answered}")
         except HsCompatError as e:
-            self._counters["direct_failures"] += 1
+            self.counters["direct_failures"] += 1
             log.info("%s %s not usable (%s); not switching from the gate %s", what, endpoint, e, self.endpoint)
             if client is not None:
                 client.close()
@@ -143,7 +136,7 @@ class ControlChannel:
         client.timeout_s = timeout_s
         client.adopt(gate)
         self.client = client
-        self._counters["direct_switches"] += 1
+        self.counters["direct_switches"] += 1
         return True
 
     def fall_back(self, why: BaseException) -> ControlClient:
@@ -155,7 +148,7 @@ class ControlChannel:
             gate.adopt(direct)
             direct.close()
         self.client = gate
-        self._counters["direct_fallbacks"] += 1
+        self.counters["direct_fallbacks"] += 1
         log.info("direct control endpoint failed (%s); back to the gate %s", why, self.endpoint)
         return gate
 
@@ -168,79 +161,3 @@ class ControlChannel:
                 gate.close()
         self.client = None
         self.gate = None
-
-
-class _Connected(_State):
-    """The consumer's side of the channel: the hello that attaches the transport, the calls, their credential."""
-
-    @property
-    def principal(self) -> str:
-        """``"trainer"`` (token) or ``"record"`` (a ticket's capability)."""
-        return "record" if self._ticket is not None else "trainer"
-
-    @property
-    def direct(self) -> bool:
-        """Whether control calls go to the producer's direct endpoint (the trainer's path past the gate)."""
-        return self._channel.direct
-
-    def _connect(self) -> None:
-        client = self._channel.client
-        rep, producer = self._channel.exchange(P.HelloReq(), client.timeout_s if client is not None else None)
-        if not isinstance(rep, P.HelloReply):
-            raise E.ProtocolError(f"hello answered with {type(rep).__name__}")
-        info = rep.transport
-        if info is not None:
-            kind = "shm" if isinstance(info, P.ShmInfo) else "nixl"
-            if self._want != "auto" and kind != self._want:
-                raise E.TransportUnavailableError(
-                    f"producer at {self.endpoint} serves transport {kind!r}, this consumer was asked for "
-                    f"{self._want!r}; use backend='auto' or start the producer with backend={self._want!r}"
-                )
-            if self._transport is None or self._transport.kind != kind:
-                if self._transport is not None:
-                    self._transport.close()
-                    self._transport = None
-                    self._landing = self._new_landing()  # records lent from the old buffers keep them
-                if kind == "nixl":
-                    self._transport = NixlConsumerTransport(self._landing_bytes, self._ucx)
-                else:
-                    self._transport = ShmConsumerTransport(self._landing_bytes, self._shm_dir)
-                self.producer = None
-            if rep.producer != self.producer:
-                self._transport.attach(info)
-        elif rep.principal == "trainer":
-            raise E.ProtocolError("the producer sent the trainer no transport description")
-        if self.producer is not None and rep.producer != self.producer:
-            self.counters["producer_changes"] += 1
-            log.info("producer at %s changed (%s -> %s); re-attached", self.endpoint, self.producer, rep.producer)
-        self.producer = rep.producer
-        self._hello = rep
-        self.hello = msgspec.to_builtins(rep, builtin_types=(bytes,))
-        self.counters["handshakes"] += 1
-        if rep.principal == "trainer" and self._direct_wanted and self._ticket is None:
-            self._channel.go_direct(self.producer, self.timeout_s)
-
-    def _new_landing(self) -> _Landing:
-        landing = _Landing(self._landing_bytes)
-        landing.on_drop = self._drop_region
-        return landing
-
-    def _drop_region(self, k: int) -> None:
-        if self._transport is not None:
-            self._transport.drop_region(k)
-
-    def _call(self, req: P.Request, timeout_s: float | None = None) -> P.Reply:
-        """One request.  An answer from another producer instance than the attached one (the producer restarted)
-        re-attaches first."""
-        rep, producer = self._channel.exchange(req, timeout_s if timeout_s is not None else self.timeout_s)
-        if self._unsettled:
-            self._reconcile()
-        if producer != self.producer:
-            self._connect()
-        return rep
-
-    def _cap(self) -> str | None:
-        return self._ticket.cap if self._ticket is not None else None
-
-    def _budget(self) -> int:
-        return self._channel.budget()

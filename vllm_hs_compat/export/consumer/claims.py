@@ -1,7 +1,8 @@
 """Claims: leasing records, by id or the next published ones, and :class:`Claim`, a leased record's descriptor.
 
-A descriptor is checked on its own as it is parsed (a bad one fails its record alone, its lease given back);
-leases not read are abandoned here too.  Built on the releases layer.
+:class:`Claims` asks the producer for leases through the session; each descriptor is checked on its own as it is
+parsed (a bad one fails its record alone, its lease given back through the releases) and leases not read are
+abandoned here too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from vllm_hs_compat import errors as E
 from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.consumer.releases import _Releases
+from vllm_hs_compat.export.consumer.landing import Landing
+from vllm_hs_compat.export.consumer.releases import Entry, Releases
+from vllm_hs_compat.export.consumer.session import Session
 
 log = logging.getLogger(__package__)  # one logger for the whole consumer: vllm_hs_compat.export.consumer
 
@@ -131,8 +134,20 @@ class Claim:
         return cls.from_desc(desc)
 
 
-class _Claims(_Releases):
-    """Claiming records and giving back the leases not read."""
+class Claims:
+    """Claiming records and giving back the leases not read.  ``inline_bytes``: a record claimed by id whose bytes
+    are at most this many (and within the producer's ``max_read_bytes``) comes in the claim's answer (0: always
+    claim, then read)."""
+
+    def __init__(self, session: Session, releases: Releases, landing: Landing, inline_bytes: int) -> None:
+        if not 0 <= inline_bytes <= P.MAX_READ_BYTES:
+            raise E.ExportConfigError(f"inline_bytes must be in [0, {P.MAX_READ_BYTES}], found {inline_bytes!r}")
+        self._session = session
+        self._releases = releases
+        self._landing = landing
+        self.inline_bytes = inline_bytes
+        self._fetch_op: bool | None = None  # whether the producer knows the ``fetch`` op (None: not asked yet)
+        self.counters = {"abandoned": 0, "bad_descriptors": 0}
 
     def claim(self, record_id: str, timeout_s: float | None = None, wait_s: float = 0.0) -> Claim:
         """Lease one record by id.  A record not yet published is asked for again until ``wait_s`` has passed
@@ -154,7 +169,7 @@ class _Claims(_Releases):
             pause = min(pause * 2, 0.1)
         if len(rep.records) != 1:
             raise E.ProtocolError(f"claim of one record answered with {len(rep.records)} descriptors")
-        (item,) = self._parse(rep.records, sent)
+        (item,) = self.parse(rep.records, sent)
         if isinstance(item, HsCompatError):
             raise item
         data = rep.data[0] if isinstance(rep, P.FetchReply) and rep.data else b""
@@ -172,30 +187,34 @@ class _Claims(_Releases):
         """One claim of ``record_id``: with its bytes in the answer when they may fit (``inline_bytes``) and the
         producer knows the ``fetch`` op (an older one answers it with a protocol error: asked once)."""
         room = self.inline_bytes
-        if self._hello is not None:
-            room = min(room, self._hello.max_read_bytes)
-        if self._transport is not None and self._transport.kind == "shm":
+        hello = self._session.reply
+        if hello is not None:
+            room = min(room, hello.max_read_bytes)
+        transport = self._landing.transport
+        if transport is not None and transport.kind == "shm":
             room = 0  # the pool is mapped here: a copy out of it beats any answer carrying the bytes
         if room > 0 and self._fetch_op is not False:
-            req = P.FetchReq([record_id], max_reply_bytes=self._budget(), cap=self._cap(), inline_bytes=room)
+            session = self._session
+            req = P.FetchReq([record_id], max_reply_bytes=session.budget(), cap=session.cap, inline_bytes=room)
             try:
-                rep = self._call(req, timeout_s)
+                rep = session.call(req, timeout_s)
             except E.ProtocolError as e:
                 if self._fetch_op is not None:
                     raise
-                log.info("producer %s does not answer 'fetch' (%s): claims, then reads", self.endpoint, e)
+                log.info("producer %s does not answer 'fetch' (%s): claims, then reads", self._session.endpoint, e)
                 self._fetch_op = False
             else:
                 self._fetch_op = True
                 if not isinstance(rep, P.FetchReply):
                     raise E.ProtocolError(f"fetch answered with {type(rep).__name__}")
                 return rep
-        rep = self._call(P.ClaimReq([record_id], max_reply_bytes=self._budget(), cap=self._cap()), timeout_s)
+        session = self._session
+        rep = session.call(P.ClaimReq([record_id], max_reply_bytes=session.budget(), cap=session.cap), timeout_s)
         if not isinstance(rep, P.ClaimReply):
             raise E.ProtocolError(f"claim answered with {type(rep).__name__}")
         return rep
 
-    def _parse(self, raws: Sequence[bytes], claimed_at: float = 0.0) -> list[Claim | HsCompatError]:
+    def parse(self, raws: Sequence[bytes], claimed_at: float = 0.0) -> list[Claim | HsCompatError]:
         """Each descriptor on its own: a bad one fails its record alone (its lease is given back if it can be
         read, else the producer's TTL reclaims it)."""
         out: list[Claim | HsCompatError] = []
@@ -204,18 +223,16 @@ class _Claims(_Releases):
             try:
                 desc = P.decode_descriptor(raw)
             except (E.ProtocolError, E.RecordFormatError) as e:
-                out.append(self._refused(raw, e, bad))
+                out.append(self.refused(raw, e, bad))
                 continue
             try:
                 out.append(Claim.from_desc(desc, claimed_at))
             except E.RecordFormatError as e:
-                out.append(self._refused(desc, e, bad))
-        self._give_back_refused(bad)
+                out.append(self.refused(desc, e, bad))
+        self.give_back(bad)
         return out
 
-    def _refused(
-        self, what: bytes | P.RecordDesc, e: HsCompatError, bad: list[tuple[int, str, str]]
-    ) -> E.DescriptorError:
+    def refused(self, what: bytes | P.RecordDesc, e: HsCompatError, bad: list[Entry]) -> E.DescriptorError:
         """A descriptor that cannot be read (raw bytes) or whose record cannot be (a decoded one): counted, its
         lease noted in ``bad`` to be given back when it can be read."""
         self.counters["bad_descriptors"] += 1
@@ -228,38 +245,35 @@ class _Claims(_Releases):
         fate = "its lease is given back" if ref is not None else "its lease expires at the producer"
         return E.DescriptorError(f"record {name!r}: descriptor refused ({e}); {fate}")
 
-    def _give_back_refused(self, bad: list[tuple[int, str, str]]) -> None:
+    def give_back(self, bad: list[Entry]) -> None:
+        """Give back the leases of refused descriptors (``abandoned``)."""
         if bad:
-            self._settle(bad)
+            self._releases.settle(bad)
             self.counters["abandoned"] += len(bad)
 
-    def _claim_next_reply(self, max_records: int, wait_s: float, max_bytes: int) -> tuple[list[bytes], float]:
-        """One ``claim_next``: the encoded descriptors and when the claim was sent (``time.monotonic()``)."""
+    def next_reply(self, max_records: int, wait_s: float, max_bytes: int | None = None) -> tuple[list[bytes], float]:
+        """One ``claim_next`` (``max_bytes``: the landing buffer's size unless given): the encoded descriptors and
+        when the claim was sent (``time.monotonic()``)."""
         sent = time.monotonic()
-        rep = self._call(
+        session = self._session
+        rep = session.call(
             P.ClaimNextReq(
                 max_records=max(1, min(max_records, MAX_BATCH)),
-                max_bytes=max_bytes,
+                max_bytes=max_bytes or self._landing.nbytes,
                 wait_s=min(max(wait_s, 0.0), P.MAX_WAIT_S),
-                max_reply_bytes=self._budget(),
+                max_reply_bytes=session.budget(),
             ),
-            wait_s + self.timeout_s,
+            wait_s + session.timeout_s,
         )
         if not isinstance(rep, P.ClaimReply):
             raise E.ProtocolError(f"claim_next answered with {type(rep).__name__}")
         return rep.records, sent
 
-    def _claim_next_items(
-        self, max_records: int, wait_s: float, max_bytes: int | None = None
-    ) -> list[Claim | HsCompatError]:
-        raws, sent = self._claim_next_reply(max_records, wait_s, max_bytes or self._landing_bytes)
-        return self._parse(raws, sent)
-
     def claim_next(self, max_records: int = 1, wait_s: float = 1.0, max_bytes: int | None = None) -> list[Claim]:
         """Lease up to ``max_records`` published records (oldest first), waiting up to ``wait_s`` for one.  The
         producer bounds the answer by its encoded size; a record whose descriptor is malformed is given back
         (counted ``bad_descriptors``) and the others are returned.  Trainer only."""
-        items = self._claim_next_items(max_records, wait_s, max_bytes)
+        items = self.parse(*self.next_reply(max_records, wait_s, max_bytes))
         for it in items:
             if isinstance(it, HsCompatError):
                 log.warning("claim_next: %s", it)
@@ -268,11 +282,12 @@ class _Claims(_Releases):
     def abandon(self, claims: Sequence[Claim]) -> None:
         """Give leases back without reading them (counted ``abandoned`` on both sides; if the producer cannot be
         reached its TTL reclaims them)."""
-        live = [c for c in claims if c.producer == self.producer]
+        live = [c for c in claims if c.producer == self._session.producer]
         self.counters["abandoned"] += len(claims)
         if live:
-            self._settle([(c.lease, c.nonce, "abandoned") for c in live])
+            self._releases.settle([(c.lease, c.nonce, "abandoned") for c in live])
 
-    def _abandon_leases(self, descs: Sequence[P.RecordDesc]) -> None:
+    def abandon_leases(self, descs: Sequence[P.RecordDesc]) -> None:
+        """Give back the leases of claimed descriptors not read (counted ``abandoned``)."""
         self.counters["abandoned"] += len(descs)
-        self._settle([(d.lease, d.nonce, "abandoned") for d in descs])
+        self._releases.settle([(d.lease, d.nonce, "abandoned") for d in descs])

@@ -1,8 +1,11 @@
-"""The landing space: the landing buffer (region 0) and the spill arenas past it, in pages.
+"""The landing: the consumer's data transport and the space records land in.
 
-:class:`_Landing` allocates and frees that space, places a claim (its record lent the space, or copied out
-afterwards), locates a local offset in its buffer, lends space to owned tensors (given back when they are garbage
-collected) and names the error of a record that does not fit.
+:class:`Landing` (the component the consumer holds) owns the transport, made for the kind of pool the producer
+describes (NIXL, or the ``/dev/shm`` ring), the landing space and the records held with ``copy=False``.  The space
+is :class:`_Landing`: the landing buffer (region 0) and the spill arenas past it, in pages; it allocates and frees,
+places a claim (its record lent the space, or copied out afterwards), locates a local offset in its buffer, lends
+space to owned tensors (given back when they are garbage collected) and names the error of a record that does not
+fit.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from collections.abc import Callable
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import byte_view
+from vllm_hs_compat.core.records import CaptureRecord, byte_view
 from vllm_hs_compat.errors import HsCompatError
+from vllm_hs_compat.export.batch import RecordBatch
+from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings
+from vllm_hs_compat.export.shm import ShmConsumerTransport
 from vllm_hs_compat.export.transport import REGION_MASK, REGION_SHIFT, ConsumerTransport, host_buffer
 
 #: the landing space's unit of allocation
@@ -230,6 +236,145 @@ class _Landing:
             f"{self.lent} bytes lent to owned records still alive; release held records, drop "
             "old records or raise landing_bytes"
         )
+
+
+class Landing:
+    """The consumer's data transport and its landing space (one owner of both): the transport made for the
+    producer's kind of pool (:meth:`renew`), the pages records land in and are lent from, and the records or
+    batches held with ``copy=False`` until :meth:`release`.
+
+    ``lend_limit`` (``lend_fraction`` of the landing buffer): how much of it owned records (``copy=True``) may keep;
+    past it, or while the space left free would no longer hold another record of that size, an owned record is read
+    into a spill arena (up to ``spill_limit`` bytes of them; 0: none) or copied out."""
+
+    def __init__(
+        self, nbytes: int, lend_fraction: float, spill_bytes: int | None, ucx: UcxSettings | None, shm_dir: str
+    ) -> None:
+        if nbytes < PAGE or nbytes % PAGE:
+            raise E.ExportConfigError(f"landing_bytes must be a positive multiple of {PAGE}, found {nbytes}")
+        if not 0.0 <= lend_fraction <= 1.0:
+            raise E.ExportConfigError(f"lend_fraction must be in [0, 1], found {lend_fraction!r}")
+        if spill_bytes is None:
+            spill_bytes = 4 * nbytes
+        if spill_bytes < 0:
+            raise E.ExportConfigError(f"spill_bytes must be >= 0 (0: no spill arenas), found {spill_bytes!r}")
+        self.nbytes = nbytes
+        self.lend_limit = int(nbytes * lend_fraction)
+        self.spill_limit = spill_bytes
+        self._ucx = ucx
+        self._shm_dir = shm_dir
+        self.transport: ConsumerTransport | None = None
+        self.space = self._new_space()
+        #: records and batches read with ``copy=False``, by ``id``: (the object, local offset, extent)
+        self.held: dict[int, tuple[CaptureRecord | RecordBatch, int, int]] = {}
+        self._raw, self._raw_key = memoryview(b""), (0, 0)
+
+    def _new_space(self) -> _Landing:
+        space = _Landing(self.nbytes)
+        space.on_drop = self._drop_region
+        return space
+
+    def _drop_region(self, k: int) -> None:
+        if self.transport is not None:
+            self.transport.drop_region(k)
+
+    def renew(self, kind: str) -> ConsumerTransport:
+        """A new transport of ``kind`` (``"nixl"`` or ``"shm"``) with its own landing buffer, replacing any earlier
+        one (records lent from the old buffers keep them)."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+            self.space = self._new_space()
+        if kind == "nixl":
+            self.transport = NixlConsumerTransport(self.nbytes, self._ucx)
+        else:
+            self.transport = ShmConsumerTransport(self.nbytes, self._shm_dir)
+        return self.transport
+
+    # --- the space ------------------------------------------------------------------------------------------
+    @property
+    def lent(self) -> int:
+        """Bytes of the landing buffer lent to owned records still alive."""
+        return self.space.lent
+
+    @property
+    def spill_lent(self) -> int:
+        """Bytes of the spill arenas lent to owned records still alive."""
+        return self.space.spill_lent
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Space in the landing buffer (region 0): its local offset, or ``None``."""
+        return self.space.alloc(nbytes)
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Give back the space of ``nbytes`` at local offset ``offset`` (any region)."""
+        self.space.free(offset, nbytes)
+
+    def free_bytes(self) -> int:
+        """Free bytes of the landing buffer (region 0)."""
+        return self.space.free_bytes()
+
+    def place(self, extent: int, nbytes: int, copy: bool, pending: int) -> tuple[int | None, bool]:
+        """Where a claim of ``extent`` bytes lands and whether its record will be lent that space (see
+        :meth:`_Landing.place`; ``pending``: landing-buffer bytes already promised to records of this read)."""
+        return self.space.place(extent, nbytes, copy, pending, self.lend_limit, self.spill_limit, self.transport)
+
+    def locate(self, off: int) -> tuple[torch.Tensor, int]:
+        """The buffer a local offset lies in and the offset in it."""
+        return self.space.locate(off, self.transport)
+
+    def arena_view(self, k: int) -> memoryview:
+        """The byte view of spill arena ``k``."""
+        return self.space.spill[k].view
+
+    def lend(self, region: torch.Tensor, at: int, off: int, extent: int, nbytes: int) -> torch.Tensor:
+        """An owned byte tensor over the space at ``off`` (see :meth:`_Landing.lend`)."""
+        return self.space.lend(region, at, off, extent, nbytes)
+
+    def lendable(self, size: int) -> bool:
+        """Whether ``size`` more bytes of the landing buffer may be lent (the share, and room left for another)."""
+        return self.space.lent + size <= self.lend_limit and self.space.free_bytes() >= size + PAGE
+
+    def no_room(self, record_id: str, size: int, batches: bool) -> HsCompatError:
+        """The error of a record that needs ``size`` bytes the landing buffer does not have."""
+        return self.space.no_room(record_id, size, len(self.held), batches)
+
+    def bytes_of(self, buf: torch.Tensor) -> memoryview:
+        """A byte view of a whole contiguous uint8 buffer (the landing buffer's is kept: slicing it costs less
+        than a tensor slice per record)."""
+        key = (buf.data_ptr(), buf.numel())
+        if key != self._raw_key:
+            self._raw, self._raw_key = byte_view(buf), key
+        return self._raw
+
+    # --- held records ---------------------------------------------------------------------------------------
+    def hold(self, obj: CaptureRecord | RecordBatch, off: int, extent: int) -> None:
+        """Keep the space of a record or batch read with ``copy=False`` until :meth:`release`."""
+        self.held[id(obj)] = (obj, off, extent)
+
+    def release(self, obj: CaptureRecord | RecordBatch) -> None:
+        """Free the space of a held record or batch (nothing for one that owns its memory)."""
+        held = self.held.pop(id(obj), None)
+        if held is not None:
+            self.space.free(held[1], held[2])
+
+    def stats(self) -> dict[str, int]:
+        """Pages in use, held records, lent bytes, spill arenas."""
+        space = self.space
+        return {
+            "landing_pages_in_use": space.in_use(),
+            "held_records": len(self.held),
+            "lent_bytes": space.lent + space.spill_lent,
+            "spill_lent_bytes": space.spill_lent,
+            "spill_arena_bytes": space.spill_bytes,
+        }
+
+    def close(self) -> None:
+        """Close the transport (held records become invalid; lent ones keep their buffers)."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self.held.clear()
 
 
 def _give_back(deferred: collections.deque[tuple[int, int]], off: int, n: int, keep: torch.Tensor) -> None:

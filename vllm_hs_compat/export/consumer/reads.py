@@ -1,8 +1,9 @@
 """Checked reads: claimed records moved into the landing space, verified, released, handed out.
 
-A large verified read is checksummed piece by piece as it lands (posted reads in a window over NIXL, a reader
-thread with ``overlap_verification``); a ticket holder's record comes through the control plane instead.
-Built on the claims layer.
+:class:`Reads` reads claims through the landing's transport (a ticket holder's record through the control plane
+instead), verifies both checksums, releases each lease with its outcome through the releases and hands out the
+records that passed.  A large verified read is checksummed piece by piece as it lands (posted reads in a window
+over NIXL, a reader thread with ``overlap_verification``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import CaptureRecord, ChecksumState, RecordMeta, byte_view, checksum_bytes
+from vllm_hs_compat.core.records import CaptureRecord, ChecksumState, RecordMeta, checksum_bytes
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
-from vllm_hs_compat.export.consumer.claims import Claim, _Claims
-from vllm_hs_compat.export.consumer.landing import PAGE, _copied
+from vllm_hs_compat.export.consumer.claims import Claim, Claims
+from vllm_hs_compat.export.consumer.landing import PAGE, Landing, _copied
+from vllm_hs_compat.export.consumer.releases import Releases
+from vllm_hs_compat.export.consumer.session import Session
 from vllm_hs_compat.export.transport import (
     REGION_MASK,
     REGION_SHIFT,
@@ -74,16 +77,54 @@ def _pieces(ranges: Sequence[tuple[int, int, int]], size: int) -> list[list[tupl
     return pieces
 
 
-class _Reads(_Claims):
-    """Reading claimed records: transfer, verification, release, hand-out."""
+class Reads:
+    """Reading claimed records: transfer, verification, release, hand-out.
 
-    def _check(self, c: Claim) -> None:
-        if c.producer != self.producer:
+    ``verify_checksum`` (on by default): turning it off saves one memory pass over every record and leaves the size
+    checks and the token ids' checksum: do it only where the transport is trusted.  ``overlap_verification``:
+    checksum a large read piece by piece while a reader thread transfers the next piece (see :meth:`_transfer`);
+    off by default: it needs a free core, and on the 2-vCPU box it was measured on (docs/benchmarks.md) it was
+    slower than verifying after the transfer."""
+
+    def __init__(
+        self,
+        session: Session,
+        claims: Claims,
+        releases: Releases,
+        landing: Landing,
+        *,
+        verify_checksum: bool,
+        overlap_verification: bool,
+    ) -> None:
+        self._session = session
+        self._claims = claims
+        self._releases = releases
+        self._landing = landing
+        self.verify_checksum = verify_checksum
+        self.overlap_verification = overlap_verification
+        self._reader: Any = None  # concurrent.futures.ThreadPoolExecutor, made on the first pipelined read
+        self.counters = dict.fromkeys(
+            (
+                "records",
+                "bytes",
+                "checksum_failures",
+                "read_failures",
+                "inline_records",
+                "lease_expired",
+                "quarantined_bytes",
+            ),
+            0,
+        )
+
+    def check(self, c: Claim) -> None:
+        """A claim this consumer can read: of the attached producer instance, inside its pool."""
+        producer = self._session.producer
+        if c.producer != producer:
             raise E.StaleMetadataError(
-                f"record {c.record_id!r} was leased from producer {c.producer}, now attached to {self.producer}; "
+                f"record {c.record_id!r} was leased from producer {c.producer}, now attached to {producer}; "
                 "the producer restarted and the record is gone"
             )
-        pool = self._hello.pool_bytes if self._hello is not None else 0
+        pool = self._session.pool_bytes
         if c.offset + c.extent > pool:
             raise E.DescriptorError(
                 f"record {c.record_id!r}: descriptor [{c.offset}, {c.offset + c.extent}) lies outside the "
@@ -95,7 +136,7 @@ class _Reads(_Claims):
     ) -> tuple[RecordMeta | HsCompatError, str]:
         """Check the bytes at ``buf[off:]`` (``digest``: their hidden-state checksum, when it was computed while
         they were read): ``(metadata, "delivered")`` or ``(error, outcome)``."""
-        return self._verify_bytes(c, self._bytes_of(buf), off, digest)
+        return self._verify_bytes(c, self._landing.bytes_of(buf), off, digest)
 
     def _verify_bytes(
         self, c: Claim, raw: memoryview, off: int, digest: int | None = None
@@ -128,33 +169,25 @@ class _Reads(_Claims):
         except E.RecordFormatError as e:
             return e, "abandoned"
 
-    def _bytes_of(self, buf: torch.Tensor) -> memoryview:
-        """A byte view of a whole contiguous uint8 buffer (the landing buffer's is kept: slicing it costs less
-        than a tensor slice per record)."""
-        key = (buf.data_ptr(), buf.numel())
-        if key != self._raw_key:
-            self._raw, self._raw_key = byte_view(buf), key
-        return self._raw
-
     def read(
         self, claims: Sequence[Claim], copy: bool = True, timeout_s: float | None = None
     ) -> list[CaptureRecord | HsCompatError]:
         """Read claimed records (one transfer per landing-buffer-full), verify each, release each lease with its
         outcome.  Returns one entry per claim: the record, or the named error that failed it."""
-        if self._channel.client is None:
+        if self._session.channel.client is None:
             raise E.ExportClosedError("consumer is closed")
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        deadline = time.monotonic() + (timeout_s or self._session.timeout_s)
         results: list[CaptureRecord | HsCompatError | None] = [None] * len(claims)
         todo: collections.deque[tuple[int, Claim]] = collections.deque()
         for i, c in enumerate(claims):
             try:
-                self._check(c)
+                self.check(c)
                 todo.append((i, c))
             except E.StaleMetadataError as e:
                 results[i] = e  # a lease of a dead producer: nothing to give back
             except E.ExportError as e:
                 results[i] = e
-                self.abandon([c])
+                self._claims.abandon([c])
         if any(c.inline is not None for _, c in todo):
             rest: collections.deque[tuple[int, Claim]] = collections.deque()
             for i, c in todo:
@@ -163,15 +196,15 @@ class _Reads(_Claims):
                 else:
                     results[i] = self._read_given(c, c.inline)
             todo = rest
-        if self._transport is None:
+        landing = self._landing
+        transport = landing.transport
+        if transport is None:
             for i, c in todo:
                 results[i] = self._read_inline(c, deadline)
             return [r if r is not None else E.ExportError("internal: no result") for r in results]
-        transport = self._transport
 
         def place(c: Claim, pending: int) -> tuple[int | None, bool]:
-            args = (copy, pending, self.lend_bytes, self.spill_bytes, self._transport)
-            return self._landing.place(c.extent, c.nbytes, *args)
+            return landing.place(c.extent, c.nbytes, copy, pending)
 
         while todo:
             group: list[tuple[int, Claim, int]] = []
@@ -180,7 +213,7 @@ class _Reads(_Claims):
             while todo and len(group) < P.MAX_RELEASES:
                 i, c = todo[0]
                 off, lent = place(c, pending)
-                if off is None and not group and (self._landing.lent or self._landing.spill_lent):
+                if off is None and not group and (landing.lent or landing.spill_lent):
                     gc.collect()  # owned records in reference cycles: give their lent space back first
                     off, lent = place(c, pending)
                 if off is None:
@@ -193,8 +226,8 @@ class _Reads(_Claims):
                 group.append((i, c, off))
             if not group:
                 i, c = todo.popleft()
-                results[i] = self._landing.no_room(c.record_id, c.extent, len(self._held), batches=False)
-                self.abandon([c])
+                results[i] = landing.no_room(c.record_id, c.extent, batches=False)
+                self._claims.abandon([c])
                 continue
             try:
                 digests = self._transfer(transport, group, deadline)
@@ -207,23 +240,27 @@ class _Reads(_Claims):
                         # lent to an owned record, verified and handed out, before the late write lands)
                         self.counters["quarantined_bytes"] += c.extent
                     else:
-                        self._landing.free(off, c.extent)
+                        landing.free(off, c.extent)
                 if not isinstance(e, E.RemoteDisconnectedError | E.StaleMetadataError):
-                    self.abandon([c for _, c, _ in group])
+                    self._claims.abandon([c for _, c, _ in group])
                 continue
             checked = [
-                (i, c, off, *self._verify(c, *self._landing.locate(off, self._transport), d))
+                (i, c, off, *self._verify(c, *landing.locate(off), d))
                 for (i, c, off), d in zip(group, digests, strict=True)
             ]
-            settled = self._release(
+            settled = self._releases.release(
                 [(c.lease, c.nonce, outcome) for _, c, _, _, outcome in checked],
                 min(c.claimed_at for _, c, _, _, _ in checked),
                 [c.record_id for _, c, _, _, _ in checked],
             )
             for k, (i, c, off, meta, _) in enumerate(checked):
-                bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[k])
+                bad = (
+                    settled
+                    if isinstance(settled, E.ExportError)
+                    else self._releases.verdict(c.record_id, c.lease, settled[k])
+                )
                 if isinstance(meta, HsCompatError) or bad is not None:
-                    self._landing.free(off, c.extent)
+                    landing.free(off, c.extent)
                     # an expired lease explains whatever the bytes looked like: it comes first
                     expired = bad if isinstance(bad, E.LeaseExpiredError) else None
                     results[i] = expired or (meta if isinstance(meta, HsCompatError) else bad)
@@ -241,15 +278,15 @@ class _Reads(_Claims):
         With verification on, a read of at least ``OVERLAP_MIN_BYTES`` is cut into pieces and each piece is
         checksummed right after it landed, while it is still in cache (``CHECK_PIECE_BYTES``; measured on the
         2-vCPU box over NIXL/UCX loopback: a 64 MiB READ + xxh3 0.76x the bare READ, in 2 MiB pieces 0.87x; over
-        NIXL the pieces are posted ``READ_WINDOW`` at a time, see :meth:`_read_checked`).  With
+        NIXL the pieces are posted ``READ_WINDOW`` at a time, see :meth:`read_checked`).  With
         ``overlap_verification`` the pieces are about an eighth of the read and a reader thread transfers piece
         k + 1 while this thread checksums piece k (it pays only where a core is free)."""
         total = sum(c.extent for _, c, _ in group)
         if not self.verify_checksum or (total < OVERLAP_MIN_BYTES and checked_reads(transport) is None):
-            transport.read([(c.offset, off, c.extent) for _, c, off in group], b"", deadline)
+            transport.read([(c.offset, off, c.extent) for _, c, off in group], deadline)
             return [None] * len(group)
         return list(
-            self._read_checked(
+            self.read_checked(
                 transport,
                 [(c.offset, off, c.extent, c.nbytes) for _, c, off in group],
                 [c.meta.checksum_algorithm for _, c, _ in group],
@@ -258,7 +295,7 @@ class _Reads(_Claims):
             )
         )
 
-    def _read_checked(
+    def read_checked(
         self,
         transport: ConsumerTransport,
         items: Sequence[tuple[int, int, int, int]],
@@ -285,8 +322,8 @@ class _Reads(_Claims):
         size = max(PIECE_MIN_BYTES, min(PIECE_MAX_BYTES, -(-total // 8))) if overlap else CHECK_PIECE_BYTES
         pieces = _pieces([(r, lo, n) for r, lo, n, _ in items], size)
         states = [ChecksumState(a, it[3]) for a, it in zip(algorithms, items, strict=True)]
-        land = self._bytes_of(transport.landing)
-        spill = self._landing.spill
+        land = self._landing.bytes_of(transport.landing)
+        arena = self._landing.arena_view
 
         def check(piece: list[tuple[int, int, int, int, int]]) -> None:
             for _, lo, n, k, at in piece:
@@ -294,7 +331,7 @@ class _Reads(_Claims):
                 if at < checked:
                     view = land
                     if lo >> REGION_SHIFT:  # a spill arena
-                        view, lo = spill[lo >> REGION_SHIFT].view, lo & REGION_MASK
+                        view, lo = arena(lo >> REGION_SHIFT), lo & REGION_MASK
                     states[k].update_bytes(view[lo : lo + min(n, checked - at)])
 
         if overlap:
@@ -302,7 +339,7 @@ class _Reads(_Claims):
         posting = posted_reads(transport)
         if posting is None or READ_WINDOW <= 1:  # a transport without posted reads: one piece after another
             for piece in pieces:
-                transport.read([(r, lo, n) for r, lo, n, _, _ in piece], b"", deadline)
+                transport.read([(r, lo, n) for r, lo, n, _, _ in piece], deadline)
                 check(piece)
             return [st.digest() for st in states]
         post, wait, release = posting.post_read, posting.wait_read, posting.release_read
@@ -352,14 +389,14 @@ class _Reads(_Claims):
         deadline: float,
     ) -> list[int]:
         reader = self._reader_pool()
-        fut = reader.submit(transport.read, [(r, lo, n) for r, lo, n, _, _ in pieces[0]], b"", deadline)
+        fut = reader.submit(transport.read, [(r, lo, n) for r, lo, n, _, _ in pieces[0]], deadline)
         try:
             for p, piece in enumerate(pieces):
                 fut.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
                 fut = None
                 if p + 1 < len(pieces):
                     nxt = [(r, lo, n) for r, lo, n, _, _ in pieces[p + 1]]
-                    fut = reader.submit(transport.read, nxt, b"", deadline)
+                    fut = reader.submit(transport.read, nxt, deadline)
                 check(piece)
         except TimeoutError:
             raise E.ExportTimeoutError(f"a read of {total} bytes is still in progress past its deadline") from None
@@ -379,8 +416,9 @@ class _Reads(_Claims):
         """A ticket holder's read: the record's bytes through the control plane, in bounded chunks."""
         owned = bytearray(c.extent)
         view = memoryview(owned)
-        limit = self._hello.max_read_bytes if self._hello is not None else P.MAX_READ_BYTES
-        step = max(PAGE, min(limit, self._budget() - P.REPLY_OVERHEAD))
+        session = self._session
+        limit = session.reply.max_read_bytes if session.reply is not None else P.MAX_READ_BYTES
+        step = max(PAGE, min(limit, session.budget() - P.REPLY_OVERHEAD))
         pos = 0
         try:
             while pos < c.extent:
@@ -388,7 +426,7 @@ class _Reads(_Claims):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise E.ExportTimeoutError(f"record {c.record_id!r}: read past its deadline at byte {pos}")
-                rep = self._call(P.ReadReq(c.lease, c.nonce, pos, n, cap=self._cap()), left)
+                rep = session.call(P.ReadReq(c.lease, c.nonce, pos, n, cap=session.cap), left)
                 if not isinstance(rep, P.ReadReply) or len(rep.data) != n:
                     raise E.ProtocolError(f"read of {n} bytes answered with {type(rep).__name__}")
                 view[pos : pos + n] = rep.data
@@ -398,7 +436,7 @@ class _Reads(_Claims):
             return e
         except E.ExportError as e:
             self.counters["read_failures"] += 1
-            self.abandon([c])
+            self._claims.abandon([c])
             return e
         return self._settle_owned(c, owned)
 
@@ -411,13 +449,15 @@ class _Reads(_Claims):
 
     def _settle_owned(self, c: Claim, owned: bytearray) -> CaptureRecord | HsCompatError:
         """Verify a record read whole into ``owned`` (memory the record will own: its tensor is made over it, once,
-        after the checks), release its lease with the outcome (posted as :meth:`_release` decides for the trainer;
-        a ticket holder waits for the verdict, so one that exits right after its fetch leaves no lease behind), and
-        return the record or what failed it."""
+        after the checks), release its lease with the outcome (posted as :meth:`Releases.release` decides for the
+        trainer; a ticket holder waits for the verdict, so one that exits right after its fetch leaves no lease
+        behind), and return the record or what failed it."""
         meta, outcome = self._verify_bytes(c, memoryview(owned), 0)
         entry = [(c.lease, c.nonce, outcome)]
-        settled = self._release(entry, c.claimed_at, [c.record_id]) if self._ticket is None else self._settle(entry)
-        bad = settled if isinstance(settled, E.ExportError) else self._verdict(c, settled[0])
+        releases = self._releases
+        trainer = self._session.ticket is None
+        settled = releases.release(entry, c.claimed_at, [c.record_id]) if trainer else releases.settle(entry)
+        bad = settled if isinstance(settled, E.ExportError) else releases.verdict(c.record_id, c.lease, settled[0])
         if isinstance(bad, E.LeaseExpiredError):
             return bad
         if isinstance(meta, HsCompatError):
@@ -432,8 +472,8 @@ class _Reads(_Claims):
 
     def _finish(self, c: Claim, meta: RecordMeta, off: int, copy: bool, lend: bool) -> CaptureRecord:
         """The record read at local offset ``off``: held (``copy=False``), lent its space (``lend``, decided by
-        :meth:`_Landing.place`) or copied out."""
-        buf, at = self._landing.locate(off, self._transport)
+        :meth:`Landing.place`) or copied out."""
+        buf, at = self._landing.locate(off)
         self.counters["records"] += 1
         self.counters["bytes"] += c.nbytes
         if copy and lend:
@@ -442,8 +482,14 @@ class _Reads(_Claims):
         t = buf[at : at + c.nbytes].view(meta.torch_dtype).view(meta.shape)
         if not copy:
             rec = CaptureRecord(meta, t)
-            self._held[id(rec)] = (rec, off, c.extent)
+            self._landing.hold(rec, off, c.extent)
         else:
             rec = CaptureRecord(meta, _copied(t))
             self._landing.free(off, c.extent)
         return rec
+
+    def close(self) -> None:
+        """Stop the reader thread (after any transfer it runs)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
