@@ -103,10 +103,11 @@ def _engine_args(model: str, layers: list[int], spec: bool, extra: dict[str, Any
 
 
 def _warmup(llm: Any, params: Any = None) -> None:
-    """One untimed batch: kernels compiled for the shapes, first-step allocations made."""
+    """One untimed batch of about 31,000 tokens (more than a step of vLLM's default budget, so that chunks with
+    context run too): kernels compiled for the shapes, first-step allocations made."""
     from vllm_hs_compat.adapters.engine_api import sampling_params
 
-    warm = [{"prompt_token_ids": [FIRST_TOKEN + (i * 7 + j) % 400 for j in range(700 + 100 * i)]} for i in range(8)]
+    warm = [{"prompt_token_ids": [FIRST_TOKEN + (i * 7 + j) % 400 for j in range(600 + 60 * i)]} for i in range(24)]
     llm.generate(warm, params or sampling_params(max_tokens=1, temperature=0.0), use_tqdm=False)
 
 
@@ -129,10 +130,12 @@ def _prompts(rows: list[list[int]]) -> list[dict[str, Any]]:
 
 
 def run_generate(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any], spec: bool) -> None:
-    from vllm_hs_compat.adapters.engine_api import plain_llm, sampling_params
+    from vllm import LLM
+
+    from vllm_hs_compat.adapters.engine_api import sampling_params
 
     t0 = time.monotonic()
-    llm = plain_llm(_engine_args(a.model, a.layers, spec, a.engine_args))
+    llm = LLM(**_engine_args(a.model, a.layers, spec, a.engine_args))  # as the capture engine: stats logging off
     out["start_s"] = time.monotonic() - t0
     _warmup(llm)
     t = time.monotonic()
