@@ -11,8 +11,8 @@
 #          torch.compile on, the in-tree example connector as control, the negative controls   -> OUT/e2e.log,
 #          OUT/e2e-report.txt (every pairing matrix)
 #   demo   vllm-hs-compat demo end to end                                            -> OUT/demo.log, OUT/demo.json
-#   bench  benchmarks/gpu/bench_gpu.py (8b then 1b, every variant)                  -> OUT/bench.json, OUT/bench.log,
-#          OUT/bench-logs.tar.gz (bench-8b / bench-1b: one shape)
+#   bench  benchmarks/gpu/bench_gpu.py (8b then 1b, every variant)                  -> OUT/bench.json,
+#          OUT/bench-STEP.log, OUT/bench-logs.tar.gz (bench-8b / bench-1b: one shape)
 #
 # Each step has its own time limit (E2E_S, DEMO_S, BENCH_S seconds); a step that fails does not stop the next.
 set -uo pipefail
@@ -27,6 +27,23 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 rc=0
+# limited SECONDS LOG CMD...: CMD in a process group of its own, its output to LOG (and the last lines here); past
+# SECONDS the whole group gets SIGTERM, then SIGKILL -- engine processes a killed test started included, so the next
+# step finds the card free.
+limited() {
+    local limit=$1 log=$2
+    shift 2
+    setsid "$@" >"$log" 2>&1 &
+    local pid=$!
+    (sleep "$limit" && kill -TERM -- "-$pid" 2>/dev/null && echo "run_gpu.sh: killed after $limit s" >>"$log" &&
+        sleep 15 && kill -KILL -- "-$pid" 2>/dev/null) &
+    local watcher=$!
+    wait "$pid"
+    local r=$?
+    kill "$watcher" 2>/dev/null
+    tail -n "${TAIL:-40}" "$log"
+    return $r
+}
 for step in "$@"; do
     t0=$(date +%s)
     case "$step" in
@@ -41,13 +58,15 @@ for step in "$@"; do
         } 2>&1 | tee "$OUT/env.log"
         ;;
     e2e)
-        HS_E2E_JOBS=${HS_E2E_JOBS:-3} HS_E2E_WORK="$WORK/e2e-runs" HS_E2E_REPORT="$OUT/e2e-report.txt" \
-            timeout "${E2E_S:-330}" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -q -p no:cacheprovider \
-            -k "${E2E_K:-not minimal_example}" --junitxml="$OUT/e2e-junit.xml" 2>&1 | tee "$OUT/e2e.log" || rc=1
+        export HS_E2E_JOBS=${HS_E2E_JOBS:-3} HS_E2E_WORK="$WORK/e2e-runs" HS_E2E_REPORT="$OUT/e2e-report.txt"
+        limited "${E2E_S:-330}" "$OUT/e2e.log" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -q \
+            -p no:cacheprovider -k "${E2E_K:-not minimal_example}" --junitxml="$OUT/e2e-junit.xml" || rc=1
         ;;
     demo)
         rm -rf "$WORK/demo"
-        timeout "${DEMO_S:-240}" "$PY" -m vllm_hs_compat.cli demo --out "$WORK/demo" 2>&1 | tee "$OUT/demo.log" || rc=1
+        demo=("$PY" -m vllm_hs_compat.cli)
+        command -v vllm-hs-compat >/dev/null && demo=(vllm-hs-compat)  # the installed console script
+        limited "${DEMO_S:-240}" "$OUT/demo.log" "${demo[@]}" demo --out "$WORK/demo" || rc=1
         cp "$WORK/demo/summary.json" "$OUT/demo.json" 2>/dev/null
         ;;
     bench | bench-8b | bench-1b)
@@ -55,8 +74,10 @@ for step in "$@"; do
         [ "$step" = bench-8b ] && models=8b
         [ "$step" = bench-1b ] && models=1b
         budget=${BENCH_S:-540}
-        timeout $((budget + 30)) "$PY" "$HERE/bench_gpu.py" --out "$WORK/bench" --models "$models" \
-            --deadline "$budget" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" || rc=1
+        TAIL=20
+        # shellcheck disable=SC2086
+        limited $((budget + 30)) "$OUT/bench-$step.log" "$PY" "$HERE/bench_gpu.py" --out "$WORK/bench" \
+            --models "$models" --deadline "$budget" ${BENCH_ARGS:-} || rc=1
         cp "$WORK/bench/bench.json" "$OUT/bench.json" 2>/dev/null
         tar -czf "$OUT/bench-logs.tar.gz" -C "$WORK/bench" --exclude work . 2>/dev/null
         ;;
