@@ -14,7 +14,9 @@
 #   bench  benchmarks/gpu/bench_gpu.py (8b then 1b, every variant)                  -> OUT/bench.json,
 #          OUT/bench-STEP.log, OUT/bench-logs.tar.gz (bench-8b / bench-1b: one shape)
 #
-# Each step has its own time limit (E2E_S, DEMO_S, BENCH_S seconds); a step that fails does not stop the next.
+# Each step has its own time limit (E2E_S, DEMO_S, BENCH_S seconds), cut to what is left before CALL_END (epoch
+# seconds; unset: no cut) -- a host that ends a call at a fixed time still gets every step's logs; a step that fails
+# does not stop the next.
 set -uo pipefail
 OUT=${1:?OUT}
 shift
@@ -27,6 +29,16 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 rc=0
+# cap SECONDS: SECONDS, or less where CALL_END comes first (10 s kept for the logs)
+cap() {
+    local want=$1
+    if [ -n "${CALL_END:-}" ]; then
+        local left=$((CALL_END - $(date +%s) - 10))
+        [ "$left" -lt "$want" ] && want=$left
+    fi
+    [ "$want" -lt 1 ] && want=1
+    echo "$want"
+}
 # limited SECONDS LOG CMD...: CMD in a process group of its own, its output to LOG (and the last lines here); past
 # SECONDS the whole group gets SIGTERM, then SIGKILL -- engine processes a killed test started included, so the next
 # step finds the card free.
@@ -59,21 +71,21 @@ for step in "$@"; do
         ;;
     e2e)
         export HS_E2E_JOBS=${HS_E2E_JOBS:-3} HS_E2E_WORK="$WORK/e2e-runs" HS_E2E_REPORT="$OUT/e2e-report.txt"
-        limited "${E2E_S:-330}" "$OUT/e2e.log" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -q \
+        limited "$(cap "${E2E_S:-330}")" "$OUT/e2e.log" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -q \
             -p no:cacheprovider -k "${E2E_K:-not minimal_example}" --junitxml="$OUT/e2e-junit.xml" || rc=1
         ;;
     demo)
         rm -rf "$WORK/demo"
         demo=("$PY" -m vllm_hs_compat.cli)
         command -v vllm-hs-compat >/dev/null && demo=(vllm-hs-compat)  # the installed console script
-        limited "${DEMO_S:-240}" "$OUT/demo.log" "${demo[@]}" demo --out "$WORK/demo" || rc=1
+        limited "$(cap "${DEMO_S:-240}")" "$OUT/demo.log" "${demo[@]}" demo --out "$WORK/demo" || rc=1
         cp "$WORK/demo/summary.json" "$OUT/demo.json" 2>/dev/null
         ;;
     bench | bench-8b | bench-1b)
         models=8b,1b
         [ "$step" = bench-8b ] && models=8b
         [ "$step" = bench-1b ] && models=1b
-        budget=${BENCH_S:-540}
+        budget=$(($(cap $((${BENCH_S:-540} + 30))) - 30))
         TAIL=20
         # shellcheck disable=SC2086
         limited $((budget + 30)) "$OUT/bench-$step.log" "$PY" "$HERE/bench_gpu.py" --out "$WORK/bench" \
