@@ -5,11 +5,11 @@
 #
 #     bash benchmarks/gpu/run_gpu.sh OUT STEP...      STEP: env | e2e | demo | bench | bench-8b | bench-1b
 #
-#   env    nvidia-smi, versions, /dev/shm and disk                                   -> OUT/env.log
+#   env    nvidia-smi, versions, /dev/shm and disk                                   -> OUT/steps.log
 #   e2e    tests/e2e/test_e2e_engine.py on the GPU: every case of the CPU suite (dense, hybrid, concurrent,
 #          preempt, hybrid_preempt, prompt_output, overrides) plus gpu_defaults, with CUDA graphs and
 #          torch.compile on, the in-tree example connector as control, the negative controls   -> OUT/e2e.log,
-#          OUT/e2e-report.txt (every pairing matrix)
+#          OUT/e2e-report.txt (every pairing matrix), OUT/e2e-junit.xml with JUNIT=1
 #   demo   vllm-hs-compat demo end to end                                            -> OUT/demo.log, OUT/demo.json
 #   bench  benchmarks/gpu/bench_gpu.py (8b then 1b, every variant)                  -> OUT/bench.json,
 #          OUT/bench-STEP.log, OUT/bench-logs.tar.gz (bench-8b / bench-1b: one shape)
@@ -67,12 +67,12 @@ for step in "$@"; do
             df -h /dev/shm /tmp "$WORK" | sed 's/^/  /'
             nproc
             free -g | head -2
-        } 2>&1 | tee "$OUT/env.log"
+        } 2>&1 | tee -a "$OUT/steps.log"
         ;;
     e2e)
         export HS_E2E_JOBS=${HS_E2E_JOBS:-3} HS_E2E_WORK="$WORK/e2e-runs" HS_E2E_REPORT="$OUT/e2e-report.txt"
         limited "$(cap "${E2E_S:-330}")" "$OUT/e2e.log" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -q \
-            -p no:cacheprovider -k "${E2E_K:-not minimal_example}" --junitxml="$OUT/e2e-junit.xml" || rc=1
+            -p no:cacheprovider -k "${E2E_K:-not minimal_example}" ${JUNIT:+--junitxml="$OUT/e2e-junit.xml"} || rc=1
         ;;
     demo)
         rm -rf "$WORK/demo"
