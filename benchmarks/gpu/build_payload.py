@@ -4,7 +4,7 @@ The host (the ``device`` machines: Python 3.12, torch 2.11.0+cu130, no vLLM, no 
 call) gets:
 
 * vLLM 0.26.0's wheel (the newest release pinned to torch 2.11.0; a CUDA 13 build), slimmed with ``zip -d`` of what a
-  dense or hybrid Llama on ``TRITON_ATTN`` never loads (:data:`SLIM`): 303.7 MB -> about 70 MB;
+  dense or hybrid Llama on ``TRITON_ATTN`` never loads (:data:`SLIM`): 303.7 MB -> 109.3 MB;
 * the wheels of every vLLM dependency the host lacks (``payload.txt``; the host's own set is ``device_packages.txt``);
 * this package as a wheel (console script and vLLM plugin entry point included) and ``src.tar.gz``: the files the GPU
   cases and benchmarks run from (``tests/e2e``, ``benchmarks/gpu``, ``examples``, the package).
@@ -19,7 +19,7 @@ or a host package, unless a ``# not carried:`` line of ``payload.txt`` names it;
 installed into a scratch target with that interpreter and the modules the GPU run needs are imported there (no CUDA:
 those that need a GPU at import are reported, not failed).
 
-    python benchmarks/gpu/build_payload.py --out /path/to/repo/.gpu            # parts in .gpu/part0, .gpu/part1
+    python benchmarks/gpu/build_payload.py --out /path/to/repo/.gpu            # .gpu/part0 .. part2, 48.7 MiB each
     python benchmarks/gpu/build_payload.py --out .gpu --python /usr/bin/python3.12 --torch-site SITE
 """
 
@@ -46,10 +46,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 VLLM = "vllm==0.26.0"
 #: What a dense or hybrid Llama on TRITON_ATTN never loads (zip -d patterns).  vLLM marks a backend whose import
-#: fails as invalid and falls back; the cases pass ``attention_backend="TRITON_ATTN"`` explicitly anyway.
+#: fails as invalid and falls back; the cases pass ``attention_backend="TRITON_ATTN"`` explicitly anyway.  One
+#: FlashAttention build must stay: on CUDA, ``llama.py`` imports ``layers.attention``, whose encoder attention
+#: imports ``v1.attention.backends.fa_utils``, which imports ``vllm.vllm_flash_attn``, which raises ImportError
+#: without ``_vllm_fa2_C`` or ``_vllm_fa3_C`` (seen on an H100, 2026-12-06).  FA3 (Hopper) is 38 MB compressed,
+#: FA2 129 MB: FA3 stays.
 SLIM = (
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
-    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
     "vllm/_moe_C_stable_libtorch.abi3.so",
     "vllm/vllm-rs",
     "vllm/_flashmla_C.abi3.so",
@@ -67,7 +70,14 @@ MUST_KEEP = "vllm/_C_stable_libtorch.abi3.so"
 #: glibc tags pip may take (pip matches each N exactly); the host's Python 3.12.3 image has a newer glibc than 2.35.
 PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in (35, 34, 31, 28, 27, 24, 17)) + ("manylinux2014_x86_64",)
 #: The files the GPU cases and benchmarks run from (src.tar.gz).
-SRC_PATHS = ("vllm_hs_compat", "tests/e2e", "benchmarks/gpu", "examples", "pyproject.toml")
+SRC_PATHS = (
+    "vllm_hs_compat",
+    "tests/e2e",
+    "benchmarks/gpu",
+    "benchmarks/bench_capture.py",
+    "examples",
+    "pyproject.toml",
+)
 #: Modules the GPU run imports, checked in the scratch install (``--python``).
 IMPORTS = (
     "vllm",
@@ -361,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         default=os.path.expanduser("~/.cache/vllm-hs-compat/gpu-payload"),
         help="downloaded wheels (kept between builds)",
     )
-    ap.add_argument("--parts", type=int, default=2)
+    ap.add_argument("--parts", type=int, default=3)
     ap.add_argument("--limit-mib", type=float, default=58.0, help="largest part (64 MiB a call, less the tree)")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the requirements check")
     ap.add_argument("--python", default=None, help="a Python 3.12 to install the payload into and import from")
