@@ -76,7 +76,17 @@ def _generate(model: str, data: str, out: dict[str, Any]) -> None:
     out.update(start_s=t_ready - t0, work_s=t_end - t_ready, tokens=sum(len(s.input_ids) for s in samples), bytes=0)
 
 
-def _capture(model: str, data: str, tree: str, storage: str, out: dict[str, Any]) -> None:
+def timed_capture(
+    model: str,
+    data: str,
+    tree: str,
+    storage: str,
+    layers: str = LAYERS,
+    extra_argv: list[str] | tuple[str, ...] = (),
+    warmup: Any = None,
+) -> dict[str, Any]:
+    """Run ``vllm-hs-compat capture`` in this process; the clock runs from a ready engine (after ``warmup(llm)``,
+    untimed, if given) until the command shuts its engine down."""
     from vllm_hs_compat.commands import capture as cmd
 
     marks: dict[str, float] = {}
@@ -84,6 +94,9 @@ def _capture(model: str, data: str, tree: str, storage: str, out: dict[str, Any]
 
     def timed_engine(*a: Any, **kw: Any) -> Any:  # the benchmark's clock: when the engine is ready
         llm = engine(*a, **kw)
+        marks["started"] = time.monotonic()
+        if warmup is not None:
+            warmup(llm)
         marks["ready"] = time.monotonic()
         return llm
 
@@ -99,12 +112,12 @@ def _capture(model: str, data: str, tree: str, storage: str, out: dict[str, Any]
     demo_engine.shutdown = timed_shutdown  # type: ignore[assignment]
     parser = argparse.ArgumentParser()
     cmd.register(parser.add_subparsers(dest="command"))  # the command's own arguments and defaults
-    argv = ["capture", "--model", model, "--layers", LAYERS, "--data", data, "--out", tree, "--storage", storage]
-    args = parser.parse_args(argv)
+    argv = ["capture", "--model", model, "--layers", layers, "--data", data, "--out", tree, "--storage", storage]
+    args = parser.parse_args([*argv, *extra_argv])
     t0 = time.monotonic()
     summary = cmd.capture(args)
-    out.update(
-        start_s=marks["ready"] - t0,
+    return dict(
+        start_s=marks["started"] - t0,
         work_s=marks["done"] - marks["ready"],
         tokens=int(summary["tokens"]),
         bytes=int(summary["bytes"]),
@@ -132,7 +145,7 @@ def main() -> None:
         if a.variant == "generate":
             _generate(a.model, a.data, out)
         else:
-            _capture(a.model, a.data, a.tree, a.storage, out)
+            out.update(timed_capture(a.model, a.data, a.tree, a.storage))
         Path(a.result).write_text(json.dumps(out))
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -105,3 +105,37 @@ def test_ray_refuses_a_rank_of_its_own_and_a_missing_ray_before_anything_starts(
     except ImportError:
         assert _capture(model_dir, data, tmp_path / "o", "--ray", "2", "--loss-mask", "all") == 2
         assert "capture --ray needs Ray" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_the_engine_gets_the_platforms_settings_and_engine_args_win(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch, gpu: bool
+) -> None:
+    """The settings the capture engine is built with: the CPU build's (eager, 32-token blocks, 128 tokens and 32
+    sequences a step) on CPU, vLLM's own on a GPU; ``--engine-args`` over either (``null``: vLLM's own)."""
+    from vllm_hs_compat.adapters import engine_api
+    from vllm_hs_compat.demo import engine as demo_engine
+    from vllm_hs_compat.errors import ToolError
+
+    seen: list[dict[str, object]] = []
+
+    def offline_llm(args: dict[str, object], kv: dict[str, object]) -> None:  # records what vLLM would get
+        seen.append(dict(args))
+        raise ToolError("no engine in this test")
+
+    monkeypatch.setattr(engine_api, "offline_llm", offline_llm)
+    monkeypatch.setattr(demo_engine, "has_gpu", lambda: gpu)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert _capture(model_dir, data, tmp_path / "o1", "--loss-mask", "all") == 2
+    cpu_keys = set(demo_engine.CPU_DEFAULTS)
+    if gpu:
+        assert not cpu_keys & set(seen[0]), seen[0]  # vLLM's defaults for the card
+    else:
+        assert {k: seen[0][k] for k in cpu_keys} == demo_engine.CPU_DEFAULTS
+    assert seen[0]["enable_chunked_prefill"] is True and seen[0]["enable_prefix_caching"] is True
+    assert seen[0]["max_model_len"] == 64  # the model's own context
+    engine_args = json.dumps({"max_num_seqs": 4, "gpu_memory_utilization": 0.5, "block_size": None})
+    assert _capture(model_dir, data, tmp_path / "o2", "--loss-mask", "all", "--engine-args", engine_args) == 2
+    assert seen[1]["max_num_seqs"] == 4 and seen[1]["gpu_memory_utilization"] == 0.5
+    assert "block_size" not in seen[1]  # null: vLLM's own default, on either platform

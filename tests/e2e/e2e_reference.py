@@ -19,7 +19,13 @@ import torch
 from vllm_hs_compat.reference import forward as _ref
 
 load_hf = _ref.load_hf
-reference = _ref.reference
+
+
+def reference(model_dir: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """The package's reference, computed on the GPU where the engine ran on one (the same device as the records),
+    returned on the CPU for the pairing."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _ref.reference(model_dir, token_ids, layer_ids, device=device).cpu()
 
 
 def check_hybrid_equivalence(model_dir: str, window: int, seed: int = 0) -> dict[str, float]:

@@ -34,12 +34,14 @@ import vllm
 
 pytestmark = pytest.mark.e2e
 
-ALL_CASES: dict[str, C.Case] = {**C.cases(), **C.v2_cases(), **C.tp_cases()}
+ALL_CASES: dict[str, C.Case] = {**C.cases(), **C.v2_cases(), **C.tp_cases(), **C.defaults_cases()}
 
 
 def _enabled(case: C.Case) -> str | None:
     if not case.v2 and not C.has_v1_runner():
         return "a Model Runner V1 case: this vLLM has no V1 (deleted in 0.34); its V2 cases run with HS_E2E_V2=1"
+    if case.name in C.defaults_cases() and not (C.on_gpu() or os.environ.get("HS_E2E_DEFAULTS") == "1"):
+        return "vLLM's own batch defaults run on a GPU, or with HS_E2E_DEFAULTS=1 (docs/gpu.md)"
     if case.v2 and os.environ.get("HS_E2E_V2") != "1":
         return "Model Runner V2 cases run with HS_E2E_V2=1 (nox: the e2e session of 0.32.0)"
     if case.engine.get("tensor_parallel_size", 1) > 1 and os.environ.get("HS_E2E_TP") != "1":
@@ -249,8 +251,15 @@ def test_case(name: str, runs: Runs) -> None:
     result = _engine_ok(run)
     checked = _checked(run, name, "ours")
     facts = _assert_connector_facts(case, run, checked)
-    limit = run.spec.max_num_batched_tokens
-    assert any(len(p) > limit for p in case.prompts), "some prompt must be chunked"
+    config = result["engine_config"]
+    limit = config["max_num_batched_tokens"]
+    if run.spec.max_num_batched_tokens is None:  # vLLM's own step budget: the batch must span several steps
+        assert sum(len(p) for p in case.prompts) > 2 * limit, f"the prompts fit in one step of {limit} tokens"
+    else:
+        assert any(len(p) > limit for p in case.prompts), "some prompt must be chunked"
+    if C.on_gpu():  # vLLM's GPU defaults: CUDA graphs (and torch.compile) on
+        assert not config["enforce_eager"] and "NONE" not in config["cudagraph_mode"], config
+        assert config["device"].startswith("cuda"), config
     if case.expect_preemptions:
         assert result["num_preemptions"], f"no preemption happened: {result['num_preemptions']}"
     if case.expect_prefix_hits:
@@ -327,3 +336,12 @@ def test_pairing_catches_misattribution(runs: Runs) -> None:
     assert configured != layer_ids
     misread = [dataclasses.replace(r, layer_ids=configured) for r in good]
     assert not e2e_pairing.pair(misread, refs, toks, layer_ids).ok
+
+    # Every plane one layer off (layer id k read from k + 1; the last from k - 1): each record must fail its own
+    # reference although its labels are right.
+    top = e2e_models.NUM_LAYERS
+    neighbours = [k + 1 if k < top else k - 1 for k in layer_ids]
+    off_by_layer = [e2e_reference.reference(run.spec.model, r["prompt"], neighbours) for r in reqs]
+    layer_shifted = [dataclasses.replace(r, hidden_states=ref) for r, ref in zip(good, off_by_layer, strict=True)]
+    p = e2e_pairing.pair(layer_shifted, refs, toks, layer_ids)
+    assert not p.ok and not any(p.full_match), p.render("planes one layer off")

@@ -51,39 +51,64 @@ def kv_transfer_config(extra: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_llm(
+#: The CPU build's engine settings where the caller gives none: eager (no graphs to capture on CPU), 32-token blocks
+#: (CPU attention), 128 tokens and 32 sequences a step (sized for 2 cores).  On a GPU none of these is set: vLLM's
+#: own defaults apply (its step budget and sequence count for the card -- 16,384 tokens and 1,024 sequences on an
+#: H100 or H200 --, 0.9 of the card's memory, CUDA graphs and torch.compile).
+CPU_DEFAULTS: dict[str, Any] = {
+    "enforce_eager": True,
+    "block_size": 32,
+    "max_num_batched_tokens": 128,
+    "max_num_seqs": 32,
+}
+
+
+def engine_args(
     model: str,
     layer_ids: Sequence[int],
-    extra_config: Mapping[str, Any],
     *,
+    gpu: bool,
     max_model_len: int = 2048,
-    max_num_seqs: int = 32,
-    max_num_batched_tokens: int | None = 128,
     dtype: str = "bfloat16",
     **kwargs: Any,
-) -> Any:
-    """An offline ``vllm.LLM`` capturing ``layer_ids`` through the connector (chunked prefill and prefix caching
-    on).  On CPU: eager, block size 32 (CPU attention); on a GPU: vLLM's defaults, a fifth of the memory."""
-    from vllm_hs_compat.adapters.engine_api import offline_llm
-
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of a capture engine (chunked prefill and prefix caching on): the platform's
+    defaults (:data:`CPU_DEFAULTS` on CPU, vLLM's own on a GPU), then ``kwargs`` -- the caller's and the user's
+    ``--engine-args`` -- over them; a ``None`` value drops the key (vLLM's own default, on either platform)."""
     args: dict[str, Any] = dict(
         model=model,
         tokenizer=model,
         dtype=dtype,
         seed=0,
         max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
         enable_chunked_prefill=True,
         enable_prefix_caching=True,
         speculative_config=speculative_config(layer_ids),
     )
-    if max_num_batched_tokens is not None:
-        args["max_num_batched_tokens"] = max_num_batched_tokens
-    if has_gpu():
-        args["gpu_memory_utilization"] = 0.2
-    else:
-        args.update(enforce_eager=True, block_size=32)
-    args.update(kwargs)
+    if not gpu:
+        args.update(CPU_DEFAULTS)
+    for key, value in kwargs.items():
+        if value is None:
+            args.pop(key, None)
+        else:
+            args[key] = value
+    return args
+
+
+def build_llm(
+    model: str,
+    layer_ids: Sequence[int],
+    extra_config: Mapping[str, Any],
+    *,
+    max_model_len: int = 2048,
+    dtype: str = "bfloat16",
+    **kwargs: Any,
+) -> Any:
+    """An offline ``vllm.LLM`` capturing ``layer_ids`` through the connector, with :func:`engine_args`' settings
+    for this machine (a GPU if CUDA is present)."""
+    from vllm_hs_compat.adapters.engine_api import offline_llm
+
+    args = engine_args(model, layer_ids, gpu=has_gpu(), max_model_len=max_model_len, dtype=dtype, **kwargs)
     return offline_llm(args, kv_transfer_config(extra_config))
 
 

@@ -133,9 +133,10 @@ def convention_plane(planes: HfPlanes, layer_id: int) -> torch.Tensor:
     return planes.hidden_states[layer_id]
 
 
-def reference(model_dir: str, token_ids: Sequence[int], layer_ids: Sequence[int]) -> torch.Tensor:
-    """``[T, P, C]`` for these tokens, plane ``i`` = layer id ``layer_ids[i]``, in the model's dtype."""
-    planes = hf_planes(load_hf(model_dir), token_ids)
+def reference(model_dir: str, token_ids: Sequence[int], layer_ids: Sequence[int], device: str = "cpu") -> torch.Tensor:
+    """``[T, P, C]`` for these tokens, plane ``i`` = layer id ``layer_ids[i]``, in the model's dtype, computed (and
+    returned) on ``device``."""
+    planes = hf_planes(load_hf(model_dir, device=device), token_ids)
     return torch.stack([convention_plane(planes, k) for k in layer_ids], dim=1)
 
 

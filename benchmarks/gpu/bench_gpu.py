@@ -1,0 +1,449 @@
+"""Capture throughput at the GPU's limit (a benchmark, not a test; docs/gpu.md).
+
+Random-weight Llamas of real shapes (``load_format="dummy"``: vLLM fills the weights, only ``config.json`` and a
+tokenizer are written): ``1b`` (Llama-3.2-1B: hidden 2048, 16 layers) and ``8b`` (Llama-3.1-8B: hidden 4096, 32
+layers), 4 captured layers each, rows of 512-2,048 random token ids.  Each variant is a fresh process with one
+in-process engine on the same settings -- vLLM's own defaults for the platform (on an H100/H200 16,384 tokens and
+1,024 sequences a step, 0.9 of the memory, CUDA graphs and torch.compile), chunked prefill and prefix caching on,
+``TRITON_ATTN`` -- and one untimed warm-up batch before the clock starts:
+
+* ``generate``     -- plain ``LLM.generate`` of the rows (no speculative method, no connector), one output token;
+* ``extract``      -- ``extract_hidden_states`` writing the capture cache, no connector reading it (vLLM's own cost);
+* ``capture``      -- ``vllm-hs-compat capture`` on the rows (the connector, the file sink, the sharded store, every
+  record verified and indexed), ``--storage captured`` (bf16);
+* ``capture_fp8``  -- the same with ``--storage fp8_e4m3``;
+* ``example``      -- vLLM's in-tree ``ExampleHiddenStatesConnector`` writing the same layers (one safetensors file
+  per request; ``use_synchronization_lock=False``), until every file is on disk;
+* ``export``       -- the serving path: the connector's export sink (shared memory) and a trainer in ANOTHER process
+  streaming every record while the engine runs; records/s and tokens/s as the trainer receives them.
+
+Prefill tokens/s = the rows' prompt tokens over the time from the first request to the end of the work (records on
+disk, or in the trainer).  Prints a table (ratios against ``generate``) and writes ``bench.json``.
+
+    python benchmarks/gpu/bench_gpu.py --out /tmp/bench                    # 8b and 1b, every variant
+    python benchmarks/gpu/bench_gpu.py --models 8b --variants generate,capture --rows 256
+    python benchmarks/gpu/bench_gpu.py --models small --rows 24 --variants generate,capture   # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+#: name: (hidden, layers, heads, kv heads, intermediate, vocab, captured layer ids)
+SHAPES: dict[str, tuple[int, int, int, int, int, int, tuple[int, ...]]] = {
+    "1b": (2048, 16, 32, 8, 8192, 128256, (2, 8, 14, 16)),
+    "8b": (4096, 32, 32, 8, 14336, 128256, (2, 16, 29, 32)),
+    "small": (256, 4, 4, 2, 512, 4096, (1, 2, 3, 4)),  # a CPU check of the benchmark itself
+}
+VARIANTS = ("generate", "capture", "example", "export", "extract", "capture_fp8")  # the order they run in
+FIRST_TOKEN, LAST_TOKEN = 3, 500  # inside the tiny tokenizer's vocabulary (512): capture checks ids against it
+
+
+def make_model(path: Path, shape: str) -> list[int]:
+    """``config.json`` of the shape and the package's tiny tokenizer; returns the captured layer ids."""
+    from vllm_hs_compat.reference.models import make_tokenizer
+
+    hidden, layers, heads, kv_heads, inter, vocab, capture = SHAPES[shape]
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": shape != "8b",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    make_tokenizer(str(path))
+    return list(capture)
+
+
+def make_rows(path: Path, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """``n`` rows of ``lo``-``hi`` random token ids (no two share a prefix: every record is read out)."""
+    rng = random.Random(seed)
+    rows = [[rng.randrange(FIRST_TOKEN, LAST_TOKEN) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    with path.open("w") as f:
+        for i, ids in enumerate(rows):
+            f.write(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n")
+    return rows
+
+
+# --- the variants (each in its own process) -----------------------------------------------------------------------
+def _engine_args(model: str, layers: list[int], spec: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    from vllm_hs_compat.demo.engine import engine_args, has_gpu
+
+    args = engine_args(model, layers, gpu=has_gpu(), max_model_len=4096, **extra)
+    if not spec:
+        args.pop("speculative_config")
+    return args
+
+
+def _warmup(llm: Any, params: Any = None) -> None:
+    """One untimed batch of about 31,000 tokens (more than a step of vLLM's default budget, so that chunks with
+    context run too): kernels compiled for the shapes, first-step allocations made."""
+    from vllm_hs_compat.adapters.engine_api import sampling_params
+
+    warm = [{"prompt_token_ids": [FIRST_TOKEN + (i * 7 + j) % 400 for j in range(600 + 60 * i)]} for i in range(24)]
+    llm.generate(warm, params or sampling_params(max_tokens=1, temperature=0.0), use_tqdm=False)
+
+
+def _memory(out: dict[str, Any]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        out["gpu"] = {
+            "name": torch.cuda.get_device_name(),
+            "total_bytes": total,
+            "free_bytes_after": free,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        }
+
+
+def _prompts(rows: list[list[int]]) -> list[dict[str, Any]]:
+    return [{"prompt_token_ids": r} for r in rows]
+
+
+def run_generate(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any], spec: bool) -> None:
+    from vllm import LLM
+
+    from vllm_hs_compat.adapters.engine_api import sampling_params
+
+    t0 = time.monotonic()
+    llm = LLM(**_engine_args(a.model, a.layers, spec, a.engine_args))  # as the capture engine: stats logging off
+    out["start_s"] = time.monotonic() - t0
+    _warmup(llm)
+    t = time.monotonic()
+    llm.generate(_prompts(rows), sampling_params(max_tokens=1, temperature=0.0), use_tqdm=False)
+    out["work_s"] = time.monotonic() - t
+    out["bytes"] = 0
+    _memory(out)
+    _config(llm, out)
+
+
+def _config(llm: Any, out: dict[str, Any]) -> None:
+    c = llm.llm_engine.vllm_config
+    out["engine"] = {
+        "max_num_batched_tokens": int(c.scheduler_config.max_num_batched_tokens),
+        "max_num_seqs": int(c.scheduler_config.max_num_seqs),
+        "block_size": int(c.cache_config.block_size),
+        "gpu_memory_utilization": float(c.cache_config.gpu_memory_utilization),
+        "enforce_eager": bool(c.model_config.enforce_eager),
+        "cudagraph_mode": str(getattr(c.compilation_config, "cudagraph_mode", None)),
+    }
+
+
+def run_capture(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any], storage: str) -> None:
+    from bench_capture import timed_capture
+
+    from vllm_hs_compat.adapters.engine_api import sampling_params
+
+    optout = sampling_params(
+        max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {"hs_capture": {"enabled": False}}}
+    )
+    argv = ["--loss-mask", "all", "--engine-args", json.dumps(a.engine_args)]
+    if a.batch_size is not None:
+        argv += ["--batch-size", str(a.batch_size)]
+    tree = Path(a.work) / f"tree-{storage}"
+    shutil.rmtree(tree, ignore_errors=True)
+    got = timed_capture(
+        a.model, a.data, str(tree), storage, ",".join(map(str, a.layers)), argv, warmup=lambda llm: _warmup(llm, optout)
+    )
+    out.update(got)
+    _memory(out)
+
+
+def run_example(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any]) -> None:
+    from vllm_hs_compat.adapters.engine_api import sampling_params
+    from vllm_hs_compat.demo.engine import speculative_config
+
+    sink = Path(a.work) / "example_sink"
+    shutil.rmtree(sink, ignore_errors=True)
+    args = _engine_args(a.model, a.layers, True, a.engine_args)
+    args["speculative_config"] = speculative_config(a.layers)
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    # use_synchronization_lock=False: with the lock the example deadlocked in an in-process engine.
+    extra = {"shared_storage_path": str(sink), "use_synchronization_lock": False}
+    where: dict[str, str] = {"kv_connector": "ExampleHiddenStatesConnector"}
+    import torch
+
+    if not torch.cuda.is_available():  # the benchmark's CPU check: the test suite's CPU stand-ins for its copies
+        sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+        where = {"kv_connector": "CpuExampleHiddenStatesConnector", "kv_connector_module_path": "e2e_example_cpu"}
+    kv = KVTransferConfig(**where, kv_role="kv_producer", kv_connector_extra_config=extra)
+    t0 = time.monotonic()
+    llm = LLM(**args, kv_transfer_config=kv)
+    out["start_s"] = time.monotonic() - t0
+    _warmup(llm)
+    _drain(llm, [])
+    t = time.monotonic()
+    outs = llm.generate(_prompts(rows), sampling_params(max_tokens=1, temperature=0.0), use_tqdm=False)
+    files = [Path((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outs]
+    missing = _drain(llm, files)
+    out["work_s"] = time.monotonic() - t
+    out["missing"] = missing
+    out["bytes"] = sum(f.stat().st_size for f in files if f.is_file())
+    out["records"] = sum(1 for f in files if f.is_file())
+    _memory(out)
+    _config(llm, out)
+
+
+def _drain(llm: Any, files: list[Path], timeout_s: float = 300.0) -> int:
+    """Step the in-process engine while it holds requests, then wait for ``files``; returns how many are missing."""
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if core.scheduler.has_requests():
+            llm.llm_engine.step()
+        elif all(f.is_file() for f in files):
+            break
+        else:
+            time.sleep(0.005)
+    return sum(1 for f in files if not f.is_file())
+
+
+def run_export(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any]) -> None:
+    from vllm_hs_compat.adapters.engine_api import sampling_params
+    from vllm_hs_compat.connector import flush
+    from vllm_hs_compat.demo.engine import build_llm
+
+    hidden = SHAPES[a.shape][0]
+    record = max(len(r) for r in rows) * len(a.layers) * hidden * 2
+    token_file = Path(a.work) / "export.token"
+    extra = {
+        "capture": "prompt",
+        "sink": "export",
+        "export": {
+            "backend": "shm",
+            "num_slots": a.slots,
+            "slot_bytes": 1 << (record - 1).bit_length(),
+            "token_file": str(token_file),
+        },
+    }
+    t0 = time.monotonic()
+    llm = build_llm(a.model, a.layers, extra, max_model_len=4096, **a.engine_args)
+    out["start_s"] = time.monotonic() - t0
+    params = sampling_params(max_tokens=1, temperature=0.0)
+    optout = sampling_params(
+        max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {"hs_capture": {"enabled": False}}}
+    )
+    first = llm.generate([{"prompt_token_ids": rows[0][:600]}], params, use_tqdm=False)[0]  # its ticket: the endpoint
+    flush(llm)
+    _warmup(llm, optout)  # no records: the trainer gets the first one, then the timed ones
+    flush(llm)
+    entry = (first.kv_transfer_params or {})["hs_export"]
+    report = Path(a.work) / "trainer.json"
+    report.unlink(missing_ok=True)
+    report.with_suffix(".ready").unlink(missing_ok=True)
+    trainer = subprocess.Popen(
+        [sys.executable, __file__, "--trainer", entry["endpoint"], "--token-file", str(token_file),
+         "--expect", str(len(rows) + 1), "--result", str(report)],
+        env=os.environ.copy(),
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not report.with_suffix(".ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the trainer is connected and has the first record before the clock starts
+    t, t_wall = time.monotonic(), time.time()
+    llm.generate(_prompts(rows), params, use_tqdm=False)
+    flush(llm, timeout_s=300.0)
+    engine_done = time.monotonic()
+    rc = trainer.wait(timeout=600)
+    got = json.loads(report.read_text()) if report.exists() else {}
+    out.update(
+        trainer_rc=rc,
+        records=got.get("records", 0) - 1,
+        trainer_tokens=got.get("tokens", 0) - got.get("first_tokens", 0),
+        failed=got.get("failed"),
+        engine_s=engine_done - t,
+        work_s=got.get("last_wall", time.time()) - t_wall,
+        bytes=got.get("bytes", 0) - got.get("first_bytes", 0),
+    )
+    _memory(out)
+    _config(llm, out)
+
+
+def trainer(endpoint: str, token_file: str, expect: int, result: str) -> int:
+    """The trainer process of ``export``: stream records until ``expect`` arrived (or 120 s without one)."""
+    from vllm_hs_compat.export import ExportConsumer
+    from vllm_hs_compat.export.control import read_token
+
+    n = tokens = nbytes = failed = 0
+    first: dict[str, int] = {}
+    last = time.time()
+    with ExportConsumer(endpoint, read_token(token_file), backend="shm", timeout_s=30.0) as c:
+        for rec in c.iter_records(wait_s=1.0, idle_timeout_s=120.0):
+            if isinstance(rec, Exception):
+                failed += 1
+            else:
+                n += 1
+                tokens += int(rec.hidden_states.shape[0])
+                nbytes += rec.hidden_states.numel() * rec.hidden_states.element_size()
+            last = time.time()
+            if n + failed == 1:  # the record made before the clock: the benchmark waits for it
+                first = {"first_tokens": tokens, "first_bytes": nbytes}
+                Path(result).with_suffix(".ready").write_text("")
+            if n + failed >= expect:
+                break
+    Path(result).write_text(json.dumps({"records": n, "tokens": tokens, "bytes": nbytes, "failed": failed,
+                                        "last_wall": last, **first}))  # fmt: skip
+    return 0 if failed == 0 and n == expect else 1
+
+
+def child(a: argparse.Namespace) -> int:
+    rows = [json.loads(line)["input_ids"] for line in Path(a.data).read_text().splitlines()]
+    out: dict[str, Any] = {"variant": a.variant, "shape": a.shape, "rows": len(rows), "tokens": sum(map(len, rows))}
+    if a.variant in ("generate", "extract"):
+        run_generate(a, rows, out, spec=a.variant == "extract")
+    elif a.variant in ("capture", "capture_fp8"):
+        run_capture(a, rows, out, "captured" if a.variant == "capture" else "fp8_e4m3")
+    elif a.variant == "example":
+        run_example(a, rows, out)
+    else:
+        run_export(a, rows, out)
+    Path(a.result).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+# --- the driver -------------------------------------------------------------------------------------------------------
+def table(results: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"{'shape':<6} {'variant':<12} {'tok/s':>9} {'x gen':>6} {'rows/s':>7} {'B/token':>8} {'start s':>8} "
+        f"{'work s':>7} {'peak GiB':>8}"
+    ]
+    base = {r["shape"]: r["tokens"] / r["work_s"] for r in results if r["variant"] == "generate" and r.get("work_s")}
+    for r in results:
+        if not r.get("work_s"):
+            lines.append(f"{r['shape']:<6} {r['variant']:<12} FAILED: {r.get('error', '?')[-200:]}")
+            continue
+        rate = r["tokens"] / r["work_s"]
+        ratio = f"{rate / base[r['shape']]:.2f}" if r["shape"] in base else "-"
+        bpt = r.get("bytes", 0) / max(1, r["tokens"])
+        peak = r.get("gpu", {}).get("peak_reserved_bytes", 0) / 2**30
+        lines.append(
+            f"{r['shape']:<6} {r['variant']:<12} {rate:>9.0f} {ratio:>6} {r['rows'] / r['work_s']:>7.1f} "
+            f"{bpt:>8.0f} {r.get('start_s', 0):>8.1f} {r['work_s']:>7.2f} {peak:>8.1f}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench-gpu", help="bench.json and the table land here")
+    ap.add_argument("--work", default=None, help="models, rows, capture trees, example files (default OUT/work)")
+    ap.add_argument("--models", default="8b,1b", help=f"comma-separated, of {list(SHAPES)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    ap.add_argument("--rows", default="8b:256,1b:512,small:24", help="rows per shape, e.g. 8b:256,1b:512")
+    ap.add_argument("--min-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument(
+        "--batch-size", type=int, default=None, help="capture: rows given to the engine at once (the command's default)"
+    )
+    ap.add_argument("--slots", type=int, default=32, help="export: the pool's slots (of the longest record's size)")
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant process")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run: later variants skip")
+    ap.add_argument(
+        "--engine-args", default='{"load_format": "dummy"}', help="vllm.LLM arguments of every variant (JSON)"
+    )
+    # a child (one variant) or the export's trainer
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--trainer", help=argparse.SUPPRESS)
+    ap.add_argument("--token-file", help=argparse.SUPPRESS)
+    ap.add_argument("--expect", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.engine_args = json.loads(a.engine_args)
+    if a.trainer:
+        return trainer(a.trainer, a.token_file, a.expect, a.result)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work or out / "work")
+    work.mkdir(parents=True, exist_ok=True)
+    if a.variant:
+        a.layers = [int(x) for x in json.loads((Path(a.model) / "layers.json").read_text())]
+        a.work = str(work)
+        return child(a)
+    import torch
+
+    if torch.cuda.is_available():
+        a.engine_args.setdefault("attention_backend", "TRITON_ATTN")
+    t_start = time.monotonic()
+    per_shape = dict(x.split(":") for x in a.rows.split(","))
+    results: list[dict[str, Any]] = []
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if not torch.cuda.is_available():
+        env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    for shape in a.models.split(","):
+        model = work / f"model-{shape}"
+        layers = make_model(model, shape)
+        (model / "layers.json").write_text(json.dumps(layers))
+        data = work / f"rows-{shape}.jsonl"
+        make_rows(data, int(per_shape[shape]), a.min_len, a.max_len)
+        for variant in a.variants.split(","):
+            left = None if a.deadline is None else a.deadline - (time.monotonic() - t_start)
+            if left is not None and left < 60:
+                print(f"{shape} {variant}: skipped, {left:.0f} s of --deadline left", flush=True)
+                continue
+            result = work / f"{shape}-{variant}.json"
+            result.unlink(missing_ok=True)
+            cmd = [sys.executable, __file__, "--variant", variant, "--shape", shape, "--model", str(model),
+                   "--data", str(data), "--result", str(result), "--out", str(out), "--work", str(work),
+                   "--slots", str(a.slots), "--engine-args", json.dumps(a.engine_args)]  # fmt: skip
+            if a.batch_size is not None:
+                cmd += ["--batch-size", str(a.batch_size)]
+            t = time.monotonic()
+            log = out / f"{shape}-{variant}.log"
+            timeout = a.timeout if left is None else min(a.timeout, left)
+            with log.open("w") as f:
+                try:
+                    rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = -9
+            got = json.loads(result.read_text()) if result.exists() else {}
+            got.setdefault("variant", variant)
+            got.setdefault("shape", shape)
+            got.setdefault("rows", int(per_shape[shape]))
+            got.setdefault("tokens", 0)
+            got["rc"], got["wall_s"] = rc, time.monotonic() - t
+            if rc != 0:
+                got["error"] = f"rc {rc}: " + log.read_text(errors="replace")[-1500:]
+            results.append(got)
+            print("\n".join(table([r for r in results if r["shape"] == shape])[-1:]), flush=True)
+            (out / "bench.json").write_text(json.dumps(results, indent=1))
+            for stale in (work / "tree-captured", work / "tree-fp8_e4m3", work / "example_sink"):
+                shutil.rmtree(stale, ignore_errors=True)  # the disk holds one variant's records at a time
+    print("\n".join(table(results)), flush=True)
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

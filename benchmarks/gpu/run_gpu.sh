@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU leg (docs/gpu.md): real vLLM GPU engines with the package's connector, each record paired with
+# transformers, the demo, and the throughput benchmark.  Run from a checkout (or the payload's src folder) on a GPU
+# host whose python3 imports vllm and this package -- installed the usual way, or by install.sh from the payload:
+#
+#     bash benchmarks/gpu/run_gpu.sh OUT STEP...      STEP: env | e2e | demo | bench | bench-8b | bench-1b
+#
+#   env    nvidia-smi, versions, /dev/shm and disk                                   -> OUT/steps.log
+#   e2e    tests/e2e/test_e2e_engine.py on the GPU: every case of the CPU suite (dense, hybrid, concurrent,
+#          preempt, hybrid_preempt, prompt_output, overrides) plus gpu_defaults, with CUDA graphs and
+#          torch.compile on, the in-tree example connector as control, the negative controls   -> OUT/e2e.log,
+#          OUT/e2e-report.txt (every pairing matrix), OUT/e2e-junit.xml with JUNIT=1
+#   demo   vllm-hs-compat demo end to end                                            -> OUT/demo.log, OUT/demo.json
+#   bench  benchmarks/gpu/bench_gpu.py (8b then 1b, every variant)                  -> OUT/bench.json,
+#          OUT/bench-STEP.log, OUT/bench-logs.tar.gz (bench-8b / bench-1b: one shape)
+#
+# Each step has its own time limit (E2E_S, DEMO_S, BENCH_S seconds), cut to what is left before CALL_END (epoch
+# seconds; unset: no cut) -- a host that ends a call at a fixed time still gets every step's logs; a step that fails
+# does not stop the next.
+set -uo pipefail
+OUT=${1:?OUT}
+shift
+mkdir -p "$OUT"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SRC=$(cd "$HERE/../.." && pwd)
+WORK=${WORK:-/root/hs-gpu-work}
+mkdir -p "$WORK"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+rc=0
+# cap SECONDS: SECONDS, or less where CALL_END comes first (10 s kept for the logs)
+cap() {
+    local want=$1
+    if [ -n "${CALL_END:-}" ]; then
+        local left=$((CALL_END - $(date +%s) - 10))
+        [ "$left" -lt "$want" ] && want=$left
+    fi
+    [ "$want" -lt 1 ] && want=1
+    echo "$want"
+}
+# limited SECONDS LOG CMD...: CMD in a process group of its own, its output to LOG (and the last lines here); past
+# SECONDS the whole group gets SIGTERM, then SIGKILL -- engine processes a killed test started included, so the next
+# step finds the card free.
+limited() {
+    local limit=$1 log=$2
+    shift 2
+    setsid "$@" >"$log" 2>&1 &
+    local pid=$!
+    (sleep "$limit" && kill -TERM -- "-$pid" 2>/dev/null && echo "run_gpu.sh: killed after $limit s" >>"$log" &&
+        sleep 15 && kill -KILL -- "-$pid" 2>/dev/null) &
+    local watcher=$!
+    wait "$pid"
+    local r=$?
+    kill "$watcher" 2>/dev/null
+    tail -n "${TAIL:-40}" "$log"
+    return $r
+}
+for step in "$@"; do
+    t0=$(date +%s)
+    case "$step" in
+    env)
+        {
+            nvidia-smi -L
+            nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm --format=csv
+            "$PY" -c 'import sys, torch, triton, transformers, vllm, vllm_hs_compat, importlib.metadata as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "vllm-hs-compat", m.version("vllm-hs-compat"), "cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "-")'
+            df -h /dev/shm /tmp "$WORK" | sed 's/^/  /'
+            nproc
+            free -g | head -2
+        } 2>&1 | tee -a "$OUT/steps.log"
+        ;;
+    e2e)
+        export HS_E2E_JOBS=${HS_E2E_JOBS:-3} HS_E2E_WORK="$WORK/e2e-runs" HS_E2E_REPORT="$OUT/e2e-report.txt"
+        limited "$(cap "${E2E_S:-330}")" "$OUT/e2e.log" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -q \
+            -p no:cacheprovider -k "${E2E_K:-not minimal_example}" ${JUNIT:+--junitxml="$OUT/e2e-junit.xml"} || rc=1
+        ;;
+    demo)
+        rm -rf "$WORK/demo"
+        demo=("$PY" -m vllm_hs_compat.cli)
+        command -v vllm-hs-compat >/dev/null && demo=(vllm-hs-compat)  # the installed console script
+        limited "$(cap "${DEMO_S:-240}")" "$OUT/demo.log" "${demo[@]}" demo --out "$WORK/demo" || rc=1
+        cp "$WORK/demo/summary.json" "$OUT/demo.json" 2>/dev/null
+        ;;
+    bench | bench-8b | bench-1b)
+        models=8b,1b
+        [ "$step" = bench-8b ] && models=8b
+        [ "$step" = bench-1b ] && models=1b
+        budget=$(($(cap $((${BENCH_S:-540} + 30))) - 30))
+        TAIL=20
+        # shellcheck disable=SC2086
+        limited $((budget + 30)) "$OUT/bench-$step.log" "$PY" "$HERE/bench_gpu.py" --out "$WORK/bench" \
+            --models "$models" --deadline "$budget" ${BENCH_ARGS:-} || rc=1
+        cp "$WORK/bench/bench.json" "$OUT/bench.json" 2>/dev/null
+        tar -czf "$OUT/bench-logs.tar.gz" -C "$WORK/bench" --exclude work . 2>/dev/null
+        ;;
+    *)
+        echo "run_gpu.sh: unknown step $step" >&2
+        rc=2
+        ;;
+    esac
+    echo "run_gpu.sh: $step done in $(($(date +%s) - t0)) s (rc so far $rc)" | tee -a "$OUT/steps.log"
+done
+exit $rc
