@@ -71,6 +71,11 @@ class ChecksumMismatchError(RecordFormatError):
     """The bytes of a record do not match the checksum in its metadata."""
 
 
+class NonFiniteRecordError(RecordFormatError):
+    """A record's rows hold NaN or Inf values (positions past the model's own context, an overflow): it is never
+    used, whatever its checksum says (the checksum is of what was captured).  The reason ``non_finite``."""
+
+
 # --- export -------------------------------------------------------------------------------------
 class ExportError(HsCompatError):
     """Base class of every export error."""

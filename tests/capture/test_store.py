@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file, save_file
@@ -38,6 +39,7 @@ from vllm_hs_compat.capture.store import (  # noqa: E402
     read_index,
     read_summary,
 )
+from vllm_hs_compat.core.records import CaptureRecord  # noqa: E402
 from vllm_hs_compat.export import files  # noqa: E402
 
 _CTX = multiprocessing.get_context("forkserver")
@@ -326,6 +328,30 @@ def test_damaged_or_failed_records_are_failures(tmp_path: Path) -> None:
             store.adopt(SampleInfo("s0100", "x:1", 3), m4)
     s = read_summary(tmp_path)
     assert s.failed == {"bad_record": 1, "missing_record": 1, "pool_full": 1} and s.captured == 1
+
+
+def test_a_record_holding_nan_or_inf_is_never_adopted(tmp_path: Path) -> None:
+    """A staged record whose rows hold NaN (or Inf) and whose checksum is of exactly those rows (the connector
+    checksums whatever it captured) is not adopted: a failed row ``non_finite`` naming the position and layer id,
+    its files deleted.  Control: the same record without the planted value is adopted."""
+    with CaptureStore(tmp_path, run_config=RUN_CONFIG) as store:
+        for i, value in ((1, float("nan")), (2, float("-inf"))):
+            info, manifest = stage(store.staging_dir(), i)
+            rec = files.read_record(manifest)
+            rows = rec.hidden_states.clone()
+            rows[-1, 1, 3] = value
+            meta = msgspec.structs.replace(rec.meta, checksum=None)  # the file sink checksums what it is given
+            files.write_record(store.staging_dir(), CaptureRecord(meta, rows))
+            assert not files.read_record(manifest).hidden_states.isfinite().all()  # and its checksum verifies
+            row = store.adopt(info, manifest)
+            assert (row.status, row.reason, row.record) == ("failed", "non_finite", None), row
+            assert f"the first at position {rows.shape[0] - 1}" in (row.message or "") and "layer ids [" in (
+                row.message or ""
+            )
+            assert list(store.staging_dir().iterdir()) == [] and not store.done(info.sample_id)
+        info3, manifest3 = stage(store.staging_dir(), 3)  # control
+        assert store.adopt(info3, manifest3).status == "ok"
+    assert read_summary(tmp_path).failed == {"non_finite": 2}
 
 
 def test_not_owned_sample_is_refused(tmp_path: Path) -> None:

@@ -23,12 +23,14 @@ from vllm_hs_compat.export.files import record_paths, write_failure, write_recor
 LAYERS = (3, 7, 12)
 
 
-def record(rid: str = "req-1", tokens: int = 20) -> CaptureRecord:
+def record(rid: str = "req-1", tokens: int = 20, *, planted: bool = True) -> CaptureRecord:
+    """Random rows; ``planted``: one NaN in plane 1 and two Infs in plane 2 (a record that must never be ok)."""
     g = torch.Generator().manual_seed(5)
     rows = torch.randn(tokens, 3, 16, generator=g).to(torch.bfloat16)
-    rows[0, 1, 0] = float("nan")
-    rows[1, 2, 3] = float("inf")
-    rows[2, 2, 4] = float("-inf")
+    if planted:
+        rows[0, 1, 0] = float("nan")
+        rows[1, 2, 3] = float("inf")
+        rows[2, 2, 4] = float("-inf")
     meta = RecordMeta.for_tensor(rid, rows, list(range(100, 100 + tokens)), LAYERS, pre_norm=True, num_prompt_tokens=12)
     return CaptureRecord(meta, rows)
 
@@ -71,20 +73,32 @@ def test_plane_statistics_match_torch_over_finite_values() -> None:
 
 
 def test_inspect_a_file_record_by_either_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rec = record()
+    rec = record(planted=False)
     manifest = write_record(tmp_path, rec)
     for target in (manifest, record_paths(tmp_path, "req-1")[0]):
         code, rep = run_json(capsys, str(target))
         assert code == 0 and rep["ok"] is True and rep["checksum"]["ok"] is True
         assert rep["record_id"] == "req-1" and rep["tokens"] == 20 and rep["layer_ids"] == list(LAYERS)
         assert rep["manifest"] == rec.meta.with_checksum(rep["checksum"]["expected"]).to_dict()
-        assert [p["nan"] for p in rep["planes"]] == [0, 1, 0] and rep["nonfinite"] == 3
+        assert rep["nonfinite"] == 0
     assert main(["inspect", str(manifest)]) == 0
     out = capsys.readouterr().out
-    assert "checksum xxh3_64" in out and " ok" in out and "layer ids [3, 7, 12]" in out and "WARNING: 3 NaN/Inf" in out
+    assert "checksum xxh3_64" in out and " ok" in out and "layer ids [3, 7, 12]" in out and "RESULT: ok" in out
     # the response's hs_file ticket names the manifest
     code, rep = run_json(capsys, json.dumps({"hs_file": {"v": 1, "record_id": "req-1", "manifest": str(manifest)}}))
     assert code == 0 and rep["record_id"] == "req-1"
+
+
+def test_a_record_holding_nan_or_inf_is_never_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its checksum matches (it is of the NaN rows), its statistics are printed, and the verdict is ``non_finite``
+    with exit status 1, never ``RESULT: ok``."""
+    manifest = write_record(tmp_path, record("nan-1"))
+    code, rep = run_json(capsys, str(manifest))
+    assert code == 1 and rep["ok"] is False and rep["checksum"]["ok"] is True
+    assert [p["nan"] for p in rep["planes"]] == [0, 1, 0] and rep["nonfinite"] == 3
+    assert main(["inspect", str(manifest)]) == 1
+    out = capsys.readouterr().out
+    assert "RESULT: non_finite -- 3 NaN/Inf value(s) in layer ids [7, 12]" in out and "RESULT: ok" not in out
 
 
 def test_inspect_reports_a_checksum_mismatch_and_unreadable_records(
@@ -116,7 +130,7 @@ def test_inspect_reports_a_checksum_mismatch_and_unreadable_records(
 def test_inspect_fetches_an_export_ticket(backend: str, tmp_path: Path) -> None:
     p = ExportProducer(backend=backend, num_slots=4, slot_bytes=1 << 20)
     try:
-        rec = record("exported")
+        rec = record("exported", planted=False)
         params = p.publish(rec.meta, rec.hidden_states).kv_transfer_params()
         ticket_file = tmp_path / "response.json"
         ticket_file.write_text(json.dumps({"id": "cmpl-1", "kv_transfer_params": params}))
@@ -126,10 +140,10 @@ def test_inspect_fetches_an_export_ticket(backend: str, tmp_path: Path) -> None:
         rep = json.loads(proc.stdout)  # NIXL's and our progress lines went to stderr
         assert rep["source"] == {"kind": "export", "endpoint": p.endpoint, "principal": "record"}
         assert rep["record_id"] == "exported" and rep["checksum"]["ok"] is True
-        assert [p_["inf"] for p_ in rep["planes"]] == [0, 0, 2]
+        assert rep["nonfinite"] == 0
         assert "fetching record 'exported'" in proc.stderr
         # the trainer token (environment) and a corrupted slot: fetched, reported as a mismatch, exit 1
-        rec2 = record("bent")
+        rec2 = record("bent", planted=False)
         params2 = p.publish(rec2.meta, rec2.hidden_states).kv_transfer_params()
         p.transport.buffer[p.pool._by_record["bent"].offset + 7] ^= 0x02
         proc = inspect_in_a_process(json.dumps(params2), token=p.token)

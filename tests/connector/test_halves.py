@@ -252,6 +252,30 @@ def test_the_self_test_hook_corrupts_exactly_the_named_record_before_its_checksu
     assert torch.equal(hook["r1"][mid, 0], -control["r1"][mid, 0])
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_rows_holding_nan_or_inf_fail_the_record_as_non_finite_before_it_is_made(
+    make_worker: Any, tmp_path: Path, value: float
+) -> None:
+    """One value of one capture row made NaN (or Inf) in the cache: the record reading that row fails by the
+    vocabulary's ``non_finite`` (an error file naming the position and layer id, no record file, counted); a
+    record of other blocks is made.  Without the worker's check the file sink would write the record with a
+    checksum of the NaN rows, which verifies."""
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
+    assert w.reader is not None
+    w.reader.cache[7, 1, 1, 5] = value  # block 7, token 1: position 5 of a request holding blocks [3, 7, ...]
+    s = _scheduler({"capture": "all"})
+    w.on_step(_save(s, "bad", [3, 7, 9]))
+    w.on_step(_save(s, "good", [4, 5, 6]))
+    assert _drain(w) == {"bad", "good"}
+    tensors, manifest, error = files.record_paths(tmp_path, "bad")
+    assert not tensors.exists() and not manifest.exists()
+    with pytest.raises(RecordFailedError, match=f"{V.REASON_NON_FINITE}: 1 of 8 token rows hold NaN/Inf") as err:
+        files.read_record(error)
+    assert "the first at position 5, layer ids [3]" in str(err.value)
+    assert w.counters["records_non_finite"] == 1
+    assert files.read_record(files.record_paths(tmp_path, "good")[1]).hidden_states.isfinite().all()  # control
+
+
 def test_a_non_owner_reports_saves_done_and_writes_nothing(make_worker: Any, tmp_path: Path) -> None:
     w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}}, owner_tp_rank=1)
     assert not w.owner

@@ -280,6 +280,35 @@ def test_corrupt_and_truncated_files_are_counted(tmp_path: Path) -> None:
         list(HiddenStatesDataset.from_files(record_paths(tmp_path, "f-02")[1]))
 
 
+def test_records_holding_nan_or_inf_are_never_items(tmp_path: Path) -> None:
+    """Records whose checksums verify (they are of the NaN rows) but whose rows hold NaN or Inf: counted
+    ``non_finite`` and raised (or skipped), by the iterable dataset over files and by the map-style one; the
+    finite records around them are items.  The convert command notes them failed (``non_finite``) and exits 1."""
+    from vllm_hs_compat.cli import main
+    from vllm_hs_compat.errors import NonFiniteRecordError
+    from vllm_hs_compat.trainer import RecordFileDataset
+
+    for k, value in ((0, None), (1, float("nan")), (2, float("inf")), (3, None)):
+        rec = record_of(f"f-{k:02d}", k)
+        if value is not None:
+            rec.hidden_states[k, 1, 2] = value
+        write_record(tmp_path, CaptureRecord(rec.meta, rec.hidden_states))  # checksummed as they are
+    ds = HiddenStatesDataset.from_files(tmp_path, on_error="skip")
+    assert [i["record_id"] for i in ds] == ["f-00", "f-03"]
+    assert (ds.stats["errors"], ds.stats["non_finite"], ds.stats["skipped"]) == (2, 2, 2)
+    with pytest.raises(NonFiniteRecordError, match=r"record 'f-01' \(read by the trainer dataset"):
+        list(HiddenStatesDataset.from_files(tmp_path))
+    mapped = RecordFileDataset(tmp_path)
+    assert mapped[0]["hidden_states"].isfinite().all()
+    with pytest.raises(NonFiniteRecordError, match="the first at position 2"):
+        mapped[2]
+    assert main(["convert", str(tmp_path), "--to", "native", "--out", str(tmp_path / "out")]) == 1
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.json")) == [
+        "f-00.json", "f-01.error.json", "f-02.error.json", "f-03.json", "hs_format.json",
+    ]  # fmt: skip
+    assert "non_finite" in (tmp_path / "out" / "f-01.error.json").read_text()
+
+
 def test_collate_padded_batches_items_of_different_lengths(tmp_path: Path) -> None:
     short = record_of("short", 1)
     rows = rows_of(2, tokens=9)

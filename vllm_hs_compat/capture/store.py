@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, Final, ParamSpec, TypeVar
 
+from vllm_hs_compat.core import finite
+from vllm_hs_compat.core.vocabulary import REASON_NON_FINITE
 from vllm_hs_compat.errors import (
     CaptureStoreError,
     CircuitOpenError,
@@ -75,6 +77,7 @@ __all__ = [
     "RunConfigMismatchError",
     "SampleInfo",
     "Summary",
+    "failed_rows",
     "read_index",
     "read_summary",
 ]
@@ -114,6 +117,7 @@ NOT_RETRIED: Final = frozenset(
         "template",
         "bad_field",
         "bad_params",
+        REASON_NON_FINITE,
     }
 )
 
@@ -230,8 +234,9 @@ class IndexRow:
     status: str
     """"ok" (a verified record) or "failed"."""
     reason: str | None
-    """Why it failed (None when ok): "tokenizer_mismatch", "bad_record", "partial_record", "missing_record", the
-    connector's own reason from an ``.error.json``, or what the caller passed to :meth:`CaptureStore.fail`."""
+    """Why it failed (None when ok): "tokenizer_mismatch", "bad_record", "partial_record", "missing_record",
+    "non_finite", the connector's own reason from an ``.error.json``, or what the caller passed to
+    :meth:`CaptureStore.fail`."""
     message: str | None
     record: str | None
     """The record's manifest, relative to the tree's root (posix separators); None when failed."""
@@ -489,6 +494,19 @@ def read_index(out: str | os.PathLike[str]) -> pa.Table:
     Raises :class:`CaptureStoreError` for a part that cannot be read."""
     index_dir = Path(out) / "index"
     return _dedup(_concat([_read_part(p) for _, _, p in _list_parts(index_dir)]))
+
+
+def failed_rows(out: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The failed rows of the merged index (:func:`read_index`), in source order: ``sample_id``, ``source``,
+    ``reason``, ``message``, ``tokens`` (the sample's token count when it had one), ``rank``, ``time``."""
+    keys = ("sample_id", "source", "reason", "message", "tokens", "rank", "time")
+    rows = [{k: r[k] for k in keys} for r in read_index(out).to_pylist() if r["status"] != "ok"]
+
+    def place(row: dict[str, Any]) -> tuple[str, int, str]:
+        file, _, n = str(row["source"]).rpartition(":")
+        return (file, int(n), row["sample_id"]) if n.isdigit() else (str(row["source"]), -1, row["sample_id"])
+
+    return sorted(rows, key=place)
 
 
 def _tree_totals(index: pa.Table, summary: Summary) -> None:
@@ -906,7 +924,8 @@ class CaptureStore:
         ``sample.input_ids`` and its prompt is exactly them (``num_prompt_tokens == len(input_ids)``; a record
         that does not know its prompt length must have exactly those ids).  A record that fails any of these is
         not adopted: its files are deleted and a "failed" row is written (reason "tokenizer_mismatch",
-        "partial_record", "bad_record", "missing_record", or the connector's own reason) and returned."""
+        "partial_record", "bad_record", "missing_record", "non_finite" (NaN/Inf rows), or the connector's own
+        reason) and returned."""
         self._check_writable(sample)
         if sample.input_ids is None:
             raise CaptureStoreError(
@@ -952,6 +971,9 @@ class CaptureStore:
         problem = _token_problem(meta.token_ids, meta.num_prompt_tokens, sample.input_ids)
         if problem is not None:
             return self._fail_files(sample, "tokenizer_mismatch", problem, staged)
+        nonfinite = finite.problem(record.hidden_states, start=meta.start, layer_ids=meta.layer_ids)
+        if nonfinite is not None:  # a checksum is of whatever was captured: NaN rows verify like any others
+            return self._fail_files(sample, REASON_NON_FINITE, f"{nonfinite} (found when adopting the record)", staged)
 
         shard = self.out / f"shard-{self.rank}-{self._shard_no:05d}"
         shard.mkdir(exist_ok=True)

@@ -154,4 +154,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"drafter config: {summary['drafter_config']}")
         if "check" in summary:
             print(f"check: {summary['check']['verdict']}")
+    if summary.get("failed"):  # each failed record is named in the output (failed.jsonl / <record>.error.json)
+        progress(f"convert: {summary['failed']} record(s) failed (non_finite, at the source ...), see {args.out}")
+        return 1
     return 0

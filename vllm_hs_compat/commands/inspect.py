@@ -1,6 +1,8 @@
 """``vllm-hs-compat inspect PATH|TICKET``: one record's manifest and per-plane statistics.
 
-``PATH``: a file-sink record (its ``.json`` manifest or its ``.safetensors``).  ``TICKET``: a response's
+``PATH``: a file-sink record (its ``.json`` manifest or its ``.safetensors``), or a capture tree (the folder
+``vllm-hs-compat capture --out`` made: its records, tokens and failed rows by reason from the index, and each failed
+row's source, sample id, reason and message).  ``TICKET``: a response's
 ``kv_transfer_params`` (JSON text, or a file holding it; a whole response with a ``kv_transfer_params`` key, or
 the bare ``hs_export`` entry, work too).  An ``hs_file`` ticket names its manifest; an ``hs_export`` ticket is
 fetched through the export with the trainer token if this host has it, else with the ticket's own capability.
@@ -11,8 +13,10 @@ Statistics per plane (layer id): mean, std (population), min, max, absmax over t
 and Inf counts; plus the token count, layer ids, whether the checksum matches, and what the record was made for
 (schema 2: sample id, source, loss-mask spans with the number of trained rows, user metadata).
 
-Exit codes: 0 the record was read and its checksum matches (or it carries none); 1 the checksum does not match,
-or the record cannot be read (damaged, failed at the server, not found); 2 a usage error.
+Exit codes: 0 the record was read, its checksum matches (or it carries none) and every value is finite (a tree:
+every row of its index is ok); 1 the checksum does not match, a value is NaN or Inf (``non_finite``: the record must
+not be used), or the record cannot be read (damaged, failed at the server, not found) (a tree: some rows failed);
+2 a usage error.
 """
 
 from __future__ import annotations
@@ -48,11 +52,16 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for an exported record (default 10)")
     p.add_argument("--tokens", type=int, default=16, help="token ids to show in the text report (default 16)")
+    p.add_argument(
+        "--failures", type=int, default=20, help="a capture tree: failed rows to list in the text report (default 20)"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``inspect`` command: print the report; return the exit code."""
+    if (Path(args.target) / "run.json").is_file():
+        return _run_tree(args)
     with stdout_to_stderr(True):  # NIXL logs to stdout
         try:
             record, source = load(args.target, wait_s=args.wait)
@@ -198,6 +207,7 @@ def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
     else:
         checksum.update(computed=None, ok=None if shape_ok else False)
     planes = plane_stats(hs, meta.layer_ids)
+    nonfinite = sum(p["nan"] + p["inf"] for p in planes)
     return {
         "source": source,
         "record_id": meta.record_id,
@@ -205,10 +215,11 @@ def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
         "tokens": meta.shape[0],
         "layer_ids": list(meta.layer_ids),
         "checksum": checksum,
-        "nonfinite": sum(p["nan"] + p["inf"] for p in planes),
+        "nonfinite": nonfinite,
         "loss_mask_tokens": None if meta.loss_mask_spans is None else sum(b - a for a, b in meta.loss_mask_spans),
         "planes": planes,
-        "ok": checksum["ok"] is not False,
+        # a checksum is of whatever was captured: NaN/Inf rows verify like any others and are never ok
+        "ok": checksum["ok"] is not False and nonfinite == 0,
     }
 
 
@@ -270,7 +281,70 @@ def text_lines(report: dict[str, Any], show_tokens: int = 16) -> list[str]:
             f"  {p['plane']:>5} {p['layer_id']:>5} {_fmt(p['mean']):>11} {_fmt(p['std']):>11} {_fmt(p['min']):>11} "
             f"{_fmt(p['max']):>11} {_fmt(p['absmax']):>11} {p['nan']:>6} {p['inf']:>6}"
         )
-    if report["nonfinite"]:
-        lines.append(f"  WARNING: {report['nonfinite']} NaN/Inf value(s)")
-    lines.append("RESULT: ok" if report["ok"] else "RESULT: checksum FAILED")
+    if report["checksum"]["ok"] is False:
+        lines.append("RESULT: checksum FAILED")
+    elif report["nonfinite"]:
+        from vllm_hs_compat.core.finite import CAUSES
+
+        bad = [p["layer_id"] for p in report["planes"] if p["nan"] or p["inf"]]
+        lines.append(
+            f"RESULT: non_finite -- {report['nonfinite']} NaN/Inf value(s) in layer ids {bad}: this record must not be "
+            f"used ({CAUSES})"
+        )
+    else:
+        lines.append("RESULT: ok")
     return lines
+
+
+# --- a capture tree -------------------------------------------------------------------------------------------
+def tree_report(tree: str | Path) -> dict[str, Any]:
+    """A capture tree's totals from its index (records, tokens, bytes, failed rows by reason), its run settings,
+    and every failed row (``sample_id``, ``source``, ``reason``, ``message``, ``tokens``, ``rank``)."""
+    from vllm_hs_compat.capture.store import failed_rows as read_failed
+    from vllm_hs_compat.capture.store import read_summary
+
+    root = Path(tree)
+    summary = read_summary(root)
+    failed = read_failed(root)
+    return {
+        "tree": str(root),
+        "run_config": json.loads((root / "run.json").read_text()).get("run_config"),
+        "records": summary.tree_records,
+        "tokens": summary.tree_tokens,
+        "loss_tokens": summary.tree_loss_tokens,
+        "bytes": summary.tree_bytes,
+        "failed_by_reason": summary.tree_failed,
+        "failed": failed,
+        "ok": not failed,
+    }
+
+
+def tree_lines(report: dict[str, Any], limit: int) -> list[str]:
+    """The human-readable form of :func:`tree_report`: totals, failed rows by reason, the first ``limit`` failed
+    rows."""
+    by = report["failed_by_reason"]
+    lines = [
+        f"capture tree {report['tree']}",
+        f"  {report['records']} records, {report['tokens']} tokens ({report['loss_tokens']} in loss masks), "
+        f"{report['bytes']} bytes",
+        f"  failed rows: {len(report['failed'])}"
+        + (f" ({', '.join(f'{k} {v}' for k, v in sorted(by.items(), key=lambda kv: -kv[1]))})" if by else ""),
+    ]
+    for row in report["failed"][:limit]:
+        who = f"{row['sample_id']!r}" if row["sample_id"] else "(no id)"
+        lines.append(f"  {row['source']}  {who}  {row['reason']}: {row['message']}")
+    if len(report["failed"]) > limit:
+        lines.append(f"  ... {len(report['failed']) - limit} more (--failures N, or --json for all)")
+    lines.append("RESULT: ok" if report["ok"] else f"RESULT: {len(report['failed'])} row(s) failed")
+    return lines
+
+
+def _run_tree(args: argparse.Namespace) -> int:
+    try:
+        report = tree_report(args.target)
+    except (HsCompatError, OSError, ValueError) as exc:
+        message = {"ok": False, "error": type(exc).__name__, "message": str(exc), "target": args.target}
+        print(json.dumps(message, indent=2) if args.json else f"cannot read the tree: {message['message']}")
+        return EXIT_BAD_RECORD
+    print(json.dumps(report, indent=2) if args.json else "\n".join(tree_lines(report, args.failures)))
+    return EXIT_OK if report["ok"] else EXIT_BAD_RECORD

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,9 +111,11 @@ def analyse(records: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]]
     num_layers = int(hf_model.config.num_hidden_layers)
     errs: dict[int, dict[str, list[Any]]] = {}
     meta: dict[str, tuple[int | None, str]] = {}
+    nonfinite: dict[int, int] = {}
     for token_ids, layer_ids, rows in records:
         planes = hf_planes(hf_model, token_ids)
         for p, k in enumerate(layer_ids):
+            nonfinite[int(k)] = nonfinite.get(int(k), 0) + int((~torch.isfinite(rows[:, p].float())).sum())
             for label, index, norm, ref in candidates(planes):
                 meta[label] = (index, norm)
                 e = plane_error(rows[:, p].to(ref.device), ref)
@@ -126,8 +129,10 @@ def analyse(records: Sequence[tuple[Sequence[int], Sequence[int], torch.Tensor]]
         scored.sort(key=lambda c: c.max_rel)
         best, second = scored[0], (scored[1] if len(scored) > 1 else None)
         want = expected_label(k, num_layers)
-        ok = best.label == want and best.max_rel <= ROW_TOL
-        if ok:
+        ok = best.label == want and best.max_rel <= ROW_TOL and not nonfinite.get(k)
+        if nonfinite.get(k):
+            note = f"NON-FINITE: {nonfinite[k]} NaN/Inf values (the record must not be used)"
+        elif ok:
             note = "ok"
         elif best.max_rel > ROW_TOL:
             note = f"matches nothing within {ROW_TOL} (closest: {best.label})"
@@ -184,6 +189,10 @@ def _capture(args: argparse.Namespace, model: str, layers: list[int], prompts: l
         gc.collect()
         if failed:
             raise ToolError(f"{len(failed)} request(s) produced no record: {failed[:2]}")
+        lost = [json.loads(p.read_text()) for p in sorted(Path(d).glob("*.error.json"))]
+        if lost:  # a record the connector refused (e.g. non_finite: NaN/Inf rows) is named, never skipped
+            shown = "; ".join(f"{e.get('reason')}: {e.get('message')}" for e in lost[:2])
+            raise ToolError(f"{len(lost)} of {len(prompts)} records failed in the connector: {shown}")
         records = list(iter_records(d))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

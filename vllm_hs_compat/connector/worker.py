@@ -19,13 +19,20 @@ import torch
 from vllm_hs_compat import api
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.reader import Ranks
+from vllm_hs_compat.core import finite
 from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, StepPlan
 from vllm_hs_compat.core.groups import CaptureGroup
 from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.layout import CaptureView
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.core.transfer import PendingRows, RowReader
-from vllm_hs_compat.core.vocabulary import REASON_BACKLOG, REASON_BLOCKS, REASON_SLOT_CHECK, reason_of
+from vllm_hs_compat.core.vocabulary import (
+    REASON_BACKLOG,
+    REASON_BLOCKS,
+    REASON_NON_FINITE,
+    REASON_SLOT_CHECK,
+    reason_of,
+)
 from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatError
 
 from .config import ConnectorConfig
@@ -106,6 +113,7 @@ class CaptureWorker:
             "saves": 0,
             "records": 0,
             "records_failed": 0,
+            "records_non_finite": 0,
             "bytes": 0,
             "slot_checks": 0,
             "slot_checks_failed": 0,
@@ -365,6 +373,12 @@ class CaptureWorker:
                 rows = pending.rows
                 if self.sink is None:
                     raise CaptureViewError("no sink")
+                # NaN/Inf: flags computed on the device with the read (CPU and the direct path: here, on the host)
+                bad = finite.problem(rows, pending.finite, start=save.start, layer_ids=self.labels.layer_ids)
+                if bad is not None:
+                    self._count("records_non_finite")
+                    self._fail(save, REASON_NON_FINITE, f"{bad} (checked by the connector before the record was made)")
+                    continue
                 self.sink.write(self._record(save, rows), save.publication)
                 self._count("records")
                 self._count("bytes", nbytes)

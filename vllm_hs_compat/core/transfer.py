@@ -28,6 +28,7 @@ import torch
 
 from .. import envs
 from ..errors import SlotError, TransferError
+from .finite import token_flags
 from .layout import (
     CaptureView,
     ChunkPlan,
@@ -60,11 +61,17 @@ def side_stream(device: torch.device) -> Any:
 
 @dataclass
 class PendingRows:
-    """Rows being copied; ``rows`` is valid once :meth:`done` is True (or after :meth:`wait`)."""
+    """Rows being copied; ``rows`` is valid once :meth:`done` is True (or after :meth:`wait`).
+
+    ``finite``: ``[T]`` bool on the host, True where token row ``t`` holds no NaN/Inf
+    (:func:`~vllm_hs_compat.core.finite.token_flags`), computed on the device beside the copy and valid with the
+    rows; None where the read has no device pass to fold it into (CPU, the direct kernel path): the reader checks
+    the host rows then."""
 
     rows: torch.Tensor
     event: Any = None
     _keepalive: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+    finite: torch.Tensor | None = None
 
     def done(self) -> bool:
         if self.event is None or self.event.query():
@@ -209,10 +216,13 @@ def _gather_to_host(
     written: Any,
     pool: PinnedIndexPool | None,
     path: str,
-) -> tuple[Any, tuple[torch.Tensor, ...]]:
+) -> tuple[Any, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """Queue the copy of the rows of manager ``slots`` (int64, CPU) into the pinned host ``out`` on ``side`` after
-    ``written``; returns the completion event and the tensors to keep alive until it completes."""
+    ``written``; returns the completion event, the tensors to keep alive until it completes, and the per-token
+    finite flags (pinned host, valid with the rows; None on the direct kernel path, which stages nothing on the
+    device)."""
     t = int(slots.numel())
+    flags: torch.Tensor | None = None
     buf = None
     if pool is not None:
         buf = pool.take(t)
@@ -229,6 +239,9 @@ def _gather_to_host(
         if path != "direct" or not _direct_gather(table, idx, dst):
             row_bytes = int(dst.shape[1]) * dst.element_size() * per
             step = max(1, STAGE_BYTES // max(1, row_bytes))
+            # NaN/Inf per token, one masked reduction over each staged chunk while it is on the device (born on
+            # the side stream like the stage); the flags reach the host with the rows, under the same event
+            on_device = torch.empty(t, dtype=torch.bool, device=cache.device)
             for lo in range(0, t, step):
                 whole = t <= step
                 # Born on the side stream and freed there: the allocator reuses it only after this copy.  The
@@ -236,12 +249,16 @@ def _gather_to_host(
                 # less than the Triton kernel's); per-plane tables take the kernel (no index kernels before it).
                 chunk = idx if whole else idx[lo : lo + step]
                 stage = gather_slots(table, chunk, kernel_min_bytes=1 << 62)
+                k = int(chunk.numel())
+                on_device[lo : lo + k] = token_flags(stage.view(table.dtype).view(k, -1))
                 (dst if whole else dst[lo * per : (lo + step) * per]).copy_(stage, non_blocking=True)
+            flags = torch.empty(t, dtype=torch.bool, pin_memory=True)
+            flags.copy_(on_device, non_blocking=True)
         finished = _cuda.Event()
         finished.record(side)
     if buf is not None and pool is not None:
         pool.give(buf, finished)  # reusable once this read completed (its upload long before)
-    return finished, (idx, host_idx)
+    return finished, (idx, host_idx), flags
 
 
 def _wait(side: Any, written: Any) -> None:
@@ -295,10 +312,10 @@ def copy_rows_async(
         written = torch.cuda.current_stream(cache.device)
     if table is None or not out.is_pinned():
         return _copy_indexed(cache, view, slots, out, side, written)
-    event, keep = _gather_to_host(
+    event, keep, flags = _gather_to_host(
         cache, table, slots, out, side=side, written=written, pool=pool, path=path or _default_path()
     )
-    return PendingRows(out, event, (*keep, out))
+    return PendingRows(out, event, (*keep, out), finite=flags)
 
 
 def _copy_indexed(
@@ -315,9 +332,11 @@ def _copy_indexed(
         idx = slots.to(cache.device, non_blocking=True)
         rows = gather_rows(cache, view, idx)
         out.copy_(rows, non_blocking=True)
+        flags = torch.empty(int(slots.numel()), dtype=torch.bool, pin_memory=True)
+        flags.copy_(token_flags(rows.contiguous()), non_blocking=True)
         finished = _cuda.Event()
         finished.record(side)
-    return PendingRows(out, finished, (idx, rows, slots))
+    return PendingRows(out, finished, (idx, rows, slots), finite=flags)
 
 
 #: One request's token range: ``(req_id, block_ids, start, num_tokens)``.
@@ -356,7 +375,8 @@ def copy_requests_async(
             result.append(at)
         elif pending is not None:
             # A view of the batch's host tensor (pinned on CUDA): the memory goes with the last view.
-            result.append(PendingRows(pending.rows[at : at + num_tokens], pending.event, pending._keepalive))
+            finite = None if pending.finite is None else pending.finite[at : at + num_tokens]
+            result.append(PendingRows(pending.rows[at : at + num_tokens], pending.event, pending._keepalive, finite))
         else:  # nothing to read at all (zero-token ranges)
             result.append(PendingRows(torch.empty((0, view.num_planes, view.hidden_size), dtype=cache.dtype)))
     return result

@@ -64,6 +64,7 @@ REASON_SLOT_CHECK: Final = "slot_check"
 REASON_BACKLOG: Final = "backlog"
 REASON_POOL_FULL: Final = "pool_full"
 REASON_SINK: Final = "sink"
+REASON_NON_FINITE: Final = "non_finite"
 
 #: reason -> (where it is decided, what it means and what to do).  "scheduler" reasons come back in the response's
 #: ``hs_record``; "worker" reasons after the response, as the ``RecordFailedError`` of the ticket's fetch (the
@@ -81,6 +82,7 @@ REASONS: Final[Mapping[str, tuple[str, str]]] = {
     REASON_BACKLOG: ("worker", "the worker's records waiting for the sink passed their byte limit"),
     REASON_POOL_FULL: ("worker", "the export pool had no free slot (`on_full: \"drop\"`, or after `wait_timeout_s`)"),
     REASON_SINK: ("worker", "the sink raised (a file error, a callback's exception); the message names the error"),
+    REASON_NON_FINITE: ("worker", "the rows hold NaN/Inf (positions past the model's own context, an overflow)"),
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ per-layer sliding-window masks -- over the very same state dict.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -154,12 +155,15 @@ class PlaneError:
 
 
 def plane_error(rec: torch.Tensor, ref: torch.Tensor) -> PlaneError:
-    """``rec`` and ``ref`` are ``[T, C]`` of one plane (same T)."""
+    """``rec`` and ``ref`` are ``[T, C]`` of one plane (same T).  A ``rec`` holding NaN or Inf is infinitely far
+    (``inf``, ``inf``): it never passes a tolerance."""
     if rec.shape != ref.shape:
         raise HfReferenceError(f"plane shapes differ: record {tuple(rec.shape)}, reference {tuple(ref.shape)}")
     if rec.numel() == 0:
         return PlaneError(0.0, 0.0)
     a, b = rec.float().cpu(), ref.float().cpu()
+    if not bool(torch.isfinite(a).all()):  # NaN compares false with everything: never let it pass as a small error
+        return PlaneError(math.inf, math.inf)
     rel = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
     return PlaneError(float(rel.max()), float((a - b).abs().max()))
 

@@ -42,8 +42,8 @@ not yielded).  With workers, the records already in the
 DataLoader's prefetch queue (at most ``num_workers * prefetch_factor``) were delivered by the producer and not
 trained on; compare the producer's ``delivered`` (``ExportConsumer.remote_stats()``) with the state's count.
 
-Errors: a record that fails (checksum, bad format, failed at the server, does not fit the layout, a transport error
-that failed that record alone) is counted in :attr:`~HiddenStatesDataset.stats` and then raised
+Errors: a record that fails (checksum, NaN/Inf rows, bad format, failed at the server, does not fit the layout, a
+transport error that failed that record alone) is counted in :attr:`~HiddenStatesDataset.stats` and then raised
 (``on_error="raise"``, default) or logged and skipped (``on_error="skip"``).  A raised error ends that
 iteration; the next one continues after the consumed records (export: the failed record was settled and does not
 come back; files: it is read, and fails, again).  Errors of the connection itself (producer unreachable, wrong
@@ -64,6 +64,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.finite import check_record
 from vllm_hs_compat.core.records import CaptureRecord
 from vllm_hs_compat.trainer.layouts import LossMaskFn, check_layout, check_loss_mask, to_item
 
@@ -76,6 +77,7 @@ COUNTERS: Final = (
     "errors",  # failed records (the sum of the kinds below)
     "skipped",  # failed records skipped (on_error="skip"); the rest were raised
     "checksum_failed",  # ChecksumMismatchError
+    "non_finite",  # NonFiniteRecordError: the rows hold NaN/Inf (the record is never yielded)
     "bad_format",  # RecordFormatError (other than checksum and layout): damaged manifest, tensor, descriptor
     "failed_at_source",  # RecordFailedError: the server recorded why the record will not exist
     "layout_refused",  # LayoutError: the record cannot take the layout (e.g. one plane for eagle3)
@@ -94,6 +96,8 @@ _MAX_WORKERS: Final = 256
 def _kind(exc: E.HsCompatError) -> str:
     if isinstance(exc, E.ChecksumMismatchError):
         return "checksum_failed"
+    if isinstance(exc, E.NonFiniteRecordError):
+        return "non_finite"
     if isinstance(exc, E.LayoutError):
         return "layout_refused"
     if isinstance(exc, E.RecordFormatError | E.DescriptorError):
@@ -287,6 +291,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
                     self._count(row, "resume_skipped")
                     continue
                 try:
+                    check_record(res, f"read by the trainer dataset from {self.source!r}")
                     item = to_item(res, self.layout, self.loss_mask, self.dtype)
                 except E.HsCompatError as exc:
                     res = exc

@@ -51,6 +51,7 @@ from typing import Any, Final
 
 import torch
 
+from vllm_hs_compat.core.finite import check_record
 from vllm_hs_compat.core.records import CaptureRecord
 from vllm_hs_compat.errors import FinalNormError, FormatError, LayerNumberingError
 from vllm_hs_compat.trainer.final_norm import POST_NORM_TOL, FinalNorm, load_final_norm
@@ -443,9 +444,11 @@ class FormatWriter:
             )
 
     def write(self, record: CaptureRecord, loss_mask: torch.Tensor | None = None) -> Path:
-        """Write one record; returns the main file written."""
+        """Write one record; returns the main file written.  A record holding NaN or Inf is refused
+        (:class:`~vllm_hs_compat.errors.NonFiniteRecordError`; :func:`convert` notes it failed as ``non_finite``)."""
         if self._closed:
             raise FormatError(f"the {self.fmt!r} writer of {self.out} is closed")
+        check_record(record, f"converted to {self.fmt}")
         if self.fmt == "native":
             from vllm_hs_compat.export.files import write_record
 
@@ -649,8 +652,22 @@ def convert(
         except RecordFailedError as exc:
             writer.fail(manifest.name.removesuffix(".error.json"), "failed_at_source", str(exc))
             continue
-        writer.write(record)
+        _write_or_fail(writer, record)
     return writer.close()
+
+
+def _write_or_fail(writer: FormatWriter, record: CaptureRecord) -> bool:
+    """``writer.write(record)``; a record holding NaN/Inf is noted failed (``non_finite``) instead.  True when
+    written."""
+    from vllm_hs_compat.core.vocabulary import REASON_NON_FINITE
+    from vllm_hs_compat.errors import NonFiniteRecordError
+
+    try:
+        writer.write(record)
+    except NonFiniteRecordError as exc:
+        writer.fail(record.meta.record_id, REASON_NON_FINITE, str(exc))
+        return False
+    return True
 
 
 def is_endpoint(src: str | os.PathLike[str]) -> bool:
@@ -707,8 +724,10 @@ def convert_export(
             elif isinstance(res, _Skipped):
                 counts["skipped"] += 1
             elif isinstance(res, CaptureRecord):
-                writer.write(res)
-                counts["records"] += 1
+                if _write_or_fail(writer, res):
+                    counts["records"] += 1
+                else:
+                    counts["failed"] += 1
             else:  # one record failed on the way (it is settled at the producer): noted, the stream goes on
                 reason = "failed_at_source" if isinstance(res, RecordFailedError) else type(res).__name__
                 counts["failed"] += 1

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vllm_hs_compat import errors as E
+from vllm_hs_compat.core.finite import check_record
 from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.trainer.layouts import LossMaskFn, check_layout, check_loss_mask, to_item
 
@@ -107,6 +108,7 @@ class RecordFileDataset(Dataset[dict[str, torch.Tensor]]):
                 f"{self.manifests[index]}: the record changed since the dataset was built "
                 f"({self.metas[index].record_id!r} -> {record.meta.record_id!r})"
             )
+        check_record(record, "read by RecordFileDataset")  # NaN/Inf rows: NonFiniteRecordError, never an item
         item = to_item(record, self.layout, self.loss_mask, self.dtype)
         for key in META_KEYS:
             item.pop(key, None)
