@@ -321,6 +321,28 @@ def test_bad_rows_are_named_and_the_run_goes_on(tok: Any, write_jsonl: Callable[
     assert msg[11].sample_id == "a" and f"first seen at {path}:0" in msg[11].message
 
 
+def test_roles_are_checked_alike_in_every_shape(tok: Any, write_jsonl: Callable[..., Path]) -> None:
+    """An OpenAI message with role ``wizard`` is refused as ShareGPT's ``from: wizard`` is (it rendered as an ``ok``
+    record under ``--loss-mask all`` before), so are a capitalised role and ShareGPT's names inside ``messages``,
+    and a ShareGPT item given as role/content; the documented roles pass in both shapes (control)."""
+    wizard = [{"role": "wizard", "content": "abracadabra"}, {"role": "assistant", "content": "hi"}]
+    rows: list[Any] = [
+        {"id": "openai", "messages": wizard},
+        {"id": "sharegpt", "conversations": [{"from": "wizard", "value": "x"}, {"from": "gpt", "value": "hi"}]},
+        {"id": "items", "conversations": wizard},
+        {"id": "caps", "messages": [{"role": "User", "content": "x"}, {"role": "assistant", "content": "hi"}]},
+        {"id": "names", "messages": [{"role": "human", "content": "x"}, {"role": "gpt", "content": "hi"}]},
+        {"id": "ok-openai", "messages": [{"role": "system", "content": "s"}, *TALK]},
+        {"id": "ok-sharegpt", "conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "hi"}]},
+    ]
+    for mode in ("all", "assistant"):
+        got = samples(write_jsonl(rows), tok, loss_mask=mode)
+        assert errors(got) == [(i, "bad_field") for i in range(5)], mode
+        assert [s.sample_id for s in got if isinstance(s, Sample)] == ["ok-openai", "ok-sharegpt"]
+        first = got[0]
+        assert isinstance(first, RowError) and "'messages'[0] has role 'wizard'; expected one of" in first.message
+
+
 def test_too_long_rows_say_length_and_limit(tok: Any, write_jsonl: Callable[..., Path]) -> None:
     n = len(expected(tok, pieces(TALK))[0])
     path = write_jsonl([{"messages": TALK}, {"input_ids": [5] * n, "loss_mask": [1] * n}])
@@ -328,6 +350,7 @@ def test_too_long_rows_say_length_and_limit(tok: Any, write_jsonl: Callable[...,
     got = samples(path, tok, max_len=n - 1)
     assert errors(got) == [(0, "too_long"), (1, "too_long")]
     assert f"has {n} tokens, more than the {n - 1}" in got[0].message  # type: ignore[union-attr]
+    assert [e.num_tokens for e in got if isinstance(e, RowError)] == [n, n]  # the index row carries the count
     # On-policy leaves room for at least one generated token.
     m = len(expected(tok, pieces(TALK[:-1], generation_prompt=True))[0])
     assert errors(samples(path, tok, max_len=m + 1, on_policy=True)) == [(1, "too_long")]

@@ -25,8 +25,10 @@ from vllm_hs_compat.core.capture import mask_spans  # a 0/1 mask as the request'
 from vllm_hs_compat.errors import CaptureDataError
 
 __all__ = [
+    "CHECKED_ROWS",
     "FIELD_NAMES",
     "LOSS_MASKS",
+    "MESSAGE_ROLES",
     "METADATA_MAX_BYTES",
     "ROW_ERROR_REASONS",
     "SHAREGPT_ROLES",
@@ -34,6 +36,7 @@ __all__ = [
     "Sample",
     "SourceRef",
     "canonical_json",
+    "check_rows",
     "check_template",
     "content_id",
     "has_generation_markers",
@@ -72,6 +75,11 @@ FIELD_NAMES: tuple[str, ...] = ("id", "messages", "conversations", "prompt", "in
 SHAPES: tuple[str, ...] = ("input_ids", "messages", "conversations", "prompt")
 #: A row's metadata, as compact JSON, is at most this many bytes.
 METADATA_MAX_BYTES = 4096
+#: The roles a message may have, whatever the row's shape (OpenAI ``messages``, ShareGPT ``conversations`` after
+#: its ``from`` names are mapped, or its items given as role/content): the roles chat templates render.  Anything
+#: else (``"wizard"``, ``"User"``, ShareGPT's ``"gpt"`` inside ``messages``) is ``bad_field``: a template either
+#: raises on it or renders it as something the verifier was never trained on.
+MESSAGE_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 #: ShareGPT ``from`` values and the chat role each becomes.
 SHAREGPT_ROLES: dict[str, str] = {
     "system": "system",
@@ -130,6 +138,8 @@ class RowError:
     source: SourceRef
     reason: str
     message: str
+    num_tokens: int = 0
+    """The row's token count where it was known when it failed (``too_long``: its length), else 0."""
 
 
 # --- sample ids ---------------------------------------------------------------------------------------------
@@ -244,10 +254,11 @@ def check_template(
 
 # --- rows ---------------------------------------------------------------------------------------------------
 class _RowFail(Exception):
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, num_tokens: int = 0) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.num_tokens = num_tokens
 
 
 def _kind(value: Any) -> str:
@@ -351,8 +362,10 @@ class _Reader:
                 room = " (on-policy: at least one position is left to generate)" if self.on_policy else ""
                 raise _RowFail(
                     "too_long",
-                    f"the row has {len(ids)} tokens, more than the {limit} the model's context of {self.max_len} "
-                    f"takes{room}; shorten or drop the row, or raise the engine's max_model_len",
+                    f"the row has {len(ids)} tokens, more than the {limit} a context of {self.max_len} takes{room}; "
+                    "shorten or drop the row (positions past the context the engine and the model were made for give "
+                    "no usable rows)",
+                    num_tokens=len(ids),
                 )
         return ids
 
@@ -446,6 +459,12 @@ class _Reader:
             if not isinstance(msg.get("role"), str):
                 keys = "'from'/'value'" if shape == "conversations" else "'role'/'content'"
                 raise _RowFail("bad_field", f"{name!r}[{i}] has keys {sorted(m)}; expected {keys}")
+            if msg["role"] not in MESSAGE_ROLES:
+                raise _RowFail(
+                    "bad_field",
+                    f"{name!r}[{i}] has role {msg['role']!r}; expected one of {list(MESSAGE_ROLES)} (ShareGPT's "
+                    "names such as human/gpt go in 'conversations' as from/value)",
+                )
             out.append(msg)
         return out
 
@@ -493,6 +512,98 @@ class _Reader:
                 "with content for --loss-mask assistant; drop the row or use --loss-mask all",
             )
         return ids, mask, len(ids)
+
+
+#: Rows :func:`check_rows` looks at before any engine starts: enough to tell a file's shape, cheap on any source.
+CHECKED_ROWS = 256
+_ASSISTANT_FROM = frozenset(k for k, v in SHAREGPT_ROLES.items() if v == "assistant")
+
+
+def _row_kind(row: Mapping[str, Any], fields: Mapping[str, str]) -> tuple[str, bool] | None:
+    """The row's shape (the first of :data:`SHAPES` present) and whether it can give an assistant loss mask (its
+    own ``loss_mask``, or an assistant turn); None when it has none of the shapes."""
+    for shape in SHAPES:
+        value = row.get(fields.get(shape, shape))
+        if value is None:
+            continue
+        if shape == "input_ids":
+            return shape, row.get(fields.get("loss_mask", "loss_mask")) is not None
+        if shape == "prompt":
+            return shape, False
+        turns = value if isinstance(value, list | tuple) else ()
+        assistant = False
+        for m in turns:
+            if isinstance(m, dict):
+                who = m.get("from") if shape == "conversations" and "from" in m else m.get("role")
+                names = _ASSISTANT_FROM if shape == "conversations" and "from" in m else {"assistant"}
+                assistant = assistant or (isinstance(who, str) and who.lower() in names)
+        return shape, assistant
+    return None
+
+
+def check_rows(
+    src: str | os.PathLike[str],
+    loss_mask: str,
+    *,
+    fields: Mapping[str, str] | None = None,
+    on_policy: bool = False,
+    rows: int = CHECKED_ROWS,
+) -> None:
+    """Refuse, before any engine starts, a source whose first ``rows`` rows cannot give one sample as asked:
+    no rows at all; none of a known shape (every one malformed, or without ``messages`` / ``conversations`` /
+    ``prompt`` / ``input_ids`` after ``fields``); or, under ``loss_mask="assistant"`` off-policy, none that can be
+    masked: ``prompt`` rows (text has no assistant turn), ``input_ids`` rows without their own ``loss_mask``,
+    conversations without an assistant turn.  Raises :class:`~vllm_hs_compat.errors.CaptureDataError` naming what
+    was found and the fix (``--loss-mask all``, ``--loss-mask none``, ``--on-policy``, a ``loss_mask`` column,
+    ``--field``).  A source where some rows can be used passes: the others are counted row errors."""
+    mapping = dict(fields or {})
+    seen = 0
+    malformed: list[Unreadable] = []
+    unknown: list[RawRow] = []
+    kinds: dict[tuple[str, bool], int] = {}
+    for item in open_source(src):
+        if seen >= rows:
+            break
+        seen += 1
+        if isinstance(item, Unreadable):
+            malformed.append(item)
+            continue
+        kind = _row_kind(item.row, mapping)
+        if kind is None:
+            unknown.append(item)
+            continue
+        kinds[kind] = kinds.get(kind, 0) + 1
+    name = os.fspath(src)
+    if not seen:
+        raise CaptureDataError(f"{name} holds no rows: there is nothing to capture")
+    first = f"the first {seen} rows" if seen == rows else f"its {seen} rows"
+    if not kinds:
+        found = []
+        if malformed:
+            found.append(f"{len(malformed)} malformed (first: {malformed[0].source}: {malformed[0].message[:200]})")
+        if unknown:
+            keys = sorted(unknown[0].row)[:12]
+            found.append(f"{len(unknown)} of no known shape (first: {unknown[0].source}, keys {keys})")
+        raise CaptureDataError(
+            f"none of {first} of {name} is a row capture can read: {'; '.join(found)}. Rows are JSON objects with "
+            f"{', '.join(SHAPES)}; map other column names with --field NAME=COLUMN (e.g. --field messages=dialog)"
+        )
+    if loss_mask != "assistant" or on_policy or any(can for (_, can) in kinds):
+        return
+    what = []
+    for (shape, _), n in sorted(kinds.items()):
+        if shape == "prompt":
+            what.append(f"{n} `prompt` rows (text: no assistant turn)")
+        elif shape == "input_ids":
+            what.append(f"{n} `input_ids` rows without their own {mapping.get('loss_mask', 'loss_mask')!r}")
+        else:
+            what.append(f"{n} `{shape}` rows without an assistant turn")
+    raise CaptureDataError(
+        f"--loss-mask assistant (the default) trains on the assistant turns, and none of {first} of {name} has "
+        f"one: {', '.join(what)}. Use --loss-mask all (train on every token), --loss-mask none (no mask), or "
+        "--on-policy (the verifier generates the answer, which is trained); pre-tokenized rows can carry their own "
+        "'loss_mask' (one 0/1 per id)"
+    )
 
 
 def read_samples(
@@ -557,6 +668,6 @@ def _samples(
             metadata = reader.metadata(item.row)
             ids, mask, prompt_len = reader.build(item.row)
         except _RowFail as e:
-            yield RowError(sample_id, item.source, e.reason, e.message)
+            yield RowError(sample_id, item.source, e.reason, e.message, e.num_tokens)
             continue
         yield Sample(sample_id, item.source, ids, mask, prompt_len, metadata)
