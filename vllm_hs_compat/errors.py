@@ -243,6 +243,11 @@ class CircuitOpenError(CaptureStoreError):
     """The capture stopped after too many consecutive failures; the message names the last reasons."""
 
 
+class EngineStartError(ToolError):
+    """vLLM refused to start the engine with the arguments it was given (or could not be imported); the message
+    quotes vLLM's error, names the argument to change and where vLLM's output went."""
+
+
 class TinyModelError(ToolError):
     """A tiny model was asked for with an unknown kind or geometry."""
 

@@ -147,6 +147,7 @@ def test_inspect_fetches_an_export_ticket(backend: str, tmp_path: Path) -> None:
         params2 = p.publish(rec2.meta, rec2.hidden_states).kv_transfer_params()
         p.transport.buffer[p.pool._by_record["bent"].offset + 7] ^= 0x02
         proc = inspect_in_a_process(json.dumps(params2), token=p.token)
+        assert proc.stdout, proc.stderr[-3000:]
         rep = json.loads(proc.stdout)
         assert proc.returncode == 1 and rep["source"]["principal"] == "trainer" and rep["checksum"]["ok"] is False
         st = p.stats()

@@ -267,17 +267,24 @@ class Summary:
     the merged index (``tree_*``: what a trainer will find, whatever runs made it)."""
 
     rows_read: int = 0
+    """Rows of the rank's share read from the source in the run, whatever became of them (skipped included)."""
     captured: int = 0
     skipped: int = 0
-    """Rows whose sample was already done at start (reported through :meth:`CaptureStore.note_rows`)."""
+    """Of those, rows whose sample was already done at start (reported through :meth:`CaptureStore.note_rows`)."""
     failed: dict[str, int] = field(default_factory=dict)
-    """Failed rows of the run by reason."""
+    """Samples (rows) of the run that ended failed, by reason: a failed attempt that a later attempt of the same
+    run captured is not counted."""
     tokens: int = 0
     loss_tokens: int = 0
     bytes: int = 0
     elapsed_s: float = 0.0
     """Wall time of the run (merged: the longest rank's, ranks run side by side)."""
+    engine_start_s: float = 0.0
+    """Time the run's engine took to start (merged: the longest rank's); 0 when none started."""
+    capture_s: float = 0.0
+    """Time from a ready engine to the last record adopted (merged: the longest rank's)."""
     tokens_per_s: float = 0.0
+    """Tokens captured per second of capture (``tokens / capture_s``; engine start-up not counted)."""
     ranks: list[int] = field(default_factory=list)
     world_size: int = 1
     closed: bool = False
@@ -529,7 +536,8 @@ def _tree_totals(index: pa.Table, summary: Summary) -> None:
 
 def read_summary(out: str | os.PathLike[str]) -> Summary:
     """The runs' counters merged over ranks (every ``summary-rank-R.json``: each rank's latest run) plus the tree's
-    totals from :func:`read_index`.  ``elapsed_s`` is the longest rank's and ``tokens_per_s`` = tokens / that."""
+    totals from :func:`read_index`.  ``elapsed_s`` and ``capture_s`` are the longest rank's and ``tokens_per_s`` =
+    tokens / ``capture_s``."""
     root = Path(out)
     merged = Summary()
     failed: Counter[str] = Counter()
@@ -549,13 +557,15 @@ def read_summary(out: str | os.PathLike[str]) -> Summary:
         merged.loss_tokens += s.loss_tokens
         merged.bytes += s.bytes
         merged.elapsed_s = max(merged.elapsed_s, s.elapsed_s)
+        merged.engine_start_s = max(merged.engine_start_s, s.engine_start_s)
+        merged.capture_s = max(merged.capture_s, s.capture_s)
         merged.ranks.extend(s.ranks)
         merged.world_size = max(merged.world_size, s.world_size)
         closed = closed and s.closed
     merged.failed = dict(sorted(failed.items()))
     merged.ranks.sort()
     merged.closed = closed and found
-    merged.tokens_per_s = merged.tokens / merged.elapsed_s if merged.elapsed_s > 0 else 0.0
+    merged.tokens_per_s = merged.tokens / merged.capture_s if merged.capture_s > 0 else 0.0
     _tree_totals(read_index(root), merged)
     return merged
 
@@ -651,7 +661,8 @@ class CaptureStore:
         self._started = time.monotonic()
         self._closed = False
         self._summary = Summary(ranks=[rank], world_size=world_size)
-        self._failed: Counter[str] = Counter()
+        #: sample key -> reason, for this run's samples whose latest row is failed (a later "ok" takes it out)
+        self._failed: dict[str, str] = {}
         self._mutex = threading.RLock()
 
         self.out.mkdir(parents=True, exist_ok=True)
@@ -684,7 +695,7 @@ class CaptureStore:
             foreign = [
                 p.name
                 for p in self.out.iterdir()
-                if p.name not in ("index", ".staging", "run.json") and not p.name.startswith(".run.json.")
+                if p.name not in ("index", ".staging", "logs", "run.json") and not p.name.startswith(".run.json.")
             ]
             if foreign:
                 raise CaptureStoreError(
@@ -1013,6 +1024,7 @@ class CaptureStore:
         self._append(row)
         _point("adopt.after_journal")
         self._done.add(sample.key)
+        self._failed.pop(sample.key, None)  # an earlier attempt of this run failed: the sample is captured now
         s = self._summary
         s.captured += 1
         s.tokens += row.tokens
@@ -1052,7 +1064,7 @@ class CaptureStore:
             time=time.time(),
         )
         self._append(row)
-        self._failed[reason] += 1
+        self._failed[sample.key] = reason
         if len(self._pending) >= self.records_per_shard:
             self._flush()
         return row
@@ -1123,11 +1135,23 @@ class CaptureStore:
 
     def _rank_summary(self) -> Summary:
         s = self._summary
-        s.failed = dict(sorted(self._failed.items()))
+        s.failed = dict(sorted(Counter(self._failed.values()).items()))
         s.elapsed_s = time.monotonic() - self._started
-        s.tokens_per_s = s.tokens / s.elapsed_s if s.elapsed_s > 0 else 0.0
+        s.tokens_per_s = s.tokens / s.capture_s if s.capture_s > 0 else 0.0
         s.closed = self._closed
         return s
+
+    @_locked
+    def note_times(self, *, engine_start_s: float, capture_s: float) -> None:
+        """The run's engine start and its capture (from a ready engine to the last record adopted): the summary's
+        ``tokens_per_s`` is of the capture alone."""
+        self._summary.engine_start_s = engine_start_s
+        self._summary.capture_s = capture_s
+
+    @_locked
+    def run_summary(self) -> Summary:
+        """This rank's counters of this run (what ``summary-rank-R.json`` holds), without the tree's totals."""
+        return Summary.from_dict(self._rank_summary().to_dict())
 
     def _write_rank_summary(self) -> None:
         data = json.dumps(self._rank_summary().to_dict(), indent=1).encode()

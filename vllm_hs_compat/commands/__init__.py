@@ -9,7 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+#: Where :func:`progress` writes while :func:`console_to_log` holds the process's stdout/stderr (None: stderr).
+_CONSOLE: IO[str] | None = None
 
 
 @contextlib.contextmanager
@@ -33,5 +39,44 @@ def stdout_to_stderr(active: bool) -> Iterator[None]:
 
 
 def progress(message: str) -> None:
-    """A progress line on stderr (never stdout: it may carry ``--json``)."""
-    print(f"vllm-hs-compat: {message}", file=sys.stderr, flush=True)
+    """A progress line on stderr (never stdout: it may carry ``--json``); the console's stderr while
+    :func:`console_to_log` sends everything else to a log."""
+    print(f"vllm-hs-compat: {message}", file=_CONSOLE or sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def console_to_log(
+    log_path: str | os.PathLike[str], header: str = "", *, progress_to_console: bool = True
+) -> Iterator[IO[str]]:
+    """Send file descriptors 1 and 2 (vLLM's logs, C++ and library warnings) to ``log_path`` (appended; a header
+    line per use) while active; :func:`progress` keeps writing to the console's stderr (``progress_to_console``
+    False: to the log too, e.g. under the demo's own display).  Yields a stream on the console's stdout (the demo's
+    display).  Nests: an inner use sends the output to its own log, progress where the outer one sends it."""
+    global _CONSOLE
+    path = Path(log_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    display = os.fdopen(os.dup(1), "w", buffering=1)
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    previous = _CONSOLE
+    with open(path, "a") as log:
+        if header:
+            log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {header}\n")
+            log.flush()
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        _CONSOLE = previous or (console if progress_to_console else None)
+        try:
+            yield display
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _CONSOLE = previous
+            os.dup2(saved_out, 1)
+            os.dup2(saved_err, 2)
+            os.close(saved_out)
+            os.close(saved_err)
+            display.close()
+            console.close()

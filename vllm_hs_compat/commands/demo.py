@@ -23,7 +23,6 @@ trainer process streams them over NIXL or shared memory while the engine serves 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import queue
@@ -34,10 +33,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from vllm_hs_compat.commands import console_to_log
 from vllm_hs_compat.errors import HsCompatError, ToolError
 
 #: Capture ids of the demo's 4-layer verifier: EAGLE-3's low / middle / high auxiliary layers and the base
@@ -91,30 +90,6 @@ def register(sub: Any) -> None:
 
 
 # --- output ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _quiet_fds(log_path: Path) -> Iterator[IO[str]]:
-    """Send file descriptors 1 and 2 (vLLM's logs, C++ warnings) to ``log_path``; yields a stream on the
-    original stdout for the demo's own display."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved_out, saved_err = os.dup(1), os.dup(2)
-    display = os.fdopen(os.dup(1), "w", buffering=1)
-    with open(log_path, "a") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        try:
-            yield display
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved_out, 1)
-            os.dup2(saved_err, 2)
-            os.close(saved_out)
-            os.close(saved_err)
-            display.flush()
-            display.close()
-
-
 def _prompts(model_dir: str, n: int, seed: int) -> list[list[int]]:
     """``n`` distinct prompts of 24-200 tokens; every third one continues the one before it (a shared prefix,
     so vLLM's prefix cache hits), several are longer than one scheduler step (chunked prefill)."""
@@ -200,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(out / stale_dir, ignore_errors=True)
     t_start = time.monotonic()
     try:
-        with _quiet_fds(out / "engine.log") as display:
+        with console_to_log(out / "engine.log", progress_to_console=False) as display:
             summary = _run(args, out, display)
     except HsCompatError as exc:
         print(f"demo failed: {exc}\n(logs: {out / 'engine.log'}, {out / 'trainer.log'})", file=sys.stderr)
@@ -370,6 +345,8 @@ def _capture_args(model: str, tree: Path, n: int) -> argparse.Namespace:
         str(RECORDS_PER_SHARD),
         "--max-model-len",
         "2048",
+        "--log",  # vLLM's output with the demo's own (engine.log), off the screen
+        str(tree.parent / "engine.log"),
     ]
     return parser.parse_args(words)
 

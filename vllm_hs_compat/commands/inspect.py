@@ -60,7 +60,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``inspect`` command: print the report; return the exit code."""
-    if (Path(args.target) / "run.json").is_file():
+    if _is_tree(args.target):
         return _run_tree(args)
     with stdout_to_stderr(True):  # NIXL logs to stdout
         try:
@@ -297,6 +297,16 @@ def text_lines(report: dict[str, Any], show_tokens: int = 16) -> list[str]:
 
 
 # --- a capture tree -------------------------------------------------------------------------------------------
+def _is_tree(target: str) -> bool:
+    """True when ``target`` is a folder holding a capture tree's ``run.json`` (never for a JSON ticket)."""
+    if target.lstrip().startswith("{"):
+        return False
+    try:
+        return (Path(target) / "run.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def tree_report(tree: str | Path) -> dict[str, Any]:
     """A capture tree's totals from its index (records, tokens, bytes, failed rows by reason), its run settings,
     and every failed row (``sample_id``, ``source``, ``reason``, ``message``, ``tokens``, ``rank``)."""
