@@ -354,6 +354,24 @@ def test_a_record_holding_nan_or_inf_is_never_adopted(tmp_path: Path) -> None:
     assert read_summary(tmp_path).failed == {"non_finite": 2}
 
 
+def test_a_run_counts_samples_not_attempts_and_its_rate_over_the_capture(tmp_path: Path) -> None:
+    """A sample whose first attempt failed and whose second was adopted in the same run is captured, not also
+    failed (captured + failed = the samples run); tokens/s is over the capture time the command notes, not over
+    the run's wall time (engine start-up)."""
+    with CaptureStore(tmp_path, run_config=RUN_CONFIG) as store:
+        info, _ = stage(store.staging_dir(), 1)
+        assert store.adopt(info, tmp_path / "nothing.json").reason == "missing_record"  # attempt 1
+        info, manifest = stage(store.staging_dir(), 1)
+        assert store.adopt(info, manifest).status == "ok"  # attempt 2
+        store.fail(SampleInfo(sample_id(2), "x:2", 3), "empty", "nothing")
+        store.note_times(engine_start_s=20.0, capture_s=0.5)
+        run = store.run_summary()
+    assert (run.captured, run.failed) == (1, {"empty": 1})
+    assert run.tokens_per_s == run.tokens / 0.5 and run.engine_start_s == 20.0
+    merged = read_summary(tmp_path)
+    assert merged.tokens_per_s == merged.tokens / 0.5 and merged.tree_failed == {"empty": 1}
+
+
 def test_not_owned_sample_is_refused(tmp_path: Path) -> None:
     with CaptureStore(tmp_path, run_config=RUN_CONFIG, rank=0, world_size=2) as store:
         theirs = next(sample_id(i) for i in range(N) if not store.owns(sample_id(i)))
