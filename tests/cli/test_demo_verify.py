@@ -1,7 +1,8 @@
 """The demo trainer's check of a captured record (``verify_item``), without an engine: a record built from a
 transformers forward over exactly the templated ids of a shipped conversation passes; the same record with its
 ids, its loss mask, its sample id or one plane row changed fails, each with its own reason (the negative
-controls of what the e2e demo run relies on)."""
+controls of what the e2e demo run relies on).  The mistakes the check exists to catch -- a post-norm base plane,
+planes off by one layer, NaN rows -- fail it, on every row (the tiny model's final norm is not the identity)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,53 @@ def test_each_difference_fails_with_its_reason(setup: dict[str, Any]) -> None:
     aux[len(aux) // 2, :64].neg_()
     res = _check(setup, aux_hidden_states=aux)
     assert not res.ok and "differs from transformers" in res.reason and res.max_rel[0] > 1.0
+
+
+def _row_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.float(), b.float()
+    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
+
+
+def test_a_post_norm_or_off_by_one_capture_fails_on_every_row(setup: dict[str, Any]) -> None:
+    """A base plane captured after the final norm, or every plane one layer off (either way), fails the demo's
+    check, and not only through a few outlier rows: every row of it is farther than the tolerance from the right
+    one, so even a one-token record of it fails.  Negative control: with a final norm of weight 1 (the tiny model
+    before its norm was made non-trivial), rows whose RMS is near 1 stay within the tolerance after the norm."""
+    item = setup["item"]
+    ids = [int(x) for x in item["input_ids"]]
+    hf = R.load_hf(setup["model"])
+    planes = R.hf_planes(hf, ids)
+    n = planes.num_layers
+    pre, post = R.convention_plane(planes, n), planes.hidden_states[n]
+    res = _check(setup, hidden_states=post.clone())
+    assert not res.ok and "layer 4:" in res.reason and "layer 1:" not in res.reason
+    assert float(_row_errors(post, pre).min()) > R.ROW_TOL
+    t, c = pre.shape
+    for shift in (1, -1):  # id n + 1 would be the last layer's output after the norm
+        got = [post if k + shift == n + 1 else R.convention_plane(planes, k + shift) for k in LAYERS]
+        res = _check(setup, hidden_states=got[-1].clone(), aux_hidden_states=torch.cat(got[:-1], dim=-1).clone())
+        assert not res.ok and all(f"layer {k}:" in res.reason for k in LAYERS), (shift, res.reason)
+        for k, g in zip(LAYERS, got, strict=True):
+            assert float(_row_errors(g, R.convention_plane(planes, k)).min()) > R.ROW_TOL, (shift, k)
+    # negative control: a weight-1 final norm leaves rows of the pre-norm plane within the tolerance
+    eps = float(hf.config.rms_norm_eps)
+    unit = (pre.float() * torch.rsqrt(pre.float().pow(2).mean(-1, keepdim=True) + eps)).to(pre.dtype)
+    assert float(_row_errors(unit, pre).min()) < R.ROW_TOL
+    assert t == len(ids) and c == hf.config.hidden_size
+
+
+def test_nan_rows_fail_the_check_and_verify_names_them(setup: dict[str, Any]) -> None:
+    """One NaN value in one row of one plane: the demo's check fails on that plane (never a small error), and
+    ``verify``'s analysis calls the plane NON-FINITE."""
+    from vllm_hs_compat.commands.verify import analyse
+
+    aux = setup["item"]["aux_hidden_states"].clone()
+    aux[3, 70] = float("nan")  # plane 2 (layer id 2), row 3
+    res = _check(setup, aux_hidden_states=aux)
+    assert not res.ok and "layer 2: rel inf" in res.reason and "layer 1:" not in res.reason
+    item = setup["item"]
+    t, c = item["hidden_states"].shape
+    rows = torch.cat([aux.reshape(t, 3, c), item["hidden_states"][:, None]], dim=1)
+    reports = {r.layer_id: r for r in analyse([(item["input_ids"].tolist(), LAYERS, rows)], R.load_hf(setup["model"]))}
+    assert not reports[2].ok and reports[2].note.startswith("NON-FINITE: 1 NaN/Inf")
+    assert reports[1].ok and reports[3].ok and reports[4].ok

@@ -29,6 +29,9 @@ VOCAB = 512
 MAX_POSITIONS = 4096
 SLIDING_WINDOW = 48
 
+#: The final norm's weight, uniform in this range per channel (see :func:`make_model`).
+FINAL_NORM_RANGE = (0.5, 2.0)
+
 KINDS = ("dense", "hybrid")
 INFO_FILE = "tiny_model.json"
 
@@ -128,6 +131,13 @@ def make_model(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # A final norm whose weight is not all ones (a trained model's never is): after it every row is scaled per
+    # channel by 0.5-2.0, so a post-norm capture is far from the pre-norm rows on every row, not only on the rows
+    # whose RMS happens to be far from 1 (:data:`FINAL_NORM_RANGE`; drawn apart from the other weights).
+    g = torch.Generator().manual_seed(seed + 10_000)
+    lo, hi = FINAL_NORM_RANGE
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.empty(hidden).uniform_(lo, hi, generator=g))
     model.save_pretrained(path)
     tokenizer_vocab = make_tokenizer(path, VOCAB, seed)
     tiny = TinyModel(
