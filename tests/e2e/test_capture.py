@@ -207,6 +207,91 @@ def test_on_policy_capture_covers_prompt_and_generated_tokens(tmp_path: Path, mo
         assert _max_err(model, rec.hidden_states, ids, LAYERS) < R.ROW_TOL
 
 
+#: The token whose embedding row the NaN model makes NaN: every position from it on is NaN in vLLM's forward.
+NAN_TOKEN = 300
+
+
+def _nan_model(model_dir: str, folder: Path) -> str:
+    """A copy of the tiny model whose embedding of :data:`NAN_TOKEN` is NaN (its LM head untied and finite, so
+    only sequences holding that token are touched): a NaN planted at the source, in vLLM's own forward."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embed.clone()
+    embed[NAN_TOKEN] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@on_demo_session
+def test_nan_at_the_source_fails_its_record_and_the_breaker_stops_on_records_not_on_bad_rows(
+    tmp_path: Path, model_dir: str
+) -> None:
+    """vLLM's start-up refusal of the user's own engine argument comes back as the command's named refusal (exit 2,
+    vLLM's message, the log's path, no traceback; the tree it made is gone).  Then, on a model whose embedding of
+    one token is NaN: a row holding it fails as ``non_finite`` in the connector (no record file; the message names
+    the rows, values and layer ids), never ``ok``; the rows around it are captured; five malformed rows
+    in a row do not trip ``--max-consecutive-failures 3``, three NaN records in a row do (exit 3, the summary
+    printed, the row not run counted)."""
+    model = _nan_model(model_dir, tmp_path / "nan-model")
+    rng = torch.Generator().manual_seed(3)
+
+    def ids(nan_at: int | None = None) -> list[int]:  # nan_at: where the NaN token sits
+        row = [int(t) for t in torch.randint(3, NAN_TOKEN, (40,), generator=rng)]
+        if nan_at is not None:
+            row[nan_at] = NAN_TOKEN
+        return row
+
+    good = [{"id": f"ok-{i}", "input_ids": ids()} for i in range(4)]
+    nan = [{"id": f"nan-{i}", "input_ids": ids(nan_at=10 + i)} for i in range(5)]
+    lines = [json.dumps(r) for r in good[:2]] + ["{bad"] * 5 + [json.dumps(nan[0]), json.dumps(good[2])]
+    lines += [json.dumps(r) for r in nan[1:]] + [json.dumps(good[3])]
+    data, out = tmp_path / "rows.jsonl", tmp_path / "tree"
+    data.write_text("\n".join(lines) + "\n")
+    argv = [*CLI, "capture", "--model", model, "--layers", ",".join(map(str, LAYERS)), "--data", str(data),
+            "--out", str(out), "--loss-mask", "all", "--batch-size", "4", "--max-consecutive-failures", "3",
+            "--max-model-len", "256"]  # fmt: skip
+
+    t0 = time.monotonic()
+    refused = subprocess.run([*argv, "--engine-args", '{"max_num_seqs": 0}'], env=_env(), capture_output=True,
+                             text=True, timeout=480)  # fmt: skip
+    refused_s = time.monotonic() - t0
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "vLLM refused to start the engine: ValidationError" in refused.stderr and "max_num_seqs" in refused.stderr
+    assert f"vLLM's output: {out / 'logs' / 'rank-0.log'}" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (out / "run.json").exists()
+
+    t1 = time.monotonic()
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=480)
+    run_s = time.monotonic() - t1
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "stopped after 3 consecutive failures (non_finite x3)" in proc.stderr
+    assert "3 captured" in proc.stdout and "1 not run (the run stopped)" in proc.stdout, proc.stdout
+    index = {r["sample_id"] or r["source"]: r for r in read_index(out).to_pylist()}
+    assert sorted(k for k, r in index.items() if r["status"] == "ok") == ["ok-0", "ok-1", "ok-2"]
+    for i in range(4):
+        row = index[f"nan-{i}"]
+        assert (row["status"], row["reason"], row["record"]) == ("failed", "non_finite", None)
+        # vLLM's CPU attention lets a NaN key reach every query of its sequence (masked scores are NaN + -inf), so
+        # the whole record is NaN, not only the positions from the token on
+        assert "token rows hold NaN/Inf" in row["message"] and "checked by the connector" in row["message"]
+    assert "nan-4" not in index and "ok-3" not in index  # not run / not read: the run stopped before them
+    assert sum(r["reason"] == "malformed" for r in index.values()) == 5
+    for k in ("ok-0", "ok-1", "ok-2"):
+        assert read_record(out / index[k]["record"]).hidden_states.isfinite().all()
+    e2e_report.add(
+        f"capture: engine start refused in {refused_s:.1f} s (exit 2); NaN model: 3 records, 4 non_finite, "
+        f"breaker exit 3 after {run_s:.1f} s"
+    )
+
+
 def _check_tree(out: Path, rows: list[dict[str, Any]], hf: Any) -> tuple[dict[int, int], float]:
     """Every row (none too long here) has exactly one verified record in ``out``; returns records per rank and the
     worst relative error against transformers."""
