@@ -373,7 +373,7 @@ class CaptureWorker:
                 rows = pending.rows
                 if self.sink is None:
                     raise CaptureViewError("no sink")
-                # NaN/Inf: flags computed on the device with the read (CPU and the direct path: here, on the host)
+                # NaN/Inf: flags computed where the rows were read (the direct CUDA path has none: here, on the host)
                 bad = finite.problem(rows, pending.finite, start=save.start, layer_ids=self.labels.layer_ids)
                 if bad is not None:
                     self._count("records_non_finite")

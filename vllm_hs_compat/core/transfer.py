@@ -64,9 +64,9 @@ class PendingRows:
     """Rows being copied; ``rows`` is valid once :meth:`done` is True (or after :meth:`wait`).
 
     ``finite``: ``[T]`` bool on the host, True where token row ``t`` holds no NaN/Inf
-    (:func:`~vllm_hs_compat.core.finite.token_flags`), computed on the device beside the copy and valid with the
-    rows; None where the read has no device pass to fold it into (CPU, the direct kernel path): the reader checks
-    the host rows then."""
+    (:func:`~vllm_hs_compat.core.finite.token_flags`), computed where the rows were read (on CUDA beside the copy,
+    valid with the rows; on CPU with the synchronous gather); None where the read has no device pass to fold it
+    into (the direct kernel path): the reader checks the host rows then."""
 
     rows: torch.Tensor
     event: Any = None
@@ -299,9 +299,9 @@ def copy_rows_async(
     if cache.device.type != "cuda":
         rows = gather_rows(cache, view, slots.to(cache.device))
         if out is None:
-            return PendingRows(rows)
+            return PendingRows(rows, finite=token_flags(rows))
         out.copy_(rows)
-        return PendingRows(out)
+        return PendingRows(out, finite=token_flags(out))
     if table is None:
         table = row_table(cache, view)
     if out is None:
@@ -367,8 +367,11 @@ def copy_requests_async(
     pending = None
     if cache.device.type == "cuda" and total:
         pending = copy_rows_async(cache, view, slots, stream=stream, after=after, pool=pool, path=path, table=table)
-    elif total:  # CPU: synchronous, one gather (one allocation) for the whole batch
-        pending = PendingRows(gather_rows(cache, view, slots))
+    elif total:  # CPU: synchronous, one gather (one allocation) for the whole batch, and its NaN/Inf flags: here,
+        # in the engine's thread and its thread pool, not in the publisher's (a torch op there starts a second
+        # OpenMP team that competes with the engine's threads: measured 2.2x slower capture on 2 cores)
+        rows = gather_rows(cache, view, slots)
+        pending = PendingRows(rows, finite=token_flags(rows))
     result: list[PendingRows | SlotError] = []
     for (_, _, _, num_tokens), at in zip(requests, where, strict=True):
         if isinstance(at, SlotError):
