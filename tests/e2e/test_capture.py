@@ -143,6 +143,8 @@ def test_capture_killed_mid_run_resumes_to_one_verified_record_per_sample(
     assert len(long_ids) == 3
     assert sorted(r["sample_id"] for r in ok) == sorted(want_ids)  # each sample exactly once
     assert failed == {"malformed", "empty", "unknown_shape", "too_long"}
+    too_long = [r for r in index if r["reason"] == "too_long"]
+    assert len(too_long) == 3 and all(r["tokens"] > MAX_LEN for r in too_long)  # each with its own token count
     # A kill between a record's move into its shard and its journal line leaves that one record unindexed: the
     # resume deals with it (the tree check below holds) but does not count it as skipped.  At most one such record.
     assert summary["tree_records"] == len(want_ids) and summary["skipped"] >= killed_at - 1
