@@ -96,22 +96,23 @@ def _metas(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=400, deadline=None)
 @given(_metas())
 def test_metadata_is_validated_once_and_the_same_way_decoded_or_built(d: dict[str, Any]) -> None:
-    """The wire decoder (decode_typed: types and bounds checked by msgspec, then only the fields' relations in
-    Python), msgspec's decoder alone (every check in Python after it) and a RecordMeta built in Python (its fast
-    path for the common record) accept and refuse the same values as the checks that name what is wrong, run alone,
-    and make the same value.  Both sides are drawn: the unchanged record is accepted, most
-    single changes are refused (the control: a decoder that skipped a relation accepts what the others refuse)."""
+    """The wire decoder (decode_typed: types and bounds checked by msgspec, then the one pass with only the fields'
+    relations left), msgspec's decoder alone (the whole pass in Python after it) and a RecordMeta built in Python
+    accept and refuse the same values as the whole pass run alone on the raw values, name the same first fault and
+    make the same value.  Both sides are drawn: the unchanged record is accepted, most single changes are refused
+    (the control: a typed entry that skipped a relation accepts what the others refuse)."""
     from vllm_hs_compat.core.records import decode_typed
 
-    # the reference: the checks that name what is wrong (RecordMeta._validate_fields), run alone on these values
+    # the reference: the whole pass (RecordMeta.validate, typed=False) run alone on these values
     probe = copy.copy(RecordMeta("r", (1,), (0,), True, "uint8", (1, 1, 1)))  # (a copy runs no __post_init__)
     for k, v in d.items():
         msgspec.structs.force_setattr(probe, k, tuple(v) if k in ("token_ids", "layer_ids", "shape") else v)
     try:
-        probe._validate_fields()
-        valid = True
-    except RecordFormatError:
-        valid = False
+        probe.validate()
+        named = None
+    except RecordFormatError as e:
+        named = str(e)
+    valid = named is None
     raw = msgspec.msgpack.encode(d)
     made = []
     for make in (
@@ -121,10 +122,20 @@ def test_metadata_is_validated_once_and_the_same_way_decoded_or_built(d: dict[st
     ):
         try:
             made.append(make())
-        except (msgspec.ValidationError, RecordFormatError):
+        except msgspec.ValidationError:  # the decoder's own bounds (a typed entry never gets these values)
+            made.append(None)
+        except RecordFormatError as e:
+            assert str(e) == named, (str(e), named)  # the pass names the same fault whichever entry ran it
             made.append(None)
     assert made[0] == made[1] == made[2], made
     assert (made[2] is not None) == valid, (made, valid)
+
+
+def test_the_one_pass_reads_the_fields_in_their_declared_order() -> None:
+    """check_meta unpacks RecordMeta's fields as one tuple, by position: its list is the struct's."""
+    from vllm_hs_compat.core.record_checks import FIELDS
+
+    assert RecordMeta.__struct_fields__ == FIELDS
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,4 +1,5 @@
-"""Self-describing capture records.
+"""Self-describing capture records: :class:`RecordMeta`, the one metadata type from the connector to the trainer,
+and :class:`CaptureRecord`, a record's metadata with its hidden states.
 
 A record is the hidden states one finished request produced: a tensor ``[tokens, planes, hidden]`` whose
 planes are stored in ascending layer-id order, plus the metadata a trainer needs to use it without trusting
@@ -9,430 +10,99 @@ Pure: imports torch, msgspec (the metadata's type: :class:`RecordMeta` is a :cla
 of a record's metadata from the connector to the trainer), xxhash and the standard library only, never vLLM.
 msgspec and xxhash are hard dependencies of the package (pyproject), as torch is; vLLM depends on msgspec too.
 
-Checksums (a transport-integrity check, not a defence against deliberate tampering):
+The record's parts, each a module of its own (this module re-exports their public names, where users import
+them):
 
-* ``xxh3_64`` (default): XXH3, 64 bits, from the maintained ``xxhash`` library; memory speed (about the cost of
-  one pass over the bytes, see docs/export.md for the figure against memcpy).  Any changed, swapped, truncated or
-  misplaced bytes change it with probability 1 - 2**-64.
-* ``crc32``: zlib's CRC-32, about 4x slower, for readers that only have zlib.
+* :mod:`.checksums` -- ``xxh3_64`` and ``crc32`` over a record's bytes, whole or chunk by chunk;
+* :mod:`.dtypes` -- the dtypes a record can carry, by wire name;
+* :mod:`.record_bounds` -- every field's bounds, and the checks that name a value outside them;
+* :mod:`.record_sample` -- the sample fields (schema 2) as one value, :class:`RecordSample`, and their checks;
+* :mod:`.record_checks` -- the one validation pass a :class:`RecordMeta` gets when it is made or decoded.
 """
 
 from __future__ import annotations
 
-import array
 import contextvars
 import copy
-import ctypes
 import dataclasses
 import json
 import math
 import warnings
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 import torch
 
 from ..errors import ChecksumMismatchError, RecordFormatError
+from .checksums import (
+    CHECKSUM_ALGORITHMS,
+    DEFAULT_CHECKSUM,
+    MAX_CHECKSUM,
+    ChecksumState,
+    byte_view,
+    checksum_bytes,
+    checksum_function,
+    compute_checksum,
+)
+from .dtypes import DTYPES, ITEMSIZE, dtype_itemsize, dtype_name, torch_dtype
+from .record_bounds import (
+    EMPTY_METADATA,
+    MAX_HIDDEN,
+    MAX_ID_CHARS,
+    MAX_LAYER_ID,
+    MAX_LOSS_MASK_SPANS,
+    MAX_METADATA_BYTES,
+    MAX_PLANES,
+    MAX_SAMPLE_ID_CHARS,
+    MAX_SOURCE_CHARS,
+    MAX_TOKENS,
+    MAX_VOCAB_ID,
+    SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
+    check_int,
+    check_int_seq,
+    check_ints,
+    check_seq,
+    check_str,
+    field_of,
+)
+from .record_checks import check_meta
+from .record_sample import NO_SAMPLE, RecordSample, canonical_metadata, check_sample, check_spans
 
-#: The schema writers write.  2 added the sample fields (``sample_id``, ``source``, ``loss_mask_spans``,
-#: ``metadata``); readers accept every version in :data:`SCHEMA_VERSIONS`.
-SCHEMA_VERSION: Final = 2
-SCHEMA_VERSIONS: Final = (1, 2)
-CHECKSUM_ALGORITHMS: Final = ("xxh3_64", "crc32")
-DEFAULT_CHECKSUM: Final = "xxh3_64"
-_MAX_CHECKSUM: Final = (1 << 64) - 1
-_MAX_ID_CHARS: Final = 512
-_MAX_TOKENS: Final = 1 << 24
-_MAX_PLANES: Final = 4096
-_MAX_HIDDEN: Final = 1 << 20
-_MAX_LAYER_ID: Final = 1 << 20
-_MAX_VOCAB_ID: Final = (1 << 32) - 1
-#: Bounds of the sample fields (a client sets them per request: they travel in every descriptor and manifest).
-MAX_SAMPLE_ID_CHARS: Final = 512
-MAX_SOURCE_CHARS: Final = 1024
-MAX_LOSS_MASK_SPANS: Final = 1024
-#: Bytes of the canonical JSON of ``metadata`` (ASCII: ``ensure_ascii``, so characters = bytes).
-MAX_METADATA_BYTES: Final = 4096
-#: ``metadata_json`` of a record without metadata (the canonical JSON of an empty object).
-EMPTY_METADATA: Final = "{}"
-_METADATA_DEPTH: Final = 16
-
-#: dtype name on the wire -> torch dtype.  Names are ``str(torch.dtype)`` without the ``torch.`` prefix.
-DTYPES: Final[Mapping[str, torch.dtype]] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-
-
-_ITEMSIZE: Final[Mapping[str, int]] = {
-    name: int(torch.empty((), dtype=dt).element_size()) for name, dt in DTYPES.items()
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Wire name of a torch dtype; raises :class:`RecordFormatError` for dtypes records cannot carry."""
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise RecordFormatError(
-        f"dtype {dtype} cannot be carried in a record; expected one of {sorted(DTYPES)}; "
-        "cast the hidden states before exporting"
-    )
-
-
-def dtype_itemsize(name: str) -> int:
-    """Bytes per element of a wire dtype name (:class:`RecordFormatError` for an unknown one)."""
-    torch_dtype(name)
-    return _ITEMSIZE[name]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype of a wire dtype name."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise RecordFormatError(
-            f"unknown dtype name {name!r}; expected one of {sorted(DTYPES)}; "
-            "producer and consumer may run different vllm-hs-compat versions"
-        ) from None
-
-
-def byte_view(data: torch.Tensor) -> memoryview:
-    """Zero-copy buffer over a contiguous CPU tensor's bytes (no numpy needed).  Keep ``data`` alive while
-    used."""
-    n = data.numel() * data.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(data.data_ptr())).cast("B")
-
-
-def _xxhash() -> Any:
-    """The ``xxhash`` module (a dependency of this package; imported on first use, so an environment set up with
-    ``--no-deps`` fails here with the fix, not at import)."""
-    try:
-        import xxhash
-    except ImportError:
-        raise RecordFormatError(
-            "the xxh3_64 record checksum needs the 'xxhash' package (a dependency of vllm-hs-compat): pip install "
-            "xxhash"
-        ) from None
-    return xxhash
-
-
-class ChecksumState:
-    """Incremental checksum over consecutive chunks of one byte string of ``total_bytes`` bytes (lets a reader
-    verify chunk ``k`` while chunk ``k + 1`` is still in flight)."""
-
-    def __init__(self, algorithm: str, total_bytes: int) -> None:
-        if algorithm not in CHECKSUM_ALGORITHMS:
-            raise RecordFormatError(
-                f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS} "
-                "(bsum64 was removed: it missed swapped words; re-export with xxh3_64)"
-            )
-        self.algorithm = algorithm
-        self.total = total_bytes
-        self.seen = 0
-        self._xxh = _xxhash().xxh3_64() if algorithm == "xxh3_64" else None
-        self._crc = 0
-
-    def update(self, data: torch.Tensor) -> ChecksumState:
-        """Feed the next chunk: a 1-D contiguous CPU ``uint8`` tensor."""
-        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous() or data.device.type != "cpu":
-            raise RecordFormatError(
-                f"checksum input must be a 1-D contiguous CPU uint8 tensor, got dtype={data.dtype} "
-                f"dim={data.dim()} contiguous={data.is_contiguous()} device={data.device}; "
-                "pass tensor.contiguous().view(torch.uint8).reshape(-1).cpu()"
-            )
-        n = data.numel()
-        if self.seen + n > self.total:
-            raise RecordFormatError(f"checksum fed {self.seen + n} bytes, expected {self.total}")
-        if self._xxh is not None:
-            self._xxh.update(byte_view(data))
-        else:
-            self._crc = zlib.crc32(byte_view(data), self._crc)
-        self.seen += n
-        return self
-
-    def update_bytes(self, data: bytes | bytearray | memoryview) -> ChecksumState:
-        """Feed the next chunk as a byte buffer (what :meth:`update` does after its tensor checks)."""
-        n = len(data)
-        if self.seen + n > self.total:
-            raise RecordFormatError(f"checksum fed {self.seen + n} bytes, expected {self.total}")
-        if self._xxh is not None:
-            self._xxh.update(data)
-        else:
-            self._crc = zlib.crc32(data, self._crc)
-        self.seen += n
-        return self
-
-    def digest(self) -> int:
-        """The checksum (an int in ``[0, 2**64)``); every byte must have been fed."""
-        if self.seen != self.total:
-            raise RecordFormatError(f"checksum fed {self.seen} of {self.total} bytes")
-        if self._xxh is not None:
-            return int(self._xxh.intdigest())
-        return self._crc & 0xFFFFFFFF
-
-
-def checksum_bytes(data: bytes | bytearray | memoryview, algorithm: str = DEFAULT_CHECKSUM) -> int:
-    """Checksum of a byte string (same values as :func:`compute_checksum` of the same bytes)."""
-    if algorithm == "xxh3_64":
-        return int(_xxhash().xxh3_64_intdigest(data))
-    if algorithm == "crc32":
-        return zlib.crc32(data) & 0xFFFFFFFF
-    raise RecordFormatError(f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}")
-
-
-def checksum_function(algorithm: str) -> Callable[[bytes | bytearray | memoryview], int]:
-    """The function :func:`checksum_bytes` calls for ``algorithm`` (looked up once for a loop over many
-    records)."""
-    if algorithm == "xxh3_64":
-        fn: Callable[[bytes | bytearray | memoryview], int] = _xxhash().xxh3_64_intdigest
-        return fn
-    if algorithm == "crc32":
-        return _crc32
-    raise RecordFormatError(f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}")
-
-
-def _crc32(data: bytes | bytearray | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def compute_checksum(data: torch.Tensor, algorithm: str = DEFAULT_CHECKSUM) -> int:
-    """Checksum of a 1-D contiguous CPU ``uint8`` tensor (see the module docstring for the algorithms)."""
-    if not isinstance(data, torch.Tensor):
-        raise RecordFormatError(f"checksum input must be a torch.Tensor, found {type(data).__name__}")
-    return ChecksumState(algorithm, data.numel()).update(data).digest()
-
-
-def _field(d: Mapping[str, Any], key: str) -> Any:
-    if key not in d:
-        raise RecordFormatError(f"record metadata lacks field {key!r}; found fields {sorted(d)}")
-    return d[key]
-
-
-def _int(value: Any, what: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RecordFormatError(f"{what} must be an int, found {type(value).__name__} {value!r}")
-    if not lo <= value <= hi:
-        raise RecordFormatError(f"{what} = {value} is outside [{lo}, {hi}]")
-    return value
-
-
-def _str(value: Any, what: str, max_chars: int = _MAX_ID_CHARS, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise RecordFormatError(f"{what} must be a str, found {type(value).__name__}")
-    if len(value) > max_chars or (not allow_empty and not value):
-        raise RecordFormatError(f"{what} must have 1..{max_chars} characters, found {len(value)}")
-    return value
-
-
-def _check_ints(seq: Sequence[Any], what: str, lo: int, hi: int) -> tuple[int, ...]:
-    """Validate a list of ids and return it as a tuple of plain ints.
-
-    Fast path for long lists: ``array("I", ...)`` converts in C, refusing non-integers and values outside
-    uint32 (a bool would pass as 0/1 and come back as an int).  The per-item check runs only to name the
-    culprit."""
-    try:
-        arr = array.array("I", seq)
-    except (TypeError, OverflowError):
-        arr = None
-    in_range = lo <= 0 and hi >= 0xFFFFFFFF  # implied by uint32; min/max over 10^4 items is not free
-    if arr is not None and (not arr or in_range or (min(arr) >= lo and max(arr) <= hi)):
-        return tuple(arr.tolist())
-    for i, v in enumerate(seq):
-        _int(v, f"{what}[{i}]", lo, hi)
-    return tuple(seq)
-
-
-def _seq(value: Any, what: str, max_len: int) -> tuple[Any, ...]:
-    if not isinstance(value, list | tuple):
-        raise RecordFormatError(f"{what} must be a list of ints, found {type(value).__name__}")
-    if len(value) > max_len:
-        raise RecordFormatError(f"{what} has {len(value)} entries, at most {max_len} allowed")
-    return tuple(value)
-
-
-def _int_seq(value: Any, what: str, lo: int, hi: int, max_len: int) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple):
-        raise RecordFormatError(f"{what} must be a list of ints, found {type(value).__name__}")
-    if len(value) > max_len:
-        raise RecordFormatError(f"{what} has {len(value)} entries, at most {max_len} allowed")
-    return _check_ints(value, what, lo, hi)
-
-
-class _Budget:
-    """A lower bound of the compact JSON's size, kept while walking a client's metadata: the walk stops as soon as
-    the bound passes :data:`MAX_METADATA_BYTES` (so a huge object costs O(limit), not O(its size))."""
-
-    __slots__ = ("used",)
-
-    def __init__(self) -> None:
-        self.used = 0
-
-    def spend(self, n: int, what: str) -> None:
-        self.used += n
-        if self.used > MAX_METADATA_BYTES:
-            raise RecordFormatError(
-                f"{what} is more than {MAX_METADATA_BYTES} bytes as compact JSON, at most {MAX_METADATA_BYTES} "
-                "allowed; keep large data in your dataset and join it by sample_id"
-            )
-
-
-def _json_value(value: Any, what: str, depth: int, budget: _Budget) -> None:
-    """Refuse what JSON cannot carry exactly (non-str keys, NaN/inf, tuples/sets/bytes/objects, deep nesting)."""
-    if depth > _METADATA_DEPTH:
-        raise RecordFormatError(f"{what} nests deeper than {_METADATA_DEPTH} levels")
-    if isinstance(value, str):
-        budget.spend(len(value) + 2, "metadata")
-        return
-    budget.spend(1, "metadata")
-    if value is None or isinstance(value, bool | int):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise RecordFormatError(f"{what} = {value!r}: JSON has no NaN or infinity")
-        return
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            _json_value(v, f"{what}[{i}]", depth + 1, budget)
-        return
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise RecordFormatError(f"{what} has key {k!r:.60} of type {type(k).__name__}; JSON keys are strings")
-            budget.spend(len(k) + 3, "metadata")
-            _json_value(v, f"{what}[{k!r}]", depth + 1, budget)
-        return
-    raise RecordFormatError(
-        f"{what} holds a {type(value).__name__} ({value!r:.60}); metadata takes JSON values only (null, bool, int, "
-        "float, str, list, object with str keys)"
-    )
-
-
-def canonical_metadata(metadata: Any, what: str = "metadata") -> str:
-    """The canonical JSON (sorted keys, compact, ASCII) of a record's free user ``metadata``: a JSON object of at
-    most :data:`MAX_METADATA_BYTES` bytes.  ``None`` is no metadata (``"{}"``).  Raises
-    :class:`RecordFormatError` naming what cannot be carried."""
-    if metadata is None:
-        return EMPTY_METADATA
-    if not isinstance(metadata, Mapping):
-        raise RecordFormatError(
-            f"{what} must be a JSON object (a mapping with str keys), found {type(metadata).__name__}"
-        )
-    _json_value(metadata, what, 0, _Budget())
-    text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    if len(text) > MAX_METADATA_BYTES:
-        raise RecordFormatError(
-            f"{what} is {len(text)} bytes as compact JSON, at most {MAX_METADATA_BYTES} allowed; keep large data "
-            "in your dataset and join it by sample_id"
-        )
-    return text
-
-
-def check_spans(spans: Any, what: str, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
-    """``spans`` as a tuple of ``(start, stop)`` pairs, each non-empty (``start < stop``), sorted, not
-    overlapping (adjacent is fine) and inside ``[lo, hi]``; at most :data:`MAX_LOSS_MASK_SPANS`.  Raises
-    :class:`RecordFormatError` naming the first bad span."""
-    if not isinstance(spans, list | tuple):
-        raise RecordFormatError(f"{what} must be a list of [start, stop] pairs, found {type(spans).__name__}")
-    if len(spans) > MAX_LOSS_MASK_SPANS:
-        raise RecordFormatError(f"{what} has {len(spans)} spans, at most {MAX_LOSS_MASK_SPANS} allowed")
-    out: list[tuple[int, int]] = []
-    prev = lo
-    for i, span in enumerate(spans):
-        if not isinstance(span, list | tuple) or len(span) != 2:
-            raise RecordFormatError(f"{what}[{i}] must be a [start, stop] pair, found {span!r:.60}")
-        a = _int(span[0], f"{what}[{i}][0] (start)", 0, _MAX_TOKENS)
-        b = _int(span[1], f"{what}[{i}][1] (stop)", 0, _MAX_TOKENS)
-        if a >= b:
-            raise RecordFormatError(
-                f"{what}[{i}] = [{a}, {b}] is empty or reversed; a span is [start, stop), start < stop"
-            )
-        if a < prev:
-            where = f"before position {lo}" if prev == lo else f"overlaps or precedes the span ending at {prev}"
-            raise RecordFormatError(f"{what}[{i}] = [{a}, {b}] {where}; spans must be sorted and not overlap")
-        if b > hi:
-            raise RecordFormatError(f"{what}[{i}] = [{a}, {b}] runs past position {hi}")
-        out.append((a, b))
-        prev = b
-    return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RecordSample:
-    """What a record was made for (the sample fields of :class:`RecordMeta`, as one value)."""
-
-    sample_id: str = ""
-    source: str = ""
-    loss_mask_spans: tuple[tuple[int, int], ...] | None = None
-    metadata_json: str = EMPTY_METADATA
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The metadata (a fresh dict from the canonical JSON)."""
-        out: dict[str, Any] = json.loads(self.metadata_json)
-        return out
-
-    @property
-    def empty(self) -> bool:
-        return self == _NO_SAMPLE
-
-
-_NO_SAMPLE: Final = RecordSample()
-
-
-def check_sample(sample: RecordSample, *, start: int, tokens: int, schema_version: int, what: str) -> RecordSample:
-    """``sample`` validated for a record of rows ``[start, start + tokens)`` (spans as tuples); raises
-    :class:`RecordFormatError` naming record ``what`` and the bad field.  A schema-1 record carries none."""
-    if schema_version < 2:
-        if sample != _NO_SAMPLE:
-            raise RecordFormatError(
-                f"record {what!r} is schema {schema_version} but carries sample fields (schema 2: sample_id, source, "
-                "loss_mask_spans, metadata); write it as schema 2"
-            )
-        return sample
-    _str(sample.sample_id, "sample_id", MAX_SAMPLE_ID_CHARS, allow_empty=True)
-    _str(sample.source, "source", MAX_SOURCE_CHARS, allow_empty=True)
-    spans = sample.loss_mask_spans
-    if spans is not None:
-        spans = check_spans(spans, f"record {what!r}: loss_mask_spans", start, start + tokens)
-    text = sample.metadata_json
-    if not isinstance(text, str):
-        raise RecordFormatError(f"record {what!r}: metadata_json must be a str, found {type(text).__name__}")
-    if len(text) > MAX_METADATA_BYTES or text[:1] != "{":
-        raise RecordFormatError(
-            f"record {what!r}: metadata_json must be a JSON object of at most {MAX_METADATA_BYTES} bytes, found "
-            f"{len(text)} characters starting {text[:20]!r}"
-        )
-    if text != EMPTY_METADATA:
-        try:
-            parsed = json.loads(text)
-        except ValueError as e:
-            raise RecordFormatError(f"record {what!r}: metadata_json is not JSON ({e})") from None
-        if canonical_metadata(parsed, f"record {what!r}: metadata") != text:
-            raise RecordFormatError(
-                f"record {what!r}: metadata_json is not in canonical form (sorted keys, compact, ASCII); build it "
-                "with canonical_metadata()"
-            )
-    if spans is sample.loss_mask_spans:
-        return sample
-    return RecordSample(sample.sample_id, sample.source, spans, text)
-
+__all__ = [
+    "CHECKSUM_ALGORITHMS",
+    "DEFAULT_CHECKSUM",
+    "DTYPES",
+    "EMPTY_METADATA",
+    "MAX_LOSS_MASK_SPANS",
+    "MAX_METADATA_BYTES",
+    "MAX_SAMPLE_ID_CHARS",
+    "MAX_SOURCE_CHARS",
+    "SCHEMA_VERSION",
+    "SCHEMA_VERSIONS",
+    "CaptureRecord",
+    "ChecksumState",
+    "RecordMeta",
+    "RecordSample",
+    "byte_view",
+    "canonical_metadata",
+    "check_sample",
+    "check_spans",
+    "checksum_bytes",
+    "checksum_function",
+    "compute_checksum",
+    "decode_typed",
+    "dtype_itemsize",
+    "dtype_name",
+    "torch_dtype",
+]
 
 #: Field types of :class:`RecordMeta` (bounds the decoder checks in C; :meth:`RecordMeta.validate` checks them
 #: again for a value built in Python, which msgspec does not check).
-_TokenId = Annotated[int, msgspec.Meta(ge=0, le=_MAX_VOCAB_ID)]
-_LayerId = Annotated[int, msgspec.Meta(ge=0, le=_MAX_LAYER_ID)]
-_Position = Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKENS)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_VOCAB_ID)]
+_LayerId = Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_ID)]
+_Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 _REQUEST_ID_DEPRECATED: Final = (
     "RecordMeta's 'request_id' is now 'record_id' (one name for the id from the connector to the trainer); "
     "'request_id' still works in this release and will be removed in the next one"
@@ -482,15 +152,15 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
     value the writer did not send); the file sink's JSON manifest is :meth:`to_dict` (schema 1 and 2, whose key
     for the id stays ``request_id``)."""
 
-    record_id: Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID_CHARS)]
-    token_ids: Annotated[tuple[_TokenId, ...], msgspec.Meta(max_length=_MAX_TOKENS)]
-    layer_ids: Annotated[tuple[_LayerId, ...], msgspec.Meta(max_length=_MAX_PLANES)]
+    record_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+    token_ids: Annotated[tuple[_TokenId, ...], msgspec.Meta(max_length=MAX_TOKENS)]
+    layer_ids: Annotated[tuple[_LayerId, ...], msgspec.Meta(max_length=MAX_PLANES)]
     pre_norm: bool
     dtype: Annotated[str, msgspec.Meta(max_length=32)]
     shape: tuple[
-        Annotated[int, msgspec.Meta(ge=1, le=_MAX_TOKENS)],
-        Annotated[int, msgspec.Meta(ge=1, le=_MAX_PLANES)],
-        Annotated[int, msgspec.Meta(ge=1, le=_MAX_HIDDEN)],
+        Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)],
+        Annotated[int, msgspec.Meta(ge=1, le=MAX_PLANES)],
+        Annotated[int, msgspec.Meta(ge=1, le=MAX_HIDDEN)],
     ]
     checksum: Annotated[int, msgspec.Meta(ge=0)] | None = None  # (msgpack's integers stop at 2**64 - 1)
     checksum_algorithm: Annotated[str, msgspec.Meta(max_length=32)] = DEFAULT_CHECKSUM
@@ -514,9 +184,7 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
     schema_version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        if _TYPED_BY_DECODER.get() and self._relations_hold():
-            return  # decode_typed: the decoder checked every field's type and bounds, and the relations hold
-        self.validate()
+        check_meta(self, _TYPED_BY_DECODER.get())  # typed: decode_typed's decoder checked every field's type
 
     # --- derived -------------------------------------------------------------------------------------------
     @property
@@ -546,7 +214,7 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -585,163 +253,12 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
 
     # --- validation ----------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise :class:`RecordFormatError` naming the first inconsistency.  Runs once per value, when it is made
+        """Raise :class:`RecordFormatError` naming the first inconsistency (the one pass of
+        :func:`~vllm_hs_compat.core.record_checks.check_meta`).  Runs once per value, when it is made
         (``__post_init__``: in Python, by :func:`msgspec.convert` and by the export wire's decoder); the copies
         :meth:`with_checksum`, :meth:`with_token_ids` and :meth:`without_token_ids` check only what they change.
         Lists given for the tuple fields are stored as tuples (the value stays hashable)."""
-        for name in ("token_ids", "layer_ids", "shape"):
-            value = getattr(self, name)
-            if type(value) is not tuple:
-                if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-                    raise RecordFormatError(f"{name} must be a list of ints, found {type(value).__name__}")
-                msgspec.structs.force_setattr(self, name, tuple(value))
-        if self._plain_and_valid():
-            return
-        self._validate_fields()
-
-    def _plain_and_valid(self) -> bool:
-        """Every check of :meth:`_validate_fields` in one pass, for the common record (no token ids to check, as a
-        descriptor's, or few; no sample fields): False when it cannot tell, and then :meth:`_validate_fields` names
-        what is wrong.  (This runs for every descriptor decoded: 1 us here against 4 us there.)"""
-        (rid, ids, layers, pre_norm, dtype, shape, checksum, algorithm, vllm_version, adapter, start, prompt,
-         sample_id, source, spans, metadata_json, schema) = msgspec.structs.astuple(self)  # fmt: skip
-        if not (
-            len(shape) == 3
-            and type(shape[0]) is int
-            and type(shape[1]) is int
-            and type(shape[2]) is int
-            and 1 <= shape[0] <= _MAX_TOKENS
-            and 1 <= shape[1] <= _MAX_PLANES
-            and 1 <= shape[2] <= _MAX_HIDDEN
-            and type(rid) is str
-            and 0 < len(rid) <= _MAX_ID_CHARS
-            and type(schema) is int
-            and schema in SCHEMA_VERSIONS
-            and type(dtype) is str
-            and dtype in _ITEMSIZE
-            and type(pre_norm) is bool
-            and (checksum is None or (type(checksum) is int and 0 <= checksum <= _MAX_CHECKSUM))
-            and type(algorithm) is str
-            and algorithm in CHECKSUM_ALGORITHMS
-            and type(vllm_version) is str
-            and len(vllm_version) <= 64
-            and type(adapter) is str
-            and len(adapter) <= 128
-            and type(start) is int
-            and 0 <= start <= _MAX_TOKENS
-            and type(prompt) is int
-            and 0 <= prompt <= _MAX_TOKENS
-            and spans is None
-            and metadata_json == EMPTY_METADATA
-            and type(sample_id) is str
-            and type(source) is str
-            and len(sample_id) <= MAX_SAMPLE_ID_CHARS
-            and len(source) <= MAX_SOURCE_CHARS
-            and (schema >= 2 or not (sample_id or source))
-            and len(layers) == shape[1]
-            and (not ids or len(ids) == shape[0])
-        ):
-            return False
-        prev = -1
-        for x in layers:
-            if type(x) is not int or x <= prev:
-                return False
-            prev = x
-        if prev > _MAX_LAYER_ID:
-            return False
-        if ids:
-            checked = _check_ints(ids, "token_ids", 0, _MAX_VOCAB_ID)
-            if checked != ids:  # e.g. 0-d tensors given: store plain ints
-                msgspec.structs.force_setattr(self, "token_ids", checked)
-        return True
-
-    def _relations_hold(self) -> bool:
-        """What relates the fields to each other and to the known names (dtype, checksum algorithm, schema), for
-        a value whose every field a msgspec decoder has just checked against its annotated type and bounds
-        (:func:`decode_typed`); False when something is off or needs the sample fields' checks, and then
-        :meth:`validate` names it.  (0.3 us against :meth:`validate`'s 1.4 for a descriptor's metadata.)"""
-        (_, ids, layers, _, dtype, shape, _, algorithm, _, _, _, _,
-         sample_id, source, spans, metadata_json, schema) = msgspec.structs.astuple(self)  # fmt: skip
-        if not (
-            schema in SCHEMA_VERSIONS
-            and dtype in _ITEMSIZE
-            and algorithm in CHECKSUM_ALGORITHMS
-            and len(layers) == shape[1]
-            and (not ids or len(ids) == shape[0])
-            and spans is None
-            and metadata_json == EMPTY_METADATA
-            and (schema >= 2 or not (sample_id or source))
-        ):
-            return False
-        prev = -1
-        for x in layers:
-            if x <= prev:
-                return False
-            prev = x
-        return True
-
-    def _validate_fields(self) -> None:
-        _str(self.record_id, "record_id")
-        if self.schema_version not in SCHEMA_VERSIONS:
-            raise RecordFormatError(
-                f"record schema version {self.schema_version} is not supported (this build reads "
-                f"{list(SCHEMA_VERSIONS)}); upgrade vllm-hs-compat on the side that reads it"
-            )
-        torch_dtype(self.dtype)
-        if not isinstance(self.pre_norm, bool):
-            raise RecordFormatError(f"pre_norm must be a bool, found {type(self.pre_norm).__name__}")
-        if len(self.shape) != 3:
-            raise RecordFormatError(f"shape must be [tokens, planes, hidden], found {list(self.shape)}")
-        tokens = _int(self.shape[0], "shape[0] (tokens)", 1, _MAX_TOKENS)
-        planes = _int(self.shape[1], "shape[1] (planes)", 1, _MAX_PLANES)
-        _int(self.shape[2], "shape[2] (hidden)", 1, _MAX_HIDDEN)
-        if self.token_ids:  # () only in a descriptor's metadata (see the class docstring)
-            if len(self.token_ids) != tokens:
-                raise RecordFormatError(
-                    f"record {self.record_id!r}: {len(self.token_ids)} token ids but shape says {tokens} tokens; "
-                    "every row needs its token id"
-                )
-            ids = _check_ints(self.token_ids, "token_ids", 0, _MAX_VOCAB_ID)
-            if ids is not self.token_ids and ids != self.token_ids:  # e.g. 0-d tensors given: store plain ints
-                msgspec.structs.force_setattr(self, "token_ids", ids)
-        if len(self.layer_ids) != planes:
-            raise RecordFormatError(
-                f"record {self.record_id!r}: {len(self.layer_ids)} layer ids but shape says {planes} planes"
-            )
-        _check_ints(self.layer_ids, "layer_ids", 0, _MAX_LAYER_ID)
-        if any(a >= b for a, b in zip(self.layer_ids, self.layer_ids[1:], strict=False)):
-            raise RecordFormatError(
-                f"layer_ids must be strictly ascending (planes are stored in ascending layer-id order), "
-                f"found {list(self.layer_ids)}; sort them and permute the planes the same way"
-            )
-        if self.checksum_algorithm not in CHECKSUM_ALGORITHMS:
-            raise RecordFormatError(
-                f"unknown checksum algorithm {self.checksum_algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}"
-            )
-        if self.checksum is not None:
-            _int(self.checksum, "checksum", 0, _MAX_CHECKSUM)
-        _str(self.vllm_version, "vllm_version", 64, allow_empty=True)
-        _str(self.adapter, "adapter", 128, allow_empty=True)
-        _int(self.start, "start", 0, _MAX_TOKENS)
-        _int(self.num_prompt_tokens, "num_prompt_tokens", 0, _MAX_TOKENS)
-        self._validate_sample(tokens)
-
-    def _validate_sample(self, tokens: int) -> None:
-        if (  # the common record (no spans, no metadata): no RecordSample built (this runs per record)
-            self.loss_mask_spans is None
-            and self.metadata_json == EMPTY_METADATA
-            and (self.schema_version >= 2 or not (self.sample_id or self.source))
-            and isinstance(self.sample_id, str)
-            and isinstance(self.source, str)
-            and len(self.sample_id) <= MAX_SAMPLE_ID_CHARS
-            and len(self.source) <= MAX_SOURCE_CHARS
-        ):
-            return
-        checked = check_sample(
-            self.sample, start=self.start, tokens=tokens, schema_version=self.schema_version, what=self.record_id
-        )
-        if checked.loss_mask_spans != self.loss_mask_spans:  # lists instead of tuples: keep the value hashable
-            msgspec.structs.force_setattr(self, "loss_mask_spans", checked.loss_mask_spans)
+        check_meta(self)
 
     # --- copies that change one part (the rest was validated when this value was made) ---------------------
     def _copy_with(self, **changes: Any) -> RecordMeta:
@@ -753,7 +270,7 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
     def with_checksum(self, checksum: int, algorithm: str | None = None) -> RecordMeta:
         """A copy carrying ``checksum`` (only the changed fields are checked: this runs per record)."""
         algorithm = algorithm or self.checksum_algorithm
-        _int(checksum, "checksum", 0, _MAX_CHECKSUM)
+        check_int(checksum, "checksum", 0, MAX_CHECKSUM)
         if algorithm not in CHECKSUM_ALGORITHMS:
             raise RecordFormatError(f"unknown checksum algorithm {algorithm!r}; expected one of {CHECKSUM_ALGORITHMS}")
         return self._copy_with(checksum=checksum, checksum_algorithm=algorithm)
@@ -772,7 +289,7 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
                 f"record {self.record_id!r}: {len(ids)} token ids but shape says {self.shape[0]} tokens; "
                 "every row needs its token id"
             )
-        return self._copy_with(token_ids=_check_ints(ids, "token_ids", 0, _MAX_VOCAB_ID))
+        return self._copy_with(token_ids=check_ints(ids, "token_ids", 0, MAX_VOCAB_ID))
 
     # --- the file sink's manifest ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -807,7 +324,7 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
         fields; a schema-2 dict must have all four), and so is a record without its token ids."""
         if not isinstance(d, Mapping):
             raise RecordFormatError(f"record metadata must be a mapping, found {type(d).__name__}")
-        version = _int(_field(d, "schema_version"), "schema_version", 0, 1 << 16)
+        version = check_int(field_of(d, "schema_version"), "schema_version", 0, 1 << 16)
         known = _DICT_FIELDS_V1 | (_SAMPLE_DICT_FIELDS if version >= 2 else frozenset())
         extra = set(d) - known
         if extra:
@@ -815,39 +332,39 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
                 f"record metadata (schema {version}) has unknown fields {sorted(map(str, extra))}; expected only "
                 f"{sorted(known)}"
             )
-        sample = _NO_SAMPLE
+        sample = NO_SAMPLE
         if version >= 2:
-            spans = _field(d, "loss_mask_spans")
+            spans = field_of(d, "loss_mask_spans")
             sample = RecordSample(
-                sample_id=_str(_field(d, "sample_id"), "sample_id", MAX_SAMPLE_ID_CHARS, allow_empty=True),
-                source=_str(_field(d, "source"), "source", MAX_SOURCE_CHARS, allow_empty=True),
-                loss_mask_spans=None if spans is None else check_spans(spans, "loss_mask_spans", 0, _MAX_TOKENS),
-                metadata_json=canonical_metadata(_field(d, "metadata")),
+                sample_id=check_str(field_of(d, "sample_id"), "sample_id", MAX_SAMPLE_ID_CHARS, allow_empty=True),
+                source=check_str(field_of(d, "source"), "source", MAX_SOURCE_CHARS, allow_empty=True),
+                loss_mask_spans=None if spans is None else check_spans(spans, "loss_mask_spans", 0, MAX_TOKENS),
+                metadata_json=canonical_metadata(field_of(d, "metadata")),
             )
-        shape = _int_seq(_field(d, "shape"), "shape", 0, 1 << 40, 3)
+        shape = check_int_seq(field_of(d, "shape"), "shape", 0, 1 << 40, 3)
         if len(shape) != 3:
             raise RecordFormatError(f"shape must have 3 entries [tokens, planes, hidden], found {list(shape)}")
-        token_ids = _seq(_field(d, "token_ids"), "token_ids", _MAX_TOKENS)  # values checked by validate()
-        record_id = _str(_field(d, "request_id"), "request_id")
+        token_ids = check_seq(field_of(d, "token_ids"), "token_ids", MAX_TOKENS)  # values checked by validate()
+        record_id = check_str(field_of(d, "request_id"), "request_id")
         if len(token_ids) != shape[0]:
             raise RecordFormatError(
                 f"record {record_id!r}: {len(token_ids)} token ids but shape says {shape[0]} tokens; "
                 "every row needs its token id"
             )
-        checksum = _field(d, "checksum")
+        checksum = field_of(d, "checksum")
         return cls(
             record_id=record_id,
             token_ids=token_ids,
-            layer_ids=_int_seq(_field(d, "layer_ids"), "layer_ids", 0, _MAX_LAYER_ID, _MAX_PLANES),
-            pre_norm=_field(d, "pre_norm"),
-            dtype=_str(_field(d, "dtype"), "dtype", 32),
+            layer_ids=check_int_seq(field_of(d, "layer_ids"), "layer_ids", 0, MAX_LAYER_ID, MAX_PLANES),
+            pre_norm=field_of(d, "pre_norm"),
+            dtype=check_str(field_of(d, "dtype"), "dtype", 32),
             shape=(shape[0], shape[1], shape[2]),
-            checksum=None if checksum is None else _int(checksum, "checksum", 0, _MAX_CHECKSUM),
-            checksum_algorithm=_str(_field(d, "checksum_algorithm"), "checksum_algorithm", 32),
-            vllm_version=_str(d.get("vllm_version", ""), "vllm_version", 64, allow_empty=True),
-            adapter=_str(d.get("adapter", ""), "adapter", 128, allow_empty=True),
-            start=_int(d.get("start", 0), "start", 0, _MAX_TOKENS),
-            num_prompt_tokens=_int(d.get("num_prompt_tokens", 0), "num_prompt_tokens", 0, _MAX_TOKENS),
+            checksum=None if checksum is None else check_int(checksum, "checksum", 0, MAX_CHECKSUM),
+            checksum_algorithm=check_str(field_of(d, "checksum_algorithm"), "checksum_algorithm", 32),
+            vllm_version=check_str(d.get("vllm_version", ""), "vllm_version", 64, allow_empty=True),
+            adapter=check_str(d.get("adapter", ""), "adapter", 128, allow_empty=True),
+            start=check_int(d.get("start", 0), "start", 0, MAX_TOKENS),
+            num_prompt_tokens=check_int(d.get("num_prompt_tokens", 0), "num_prompt_tokens", 0, MAX_TOKENS),
             sample_id=sample.sample_id,
             source=sample.source,
             loss_mask_spans=sample.loss_mask_spans,
@@ -872,7 +389,7 @@ class RecordMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, metacl
     ) -> RecordMeta:
         """Metadata describing ``rows`` (``[tokens, planes, hidden]``); the checksum is left for the
         producer.  ``sample``: what the record was made for (its spans must lie within the record's rows)."""
-        sample = sample or _NO_SAMPLE
+        sample = sample or NO_SAMPLE
         if rows.dim() != 3:
             raise RecordFormatError(
                 f"record {record_id!r}: rows must be [tokens, planes, hidden], found shape {tuple(rows.shape)}"
