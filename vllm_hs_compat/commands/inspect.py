@@ -195,7 +195,7 @@ def describe(record: CaptureRecord, source: dict[str, Any]) -> dict[str, Any]:
     ``ok``."""
     import torch
 
-    from vllm_hs_compat.core.records import compute_checksum
+    from vllm_hs_compat.core.checksums import compute_checksum
 
     meta = record.meta
     hs = record.hidden_states

@@ -15,13 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from ..errors import CaptureConfigError, RecordFormatError
-from .records import (
-    MAX_LOSS_MASK_SPANS,
-    MAX_SAMPLE_ID_CHARS,
-    MAX_SOURCE_CHARS,
-    RecordSample,
-    canonical_metadata,
-)
+from .record_bounds import MAX_LOSS_MASK_SPANS, MAX_SAMPLE_ID_CHARS, MAX_SOURCE_CHARS
+from .record_sample import RecordSample, canonical_metadata
 from .vocabulary import REASON_DISABLED, REASON_EMPTY, REASON_PROMPT_INCOMPLETE, SAMPLE_KEY
 
 CaptureMode = Literal["prompt", "all", "output"]

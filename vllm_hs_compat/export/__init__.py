@@ -19,7 +19,8 @@ See docs/export.md for the wire protocol, the capability model, the ledger, UCX 
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
+from vllm_hs_compat.core.checksums import compute_checksum
+from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.errors import (
     AuthError,
     CapabilityError,

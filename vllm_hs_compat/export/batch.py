@@ -26,7 +26,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from vllm_hs_compat.core.records import SCHEMA_VERSION, CaptureRecord, RecordMeta, RecordSample, torch_dtype
+from vllm_hs_compat.core.dtypes import torch_dtype
+from vllm_hs_compat.core.record_bounds import SCHEMA_VERSION
+from vllm_hs_compat.core.record_sample import RecordSample
+from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.errors import RecordFormatError
 
 __all__ = ["BatchSchema", "RecordBatch"]

@@ -26,7 +26,8 @@ from typing import Any, Final
 
 import torch
 
-from vllm_hs_compat.core.records import CaptureRecord, RecordMeta, compute_checksum
+from vllm_hs_compat.core.checksums import compute_checksum
+from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.core.vocabulary import FILE_KEY
 from vllm_hs_compat.errors import ChecksumMismatchError, ExportConfigError, RecordFailedError, RecordFormatError
 

@@ -41,14 +41,14 @@ import msgspec
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import (
+from vllm_hs_compat.core.checksums import (
     CHECKSUM_ALGORITHMS,
     ChecksumState,
-    RecordMeta,
     byte_view,
     checksum_bytes,
     compute_checksum,
 )
+from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.core.vocabulary import reason_of
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.capabilities import (

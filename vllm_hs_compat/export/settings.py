@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM
+from vllm_hs_compat.core.checksums import CHECKSUM_ALGORITHMS, DEFAULT_CHECKSUM
 from vllm_hs_compat.export.nixl_backend import UcxSettings
 from vllm_hs_compat.export.pool import DEFAULT_MAX_REDELIVERIES
 from vllm_hs_compat.export.server import ControlLimits

@@ -51,7 +51,7 @@ from typing import Any, Final
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import ChecksumState, byte_view
+from vllm_hs_compat.core.checksums import ChecksumState, byte_view
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.transport import REGION_SHIFT, LandingRegions, host_buffer
 

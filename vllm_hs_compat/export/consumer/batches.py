@@ -17,7 +17,9 @@ from typing import cast
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import RecordMeta, byte_view, checksum_function, dtype_itemsize
+from vllm_hs_compat.core.checksums import byte_view, checksum_function
+from vllm_hs_compat.core.dtypes import dtype_itemsize
+from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.batch import BatchSchema, RecordBatch

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import CaptureRecord, byte_view
+from vllm_hs_compat.core.checksums import byte_view
+from vllm_hs_compat.core.records import CaptureRecord
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export.batch import RecordBatch
 from vllm_hs_compat.export.nixl_backend import NixlConsumerTransport, UcxSettings

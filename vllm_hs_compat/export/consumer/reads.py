@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from vllm_hs_compat import errors as E
-from vllm_hs_compat.core.records import CaptureRecord, ChecksumState, RecordMeta, checksum_bytes
+from vllm_hs_compat.core.checksums import ChecksumState, checksum_bytes
+from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.errors import HsCompatError
 from vllm_hs_compat.export import protocol as P
 from vllm_hs_compat.export.consumer.claims import Claim, Claims
