@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_hs_compat.capture import store as store_mod
+from vllm_hs_compat.capture import durable
 from vllm_hs_compat.capture.store import CaptureStore, SampleInfo, Summary
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.export import files
@@ -80,10 +80,11 @@ def run(
     mismatch: frozenset[int] = frozenset(),
     delay: float = 0.0,
 ) -> Summary:
-    """One capture run over samples ``0..samples-1``; ``kill``/``unsafe`` set the store's test hooks in this
-    process; ``mismatch``: samples whose engine ids differ from the data's; ``delay``: seconds between samples."""
-    store_mod._KILL_AT = kill
-    store_mod._UNSAFE = unsafe
+    """One capture run over samples ``0..samples-1``; ``kill``/``unsafe`` set the store's test hooks
+    (capture/durable.py) in this process; ``mismatch``: samples whose engine ids differ from the data's; ``delay``:
+    seconds between samples."""
+    durable._KILL_AT = kill
+    durable._UNSAFE = unsafe
     torch.set_num_threads(1)
     with CaptureStore(
         out, run_config=RUN_CONFIG, rank=rank, world_size=world_size, records_per_shard=per_shard
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--per-shard", type=int, default=5)
-    ap.add_argument("--kill", default=None, help="POINT:N (see store._KILL_AT)")
+    ap.add_argument("--kill", default=None, help="POINT:N (see durable._KILL_AT)")
     ap.add_argument("--unsafe", action="store_true")
     ap.add_argument("--mismatch", default="", help="comma-separated sample numbers")
     ap.add_argument("--delay", type=float, default=0.0)

@@ -4,8 +4,8 @@ Records are the package's own files (export/files.py) of random tensors, staged 
 writes them.  Killed runs are real processes (forked from a forkserver that imported torch once, so a child costs
 milliseconds, not the seconds of a fresh interpreter) killed with SIGKILL, by the store's own test hook at a named
 point or from outside at a random time.  Every check has a negative control that must fail: the same kills with
-the store's safety turned off (``store._UNSAFE``: parts and manifests written in place, no recovery) must leave a
-duplicate or a half record the check finds."""
+the store's safety turned off (``capture/durable.py``'s ``_UNSAFE``: parts and manifests written in place, no
+recovery) must leave a duplicate or a half record the check finds."""
 
 from __future__ import annotations
 
@@ -159,9 +159,9 @@ def test_kill_and_resume_negative_control_unsafe(tmp_path: Path, where: str) -> 
     except CaptureStoreError:
         pass  # a half-written part refuses the resume: found, too
     finally:
-        import vllm_hs_compat.capture.store as store_mod
+        from vllm_hs_compat.capture import durable
 
-        store_mod._UNSAFE = False
+        durable._UNSAFE = False
     assert check_tree(tmp_path) != []
 
 

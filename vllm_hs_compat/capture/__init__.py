@@ -3,7 +3,9 @@
 * :mod:`.sources` -- where rows come from (JSONL / JSON / Parquet files or folders, ``hf:NAME[:split]``);
 * :mod:`.samples` -- rows templated and tokenized into :class:`~.samples.Sample` (or a per-row
   :class:`~.samples.RowError`), and :func:`~.samples.check_template`, run before any engine starts;
-* :mod:`.store` -- the output tree of one rank (shards, Parquet index parts, resume, rank split, summaries).
+* :mod:`.store` -- the output tree of one rank (shards, Parquet index parts, resume, rank split, summaries); its
+  parts, whose public names it re-exports: :mod:`.rows`, :mod:`.policy`, :mod:`.tree`, :mod:`.durable`,
+  :mod:`.index`, :mod:`.staged`, :mod:`.recovery`, :mod:`.summary`.
 
 See docs/capture.md.
 """

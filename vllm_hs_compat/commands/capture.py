@@ -335,7 +335,7 @@ class _Console:
 
 class _Run:
     def __init__(self, args: argparse.Namespace, plan_: Plan, store: Any, llm: Any, console: _Console) -> None:
-        from vllm_hs_compat.capture.store import Breaker, Retry
+        from vllm_hs_compat.capture.policy import Breaker, Retry
 
         self.args, self.plan, self.store, self.llm, self.console = args, plan_, store, llm, console
         self.retry = Retry(args.retries + 1)
@@ -367,7 +367,7 @@ class _Run:
 
     def engine_batch(self, samples: list[Any]) -> list[Any]:
         """Run ``samples`` through the engine; returns the samples to try again."""
-        from vllm_hs_compat.capture.store import SampleInfo
+        from vllm_hs_compat.capture.rows import SampleInfo
         from vllm_hs_compat.connector import flush
         from vllm_hs_compat.core.vocabulary import RESULT_KEY
         from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
@@ -438,8 +438,8 @@ def _rows(
     """This rank's samples to capture, in source order.  ``counts``: ``read`` (rows of this rank's share read from
     the source, whatever became of them), ``skipped`` (of those, already in the tree), ``samples`` (yielded).  A
     row that yields no sample is indexed as failed here (its reason; a ``too_long`` row with its token count)."""
+    from vllm_hs_compat.capture.rows import SampleInfo, sample_key
     from vllm_hs_compat.capture.samples import RowError, read_samples
-    from vllm_hs_compat.capture.store import SampleInfo, sample_key
 
     def select(sample_id: str) -> bool:
         if not store.owns(sample_id):
@@ -501,7 +501,7 @@ def _run_ray(args: argparse.Namespace) -> int:
     merged summary.  Exit code: 3 if a rank's circuit breaker opened, else the highest rank's code (4: an actor
     died)."""
     from vllm_hs_compat.capture.ray_path import run_ranks
-    from vllm_hs_compat.capture.store import read_summary
+    from vllm_hs_compat.capture.summary import read_summary
 
     try:
         if args.world_size != 1 or args.rank != 0:
@@ -552,7 +552,8 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
         from transformers import AutoTokenizer
     except ImportError:
         raise ToolError('capture needs transformers: pip install "vllm-hs-compat[capture]"') from None
-    from vllm_hs_compat.capture.store import CaptureStore, read_summary
+    from vllm_hs_compat.capture.store import CaptureStore
+    from vllm_hs_compat.capture.summary import read_summary
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)

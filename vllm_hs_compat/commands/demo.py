@@ -378,7 +378,7 @@ def _run_capture(
     done = view.done
     if done is None:  # finish() raised already
         raise ToolError("the trainer gave no result")
-    from vllm_hs_compat.capture.store import read_index
+    from vllm_hs_compat.capture.index import read_index
 
     index = read_index(tree).to_pylist()
     shards = sorted({str(r["record"]).split("/")[0] for r in index if r["status"] == "ok" and r["record"]})

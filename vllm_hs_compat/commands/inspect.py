@@ -310,8 +310,8 @@ def _is_tree(target: str) -> bool:
 def tree_report(tree: str | Path) -> dict[str, Any]:
     """A capture tree's totals from its index (records, tokens, bytes, failed rows by reason), its run settings,
     and every failed row (``sample_id``, ``source``, ``reason``, ``message``, ``tokens``, ``rank``)."""
-    from vllm_hs_compat.capture.store import failed_rows as read_failed
-    from vllm_hs_compat.capture.store import read_summary
+    from vllm_hs_compat.capture.index import failed_rows as read_failed
+    from vllm_hs_compat.capture.summary import read_summary
 
     root = Path(tree)
     summary = read_summary(root)

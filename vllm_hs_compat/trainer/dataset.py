@@ -240,7 +240,7 @@ class HiddenStatesDataset(IterableDataset[dict[str, Any]]):
         """Read the records a ``vllm-hs-compat capture`` tree's index names (status ``ok``; files the index does
         not name, e.g. of a capture still running, are not read).  Items carry each record's own loss mask
         (``loss_mask="auto"``) and ``sample_id``.  Needs ``pyarrow`` (the ``capture`` extra)."""
-        from vllm_hs_compat.capture.store import read_index
+        from vllm_hs_compat.capture.index import read_index
 
         root = Path(out)
         records = sorted(str(r["record"]) for r in read_index(root).to_pylist() if r["status"] == "ok")
