@@ -405,7 +405,7 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
     trainer: dict[str, Any] | None = None
     fmt = getattr(args, "format", None)
     if fmt is not None:
-        from vllm_hs_compat.trainer.formats import trainer_layer_ids
+        from vllm_hs_compat.trainer.specs import trainer_layer_ids
 
         try:
             lm = trainer_layer_ids(fmt, sorted(layers), facts.num_layers)

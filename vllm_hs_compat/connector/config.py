@@ -162,7 +162,7 @@ class ConnectorConfig:
                 )
             file_options = {str(k): v for k, v in f.items() if k != "path"}
             fmt = file_options.get("format", "native")
-            from vllm_hs_compat.trainer.formats import FORMATS
+            from vllm_hs_compat.trainer.specs import FORMATS
 
             if fmt not in FORMATS:
                 raise CaptureConfigError(f"{WHAT}: file.format must be one of {list(FORMATS)}, found {fmt!r}; {FIX}")

@@ -19,9 +19,10 @@ See docs/trainer.md for the layouts, workers, resume and errors, and docs/traine
 
 from vllm_hs_compat.trainer.collate import collate_padded
 from vllm_hs_compat.trainer.dataset import COUNTERS, STATE_VERSION, HiddenStatesDataset
-from vllm_hs_compat.trainer.formats import FORMATS, FormatWriter, check_drafter_config, check_output, trainer_layer_ids
+from vllm_hs_compat.trainer.formats import FormatWriter, check_output
 from vllm_hs_compat.trainer.layouts import LAYOUTS, LOSS_MASKS, make_loss_mask, resolve_loss_mask, to_item
 from vllm_hs_compat.trainer.mapped import RecordFileDataset, RecordShard
+from vllm_hs_compat.trainer.specs import FORMATS, check_drafter_config, trainer_layer_ids
 from vllm_hs_compat.trainer.steps import STEP_COUNTERS, EvenSteps, even_steps, zero_loss
 
 __all__ = [
