@@ -20,6 +20,12 @@ def make_rows(seed: int, tokens: int, planes: int, hidden: int, dtype: str = "bf
     return raw.view(dt).view(tokens, planes, hidden)
 
 
+def make_finite_rows(seed: int, tokens: int, planes: int, hidden: int, dtype: str = "bfloat16") -> torch.Tensor:
+    """:func:`make_rows` with every NaN and Inf made finite: for records read through a reader that refuses
+    non-finite rows (the trainer datasets fail them as ``non_finite``)."""
+    return torch.nan_to_num(make_rows(seed, tokens, planes, hidden, dtype), nan=0.0, posinf=1.0, neginf=-1.0)
+
+
 def make_meta(record_id: str, rows: torch.Tensor, seed: int = 0) -> RecordMeta:
     tokens, planes, _ = rows.shape
     g = torch.Generator().manual_seed(seed + 1)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from hsx_harness import ledger_balanced, wait_until
-from hsx_testdata import Clock, digest, make_meta, make_rows, meta
+from hsx_testdata import Clock, digest, make_finite_rows, make_meta, make_rows, meta
 
 from vllm_hs_compat import errors as E
 from vllm_hs_compat.export import ExportConsumer, ExportProducer, LeaseExpiredError, PoolFullError
@@ -287,7 +287,7 @@ def run_kills(
         n = 0
         while not stop.is_set():
             rid = f"k{n}"
-            rows = make_rows(n, tokens, 2, 64, "bfloat16")
+            rows = make_finite_rows(n, tokens, 2, 64, "bfloat16")  # read through the dataset: finite or failed
             try:
                 p.publish(make_meta(rid, rows, n), rows)
             except PoolFullError:
