@@ -95,12 +95,18 @@ def resolve_capture_group(
     vllm_config: Any | None = None,
     adapter: VllmAdapter | None = None,
 ) -> CaptureGroup:
-    """The KV-cache group that holds the capture layer, from the worker's or the scheduler's config."""
+    """The KV-cache group that holds the capture layer, from the worker's or the scheduler's config.
+
+    On the worker (``view="worker"`` with ``vllm_config``) this also makes a release whose CPU attention would read
+    the verifier's KV cache in another layout than it wrote it choose one (:meth:`VllmAdapter.align_cpu_attention_isa`:
+    vLLM 0.26-0.28 on CPU when the capture layer's group lowers the engine's block size, logged as a warning)."""
     ad = _adapter(adapter)
     name = layer_name or capture_layer_name(kv_cache_config, vllm_config, adapter=ad)
     infos = ad.group_infos(kv_cache_config)
     group = _resolve(infos, name, capture_spec_types=ad.capture_spec_types, view=view)
     ad.check_capture_group(group.index)
+    if view == "worker" and vllm_config is not None:
+        ad.align_cpu_attention_isa(vllm_config)
     return group
 
 

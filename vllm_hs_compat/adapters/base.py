@@ -412,6 +412,13 @@ class VllmAdapter(VllmReader):
                 "--no-disable-hybrid-kv-cache-manager, or upgrade to vLLM >= 0.22.0."
             )
 
+    def align_cpu_attention_isa(self, vllm_config: Any) -> tuple[str, ...]:
+        """Make the verifier's attention layers write the KV cache in the layout their kernels read it with, where
+        this release's CPU attention chooses the two apart (:mod:`~vllm_hs_compat.adapters.v0_22`); the names of
+        the layers changed.  No-op here: the other eras choose once (0.17-0.21 in the metadata, 0.29+ the
+        metadata builder sets its layers' choice)."""
+        return ()
+
     def describe(self) -> str:
         untested = ", UNTESTED: newer than the tested range, judged by its probes" if self.untested else ""
         return f"{self.name} (vLLM {self.versions}) for installed vLLM {self.version}{untested}"
