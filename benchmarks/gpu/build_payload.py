@@ -236,9 +236,13 @@ def check_requirements(
 def package_wheel(dest: Path) -> Path:
     """This package as a wheel (its console script and vLLM plugin entry point come with it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, str(ROOT)], check=True, cwd=tmp
-        )
+        # The project's venv is made by uv and has no pip: build with uv where it is on PATH.
+        uv = shutil.which("uv")
+        if uv is not None:
+            cmd = [uv, "build", "-q", "--wheel", "--out-dir", tmp, str(ROOT)]
+        else:
+            cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, str(ROOT)]
+        subprocess.run(cmd, check=True, cwd=tmp)
         built = next(Path(tmp).glob("vllm_hs_compat-*.whl"))
         out = dest / built.name
         shutil.copyfile(built, out)
