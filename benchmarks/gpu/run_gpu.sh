@@ -29,6 +29,13 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 rc=0
+# vLLM's CUDA sampler takes FlashInfer's top-k/top-p kernels unless told not to, and imports FlashInfer to decide
+# (vllm/v1/sample/ops/topk_topp_sampler.py): without FlashInfer installed (the carried payload has none) every
+# engine dies in its worker's init.  Where it is absent, vLLM's own switch picks its PyTorch sampler.
+if [ -z "${VLLM_USE_FLASHINFER_SAMPLER:-}" ] && ! "$PY" -c 'import flashinfer' 2>/dev/null; then
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+    echo "run_gpu.sh: no flashinfer here: VLLM_USE_FLASHINFER_SAMPLER=0" | tee -a "$OUT/steps.log"
+fi
 # cap SECONDS: SECONDS, or less where CALL_END comes first (10 s kept for the logs)
 cap() {
     local want=$1
@@ -71,8 +78,14 @@ for step in "$@"; do
         ;;
     e2e)
         export HS_E2E_JOBS=${HS_E2E_JOBS:-3} HS_E2E_WORK="$WORK/e2e-runs" HS_E2E_REPORT="$OUT/e2e-report.txt"
-        limited "$(cap "${E2E_S:-330}")" "$OUT/e2e.log" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -q \
-            -p no:cacheprovider -k "${E2E_K:-not minimal_example}" ${JUNIT:+--junitxml="$OUT/e2e-junit.xml"} || rc=1
+        rm -rf "$HS_E2E_WORK"
+        # -v: each test's verdict as it ends (a run killed at its limit prints no summary); every case's own logs
+        # (engine, export consumer, result) come back in e2e-logs.tar.gz either way
+        limited "$(cap "${E2E_S:-330}")" "$OUT/e2e.log" "$PY" -m pytest "$SRC/tests/e2e/test_e2e_engine.py" -v \
+            -rfE --tb=short -p no:cacheprovider -k "${E2E_K:-not minimal_example}" \
+            ${JUNIT:+--junitxml="$OUT/e2e-junit.xml"} || rc=1
+        (cd "$HS_E2E_WORK" 2>/dev/null && find . -maxdepth 3 \( -name '*.log' -o -name 'result.json' -o -name 'summary.json' \) \
+            -size -4M -print0 | tar -czf "$OUT/e2e-logs.tar.gz" --null -T -) 2>/dev/null
         ;;
     demo)
         rm -rf "$WORK/demo"
