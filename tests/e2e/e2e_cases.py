@@ -499,7 +499,11 @@ def records_of(run: CaseRun) -> tuple[list[e2e_pairing.Record | None], list[str]
         d = run.out / "export_records"
         summary_path = d / "summary.json"
         if not summary_path.exists():
-            notes.append("export consumer wrote no summary")
+            # what the consumer process said (its exit status and last lines): the cause, not just the absence
+            log = run.out / "consumer.log"
+            tail = log.read_text(errors="replace").strip().splitlines()[-8:] if log.exists() else ["(no consumer.log)"]
+            rc = run.result.get("consumer_rc", "not run")
+            notes.append(f"export consumer wrote no summary (exit {rc}):\n    " + "\n    ".join(tail))
             return recs, notes
         summary = json.loads(summary_path.read_text())
         for f in summary["fetched"]:
