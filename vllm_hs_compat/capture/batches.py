@@ -174,9 +174,10 @@ class Batches:
 
     def may_open_breaker(self, outcomes: list[Outcome]) -> bool:
         """True when the failures the engine already reported could open the breaker during these outcomes'
-        adoption (counted as if none were retried): such a batch is adopted before the next one is submitted, so
-        the run stops where a serial run stops."""
-        failures = sum(1 for o in outcomes if o.ticket is None and o.counted)
+        adoption, counted as if none were retried: requests without a record, and records whose connector left an
+        error file in their place (``non_finite``, ...; written before the batch's flush returned).  Such a batch
+        is adopted before the next one is submitted, so the run stops where a serial run stops."""
+        failures = sum(1 for o in outcomes if o.counted and (o.ticket is None or Path(o.ticket["error"]).exists()))
         return failures > 0 and self.breaker.consecutive + failures >= self.breaker.max_consecutive
 
     def adopt_batch(self, outcomes: list[Outcome], deadline: float, stop: threading.Event) -> list[Any]:
