@@ -14,7 +14,8 @@ are compared and printed; the run stops if they differ.
 Throughput counts the rows' prompt tokens over the time from a ready engine to the end of the work: for
 ``generate`` the ``generate`` call (the rows were templated before), for ``capture`` the command's own ``capture_s``
 (templating of all rows after the first batch, the file sink, verification and adoption of every record included;
-the index's last part and the summary are written after).  The engine's start-up is printed apart: it is paid once
+the index's last part and the summary are written after), with where it went (the summary's ``engine_s``,
+``adopt_s``, ``overlap_s``, ``adopt_wait_s``).  The engine's start-up is printed apart: it is paid once
 per process, not per row.  Prints tokens/s and bytes/s (capture: the records on disk) per run, the medians, and
 capture / generate (target >= 0.9x).  A child that fails is reported with its exit code or the signal that killed
 it, and the end of its output.
@@ -151,6 +152,7 @@ def timed_capture(
         failed=summary.get("failed"),
         storage=summary.get("storage"),
         tokens_per_s=float(summary["tokens_per_s"]),
+        where={k: float(summary.get(k, 0.0)) for k in ("engine_s", "adopt_s", "adopt_wait_s", "overlap_s")},
         settings={**used, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")},
     )
 
@@ -218,7 +220,13 @@ def main() -> None:
                 got = json.loads(result.read_text())
                 runs[variant].append(got)
                 rate = got["tokens"] / got["work_s"]
-                extra = f", {got['bytes'] / got['work_s'] / 1e6:.1f} MB/s on disk" if variant == "capture" else ""
+                extra = ""
+                if variant == "capture":
+                    w = got.get("where") or {}
+                    extra = (f", {got['bytes'] / got['work_s'] / 1e6:.1f} MB/s on disk; "
+                             f"engine {w.get('engine_s', 0):.2f} s, adoption {w.get('adopt_s', 0):.2f} s "
+                             f"({w.get('overlap_s', 0):.2f} s beside the engine, "
+                             f"the engine waiting {w.get('adopt_wait_s', 0):.2f} s)")  # fmt: skip
                 print(f"run {r} {variant:<8}: engine start {got['start_s']:.1f} s, {got['tokens']} tokens in "
                       f"{got['work_s']:.2f} s = {rate:.0f} tokens/s{extra}", flush=True)  # fmt: skip
         settings = {v: [json.dumps(x["settings"], sort_keys=True) for x in rs] for v, rs in runs.items()}

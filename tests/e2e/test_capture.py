@@ -13,7 +13,8 @@ command.  Then, independently of the package's own templating code:
 Negative controls: the same comparison fails for a record paired with another sample's ids, and with the planes
 of the neighbouring layer ids.  On-policy (0.32.0 session): the record covers prompt + generated tokens, its loss
 mask exactly the generated part.  Runs in the e2e sessions of 0.27.1, 0.29.0 and 0.32.0 (HS_E2E_CAPTURE=1): the
-kill-and-resume case in each (about 80 s on 2 cores: two engine starts), the on-policy and two-rank cases in 0.32.0.
+kill-and-resume case in each (about 80 s on 2 cores: two engine starts), the on-policy, two-rank and pipelined
+against ``--serial`` cases in 0.32.0.
 """
 
 from __future__ import annotations
@@ -343,6 +344,53 @@ def test_two_rank_processes_write_one_tree_with_every_sample_once(tmp_path: Path
     assert sorted(per_rank) == [0, 1], per_rank  # both ranks took a share
     e2e_report.add(f"capture: 2 rank processes, {per_rank} records per rank, {time.monotonic() - t0:.1f} s, "
                    f"worst rel err {worst:.4f}")  # fmt: skip
+
+
+@on_demo_session
+def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: Path, model_dir: str, hf: Any) -> None:
+    """The same rows captured twice at once (each engine on a CPU of its own): as the command runs by default,
+    batch k adopted while the engine runs batch k+1, and with ``--serial``, each batch adopted before the next one
+    reaches the engine.  The run's own timings (its summary) show the overlap: adoption time spent while the engine
+    ran (``overlap_s``) in the default run; in the serial run, the negative control, none at all and the engine
+    waiting through every adoption.  Both trees hold every sample once, verified, with the same hidden states."""
+    rows = _short_rows(hf[1], 12)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    modes = {"pipelined": (), "serial": ("--serial",)}
+    procs = {
+        mode: subprocess.Popen(
+            [*_cmd(model_dir, data, tmp_path / mode), "--batch-size", "2", *extra],
+            env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": str(k % (os.cpu_count() or 1))},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for k, (mode, extra) in enumerate(modes.items())
+    }
+    outs = {mode: p.communicate(timeout=480) for mode, p in procs.items()}
+    assert {m: p.returncode for m, p in procs.items()} == dict.fromkeys(modes, 0), {
+        m: o[1][-2000:] for m, o in outs.items()
+    }
+    got = {mode: json.loads(out) for mode, (out, _) in outs.items()}
+    for mode, summary in got.items():
+        assert summary["captured"] == len(rows) and summary["engine_s"] > 0 and summary["adopt_s"] > 0, summary
+        assert summary["engine_s"] + summary["adopt_s"] - summary["overlap_s"] <= summary["capture_s"] + 0.05, summary
+        _check_tree(tmp_path / mode, rows, hf)
+    pipelined, serial = got["pipelined"], got["serial"]
+    assert pipelined["overlap_s"] > 0, pipelined  # the engine's next batch began before the last one was adopted
+    assert serial["overlap_s"] == 0 and serial["adopt_wait_s"] == pytest.approx(serial["adopt_s"], abs=0.01), serial
+    records = {}
+    for mode in modes:
+        ok = [r for r in read_index(tmp_path / mode).to_pylist() if r["status"] == "ok"]
+        records[mode] = {r["sample_id"]: read_record(tmp_path / mode / r["record"]).hidden_states for r in ok}
+    assert records["pipelined"].keys() == records["serial"].keys()
+    assert all(torch.equal(records["pipelined"][k], records["serial"][k]) for k in records["serial"])
+    e2e_report.add(
+        "capture pipelined vs --serial, 12 rows in batches of 2: overlap "
+        f"{pipelined['overlap_s']:.2f} s vs {serial['overlap_s']:.2f} s, engine waited on adoption "
+        f"{pipelined['adopt_wait_s']:.2f} s of {pipelined['adopt_s']:.2f} s vs {serial['adopt_wait_s']:.2f} s of "
+        f"{serial['adopt_s']:.2f} s"
+    )
 
 
 @pytest.mark.skipif(os.environ.get("HS_E2E_RAY") != "1", reason="opt-in: nox -s capture_ray (installs Ray)")

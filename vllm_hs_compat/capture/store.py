@@ -370,11 +370,22 @@ class CaptureStore:
         return s
 
     @_locked
-    def note_times(self, *, engine_start_s: float, capture_s: float) -> None:
+    def note_times(
+        self,
+        *,
+        engine_start_s: float,
+        capture_s: float,
+        engine_s: float = 0.0,
+        adopt_s: float = 0.0,
+        adopt_wait_s: float = 0.0,
+        overlap_s: float = 0.0,
+    ) -> None:
         """The run's engine start and its capture (from a ready engine to the last record adopted): the summary's
-        ``tokens_per_s`` is of the capture alone."""
-        self._summary.engine_start_s = engine_start_s
-        self._summary.capture_s = capture_s
+        ``tokens_per_s`` is of the capture alone; where the capture's time went (:class:`Summary`'s ``engine_s``,
+        ``adopt_s``, ``adopt_wait_s``, ``overlap_s``)."""
+        s = self._summary
+        s.engine_start_s, s.capture_s = engine_start_s, capture_s
+        s.engine_s, s.adopt_s, s.adopt_wait_s, s.overlap_s = engine_s, adopt_s, adopt_wait_s, overlap_s
 
     @_locked
     def run_summary(self) -> Summary:

@@ -48,6 +48,17 @@ class Summary:
     """Time from a ready engine to the last record adopted (merged: the longest rank's)."""
     tokens_per_s: float = 0.0
     """Tokens captured per second of capture (``tokens / capture_s``; engine start-up not counted)."""
+    engine_s: float = 0.0
+    """Of ``capture_s``, seconds in the engine: ``generate`` and the flush that brings each batch's records to the
+    staging folder (merged: summed over ranks, like the three below)."""
+    adopt_s: float = 0.0
+    """Seconds adopting records (waiting for their files, reading and verifying them, moving them into shards, the
+    index parts and their syncs, failed rows), in the adopter thread while the engine runs the next batch."""
+    adopt_wait_s: float = 0.0
+    """Of ``adopt_s``, the seconds the engine waited for adoption (idle): near 0 when the engine bounds the run,
+    near ``adopt_s`` when adoption does (or with ``--serial``)."""
+    overlap_s: float = 0.0
+    """Of ``adopt_s``, the seconds it ran while the engine ran (0 with ``--serial``)."""
     ranks: list[int] = field(default_factory=list)
     world_size: int = 1
     closed: bool = False
@@ -88,7 +99,8 @@ def _tree_totals(index: pa.Table, summary: Summary) -> None:
 def read_summary(out: str | os.PathLike[str]) -> Summary:
     """The runs' counters merged over ranks (every ``summary-rank-R.json``: each rank's latest run) plus the tree's
     totals from :func:`~vllm_hs_compat.capture.index.read_index`.  ``elapsed_s`` and ``capture_s`` are the longest
-    rank's and ``tokens_per_s`` = tokens / ``capture_s``."""
+    rank's, ``engine_s``, ``adopt_s``, ``adopt_wait_s`` and ``overlap_s`` summed, and ``tokens_per_s`` = tokens /
+    ``capture_s``."""
     root = Path(out)
     merged = Summary()
     failed: Counter[str] = Counter()
@@ -110,6 +122,10 @@ def read_summary(out: str | os.PathLike[str]) -> Summary:
         merged.elapsed_s = max(merged.elapsed_s, s.elapsed_s)
         merged.engine_start_s = max(merged.engine_start_s, s.engine_start_s)
         merged.capture_s = max(merged.capture_s, s.capture_s)
+        merged.engine_s += s.engine_s
+        merged.adopt_s += s.adopt_s
+        merged.adopt_wait_s += s.adopt_wait_s
+        merged.overlap_s += s.overlap_s
         merged.ranks.extend(s.ranks)
         merged.world_size = max(merged.world_size, s.world_size)
         closed = closed and s.closed

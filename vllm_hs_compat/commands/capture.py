@@ -29,14 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hs_compat.capture.batches import Batches, drive
+from vllm_hs_compat.capture.pipeline import Pipeline
 from vllm_hs_compat.commands import console_to_log, progress, stdout_to_stderr
 from vllm_hs_compat.errors import CaptureConfigError, CircuitOpenError, EngineStartError, HsCompatError, ToolError
 
-#: Seconds to wait for a record's files after the engine stepped past its request (the file sink writes them from
-#: the connector's publisher thread).
-RECORD_WAIT_S = 120.0
-#: Failure reason of a row whose request vLLM refused before running it (e.g. longer than the context); not retried.
-ENGINE_REFUSED = "engine_refused"
 #: Failed rows printed in full on the console as they happen (all of them: ``vllm-hs-compat inspect OUT``).
 SHOWN_FAILURES = 5
 #: The keys vLLM derives a model's own context from (the smallest present wins), as its model config does.
@@ -128,6 +125,12 @@ def register(sub: Any) -> None:
         default=20,
         help="stop (exit 3) after this many records in a row failed in the engine, the connector or adoption "
         "(default 20); rows the reader refuses (malformed, too_long, ...) do not count",
+    )
+    p.add_argument(
+        "--serial",
+        action="store_true",
+        help="adopt each batch before the next one reaches the engine (default: while the engine runs the next "
+        "one; for comparison)",
     )
     p.add_argument("--limit", type=int, default=None, help="stop after this many rows of this rank's share")
     p.add_argument("--engine-args", default=None, help="more vllm.LLM arguments as a JSON object")
@@ -273,42 +276,6 @@ def plan(args: argparse.Namespace, tokenizer: Any) -> Plan:
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
-def _request_params(sample: Any, args: argparse.Namespace, capture: str) -> Any:
-    from vllm_hs_compat.adapters.engine_api import sampling_params
-    from vllm_hs_compat.core.capture import sample_entry
-    from vllm_hs_compat.core.vocabulary import REQUEST_KEY
-
-    # on-policy: the prompt's mask (all zeros) plus the generated part, through the record's last position
-    generated = args.on_policy and sample.loss_mask is not None
-    entry = sample_entry(
-        sample_id=sample.sample_id,
-        source=str(sample.source),
-        loss_mask=sample.loss_mask,
-        generated=generated,
-        metadata=dict(sample.metadata) if sample.metadata else None,
-    )
-    kv = {"kv_transfer_params": {REQUEST_KEY: {"capture": capture, "sample": entry}}}
-    if args.on_policy:
-        return sampling_params(
-            max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, extra_args=kv
-        )
-    # prompt capture: one generated token is the least a request can ask for; it is not part of the record
-    return sampling_params(max_tokens=1, temperature=0.0, extra_args=kv)
-
-
-def _wait_files(ticket: Mapping[str, Any], deadline: float) -> Path | None:
-    """The record's manifest (or its error file) once the file sink wrote it; None past ``deadline``."""
-    manifest, error = Path(ticket["manifest"]), Path(ticket["error"])
-    while True:
-        if manifest.exists():
-            return manifest
-        if error.exists():
-            return error
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.01)
-
-
 class _Console:
     """What the console shows of failed rows while the run goes: the first :data:`SHOWN_FAILURES` in full (source,
     sample id, reason, message), then a count per reason; every row stays in the index (``vllm-hs-compat inspect
@@ -331,105 +298,6 @@ class _Console:
         elif n == SHOWN_FAILURES + 1:
             progress(f"more rows failed: counted per reason in the summary; all: vllm-hs-compat inspect {self.out}")
         return row
-
-
-class _Run:
-    def __init__(self, args: argparse.Namespace, plan_: Plan, store: Any, llm: Any, console: _Console) -> None:
-        from vllm_hs_compat.capture.policy import Breaker, Retry
-
-        self.args, self.plan, self.store, self.llm, self.console = args, plan_, store, llm, console
-        self.retry = Retry(args.retries + 1)
-        #: Counts records that failed in the engine, the connector or adoption, never rows the reader refused: those
-        #: cost no engine time, are indexed with their reason and say nothing of the next row (docs/capture.md).
-        self.breaker = Breaker(args.max_consecutive_failures)
-        #: this run's compact records: (relative error max, mean, tokens, bytes) of each (``--storage``)
-        self.stored: list[tuple[float, float, int, int]] = []
-
-    def note_storage(self, row: Any) -> None:
-        """Keep the error a compact storage measured for an adopted record (its manifest's ``storage`` entry)."""
-        if self.plan.run_config.get("storage", "captured") == "captured" or row.record is None:
-            return
-        entry = json.loads((Path(self.args.out) / row.record).read_text()).get("storage") or {}
-        self.stored.append((float(entry["rel_error_max"]), float(entry["rel_error_mean"]), row.tokens, row.bytes))
-
-    def storage_summary(self) -> dict[str, Any] | None:
-        """The compact storage's figures for this run (None with ``--storage captured``)."""
-        if not self.stored:
-            return None
-        tokens = sum(t for _, _, t, _ in self.stored)
-        return {
-            "kind": self.plan.run_config["storage"],
-            "records": len(self.stored),
-            "rel_error_max": max(e for e, _, _, _ in self.stored),
-            "rel_error_mean": sum(m * t for _, m, t, _ in self.stored) / max(1, tokens),
-            "bytes_per_token": sum(b for _, _, _, b in self.stored) / max(1, tokens),
-        }
-
-    def engine_batch(self, samples: list[Any]) -> list[Any]:
-        """Run ``samples`` through the engine; returns the samples to try again."""
-        from vllm_hs_compat.capture.rows import SampleInfo
-        from vllm_hs_compat.connector import flush
-        from vllm_hs_compat.core.vocabulary import RESULT_KEY
-        from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
-
-        again: list[Any] = []
-        ready: list[tuple[Any, Any]] = []
-        for s in samples:
-            try:
-                ready.append((s, _request_params(s, self.args, self.plan.capture)))
-            except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical: a row
-                self.console.row(self.store.fail(SampleInfo.of(s), "bad_field", str(exc)))  # error, not counted
-        if not ready:
-            return again
-        samples = [s for s, _ in ready]
-        prompts = [{"prompt_token_ids": list(s.input_ids)} for s in samples]
-        params = [p for _, p in ready]
-        try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
-        except (ValueError, TypeError) as exc:  # vLLM refused a request before running any: find it, fail it alone
-            if len(samples) == 1:
-                self.failed(
-                    samples[0], SampleInfo.of(samples[0]), ENGINE_REFUSED, f"{type(exc).__name__}: {exc}", again
-                )
-                return again
-            for one in samples:
-                again += self.engine_batch([one])
-            return again
-        flush(self.llm)
-        deadline = time.monotonic() + RECORD_WAIT_S
-        for sample, out in zip(samples, outs, strict=True):
-            kv = dict(out.kv_transfer_params or {})
-            result = kv.get(RESULT_KEY) or {}
-            ticket = kv.get(FILE_KEY)
-            info = SampleInfo.of(sample)
-            if ticket is None or result.get("status") in ("failed", "skipped"):
-                reason = str(result.get("reason") or "not_captured")
-                message = str(result.get("message") or f"the engine returned no record for it ({result or kv})")
-                self.failed(sample, info, reason, message, again)
-                continue
-            path = _wait_files(ticket, deadline)
-            if path is None:
-                self.failed(sample, info, "missing_record", f"no record file within {RECORD_WAIT_S:.0f} s", again)
-                continue
-            row = self.store.adopt(info, path)
-            if row.status == "ok":
-                self.note_storage(row)
-                self.retry.forget(sample.sample_id)
-                self.breaker.success()
-            else:
-                self.failed(sample, info, row.reason, row.message, again, recorded=row)
-        return again
-
-    def failed(
-        self, sample: Any, info: Any, reason: str, message: str, again: list[Any], *, recorded: Any = None
-    ) -> None:
-        """A record that failed: tried again while :class:`Retry` allows, else indexed (``recorded``: the row
-        adopt already wrote), shown, and counted by the breaker (which raises when it opens)."""
-        if reason != ENGINE_REFUSED and self.retry.allow(sample.sample_id, reason):
-            again.append(sample)  # its failed row (if adopt wrote one) gives way to the next attempt's
-            return
-        self.console.row(recorded if recorded is not None else self.store.fail(info, reason, message))
-        self.breaker.failure(reason, message)
 
 
 def _rows(
@@ -573,7 +441,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     progress(f"vLLM's output goes to {log}")
     counts: Counter[str] = Counter()
     console = _Console(args.out)
-    work: _Run | None = None
+    work: Batches | None = None
     stopped: str | None = None
     failed_start = False
     try:
@@ -588,13 +456,26 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
                     failed_start = True
                     raise
                 ready = time.monotonic()
+                pipe: Pipeline[list[Any]] = Pipeline(overlap=not getattr(args, "serial", False))
                 try:
-                    work = _Run(args, plan_, store, llm, console)
-                    _drive(work, first, rows, args.batch_size)
+                    work = Batches(
+                        args,
+                        capture=plan_.capture,
+                        storage=str(plan_.run_config.get("storage", "captured")),
+                        store=store,
+                        llm=llm,
+                        note_row=console.row,
+                    )
+                    drive(work, first, rows, args.batch_size, pipe, progress)
                 except CircuitOpenError as exc:
                     stopped = str(exc)
                 finally:
-                    store.note_times(engine_start_s=ready - t0, capture_s=time.monotonic() - ready)
+                    left = pipe.close(abandon=True)  # a batch still held after an error: its rest stays not run
+                    if left is not None:
+                        progress(f"the adopter stopped as well: {type(left).__name__}: {left}")
+                    store.note_times(
+                        engine_start_s=ready - t0, capture_s=time.monotonic() - ready, **pipe.timings.to_dict()
+                    )
                     from vllm_hs_compat.demo.engine import shutdown
 
                     shutdown(llm)
@@ -645,17 +526,6 @@ def _undo_new_tree(out: Path) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
     for p in [out / "run.json", *out.glob("summary*.json")]:
         p.unlink(missing_ok=True)
-
-
-def _drive(work: _Run, first: list[Any], rows: Iterator[Any], size: int) -> None:
-    done = 0
-    t0 = time.monotonic()
-    pending = first
-    while pending:
-        again = work.engine_batch(pending)
-        done += len(pending) - len(again)
-        progress(f"captured or failed {done} rows ({time.monotonic() - t0:.1f} s)")
-        pending = again + list(itertools.islice(rows, size - len(again)))
 
 
 def _engine(args: argparse.Namespace, plan_: Plan, store: Any, log: Path) -> Any:
@@ -732,6 +602,13 @@ def _print_summary(summary: Mapping[str, Any], out: str, *, merged: bool = False
         f"{summary.get('capture_s', 0.0):.1f} s of capture (engine start {summary.get('engine_start_s', 0.0):.1f} s "
         "apart)",
     ]
+    if summary.get("engine_s") or summary.get("adopt_s"):
+        lines.append(
+            f"  where it went: engine {summary.get('engine_s', 0.0):.1f} s, "
+            f"adoption {summary.get('adopt_s', 0.0):.1f} s"
+            f" ({summary.get('overlap_s', 0.0):.1f} s of it beside the engine, the engine waiting on it "
+            f"{summary.get('adopt_wait_s', 0.0):.1f} s)"
+        )
     stored = summary.get("storage")
     if stored:
         lines.append(

@@ -1,0 +1,265 @@
+"""The capture command's batches: the engine's part of each (:meth:`Batches.engine_batch`), its adoption into the
+store in the batch's order (:meth:`Batches.adopt_batch`), retries and the circuit breaker, and :func:`drive`, which
+runs the two side by side through a :class:`~vllm_hs_compat.capture.pipeline.Pipeline` (the engine on batch k+1
+while the adopter adopts batch k).  Used by ``vllm-hs-compat capture`` (:mod:`vllm_hs_compat.commands.capture`);
+imports vLLM only through the package's connector and adapters, when a batch runs."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_hs_compat.errors import CaptureConfigError
+
+from .pipeline import Pipeline
+
+#: Seconds to wait for a record's files after the engine stepped past its request (the file sink writes them from
+#: the connector's publisher thread).
+RECORD_WAIT_S = 120.0
+#: Failure reason of a row whose request vLLM refused before running it (e.g. longer than the context); not retried.
+ENGINE_REFUSED = "engine_refused"
+
+
+def request_params(sample: Any, args: argparse.Namespace, capture: str) -> Any:
+    """The sampling parameters of ``sample``'s request: its sample entry for the connector, and the tokens to
+    generate (one for a prompt capture; ``--max-new-tokens`` with ``--on-policy``)."""
+    from vllm_hs_compat.adapters.engine_api import sampling_params
+    from vllm_hs_compat.core.capture import sample_entry
+    from vllm_hs_compat.core.vocabulary import REQUEST_KEY
+
+    # on-policy: the prompt's mask (all zeros) plus the generated part, through the record's last position
+    generated = args.on_policy and sample.loss_mask is not None
+    entry = sample_entry(
+        sample_id=sample.sample_id,
+        source=str(sample.source),
+        loss_mask=sample.loss_mask,
+        generated=generated,
+        metadata=dict(sample.metadata) if sample.metadata else None,
+    )
+    kv = {"kv_transfer_params": {REQUEST_KEY: {"capture": capture, "sample": entry}}}
+    if args.on_policy:
+        return sampling_params(
+            max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, extra_args=kv
+        )
+    # prompt capture: one generated token is the least a request can ask for; it is not part of the record
+    return sampling_params(max_tokens=1, temperature=0.0, extra_args=kv)
+
+
+def wait_files(ticket: Mapping[str, Any], deadline: float) -> Path | None:
+    """The record's manifest (or its error file) once the file sink wrote it; None past ``deadline``."""
+    manifest, error = Path(ticket["manifest"]), Path(ticket["error"])
+    while True:
+        if manifest.exists():
+            return manifest
+        if error.exists():
+            return error
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+
+
+@dataclass
+class Outcome:
+    """What the engine made of one sample: a record's files to adopt (``ticket``) or a failure (``reason``,
+    ``message``; ``counted``: False for a row error found before the engine, which the breaker never counts)."""
+
+    sample: Any
+    info: Any
+    ticket: Mapping[str, Any] | None = None
+    reason: str = ""
+    message: str = ""
+    counted: bool = True
+
+
+class Batches:
+    """A run's batches against one engine and one store: the retry policy, the circuit breaker and the compact
+    storage's figures are this object's.  ``capture``: the record's span (``prompt`` or ``all``); ``storage``:
+    ``--storage``; ``note_row``: called with each index row written that is not an adopted record (the command's
+    console shows failed rows)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        *,
+        capture: str,
+        storage: str,
+        store: Any,
+        llm: Any,
+        note_row: Callable[[Any], Any],
+    ) -> None:
+        from vllm_hs_compat.capture.policy import Breaker, Retry
+
+        self.args, self.capture, self.storage, self.store, self.llm = args, capture, storage, store, llm
+        self.note_row = note_row
+        self.retry = Retry(args.retries + 1)
+        #: Counts records that failed in the engine, the connector or adoption, never rows the reader refused: those
+        #: cost no engine time, are indexed with their reason and say nothing of the next row (docs/capture.md).
+        self.breaker = Breaker(args.max_consecutive_failures)
+        #: this run's compact records: (relative error max, mean, tokens, bytes) of each (``--storage``)
+        self.stored: list[tuple[float, float, int, int]] = []
+
+    def note_storage(self, row: Any) -> None:
+        """Keep the error a compact storage measured for an adopted record (its manifest's ``storage`` entry)."""
+        if self.storage == "captured" or row.record is None:
+            return
+        entry = json.loads((Path(self.args.out) / row.record).read_text()).get("storage") or {}
+        self.stored.append((float(entry["rel_error_max"]), float(entry["rel_error_mean"]), row.tokens, row.bytes))
+
+    def storage_summary(self) -> dict[str, Any] | None:
+        """The compact storage's figures for this run (None with ``--storage captured``)."""
+        if not self.stored:
+            return None
+        tokens = sum(t for _, _, t, _ in self.stored)
+        return {
+            "kind": self.storage,
+            "records": len(self.stored),
+            "rel_error_max": max(e for e, _, _, _ in self.stored),
+            "rel_error_mean": sum(m * t for _, m, t, _ in self.stored) / max(1, tokens),
+            "bytes_per_token": sum(b for _, _, _, b in self.stored) / max(1, tokens),
+        }
+
+    def engine_batch(self, samples: list[Any]) -> tuple[list[Outcome], float]:
+        """The engine's part of a batch: run ``samples`` and flush their records to the staging folder.  Returns
+        what became of each sample, in order (nothing written to the store yet: :meth:`adopt_batch` does, in this
+        order), and the deadline for their files."""
+        from vllm_hs_compat.capture.rows import SampleInfo
+        from vllm_hs_compat.connector import flush
+        from vllm_hs_compat.core.vocabulary import RESULT_KEY
+        from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
+
+        outcomes: list[Outcome] = []
+        ready: list[tuple[Any, Any]] = []
+        for s in samples:
+            try:
+                ready.append((s, request_params(s, self.args, self.capture)))
+            except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical: a row
+                outcomes.append(Outcome(s, SampleInfo.of(s), reason="bad_field", message=str(exc), counted=False))
+        if not ready:
+            return outcomes, time.monotonic()
+        samples = [s for s, _ in ready]
+        prompts = [{"prompt_token_ids": list(s.input_ids)} for s in samples]
+        params = [p for _, p in ready]
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        except (ValueError, TypeError) as exc:  # vLLM refused a request before running any: find it, fail it alone
+            if len(samples) == 1:
+                message = f"{type(exc).__name__}: {exc}"
+                outcomes.append(Outcome(samples[0], SampleInfo.of(samples[0]), reason=ENGINE_REFUSED, message=message))
+                return outcomes, time.monotonic()
+            deadline = 0.0
+            for one in samples:
+                more, deadline = self.engine_batch([one])
+                outcomes += more
+            return outcomes, deadline
+        flush(self.llm)
+        for sample, out in zip(samples, outs, strict=True):
+            kv = dict(out.kv_transfer_params or {})
+            result = kv.get(RESULT_KEY) or {}
+            ticket = kv.get(FILE_KEY)
+            if ticket is None or result.get("status") in ("failed", "skipped"):
+                reason = str(result.get("reason") or "not_captured")
+                message = str(result.get("message") or f"the engine returned no record for it ({result or kv})")
+                outcomes.append(Outcome(sample, SampleInfo.of(sample), reason=reason, message=message))
+            else:
+                outcomes.append(Outcome(sample, SampleInfo.of(sample), ticket=ticket))
+        return outcomes, time.monotonic() + RECORD_WAIT_S
+
+    def may_open_breaker(self, outcomes: list[Outcome]) -> bool:
+        """True when the failures the engine already reported could open the breaker during these outcomes'
+        adoption, counted as if none were retried: requests without a record, and records whose connector left an
+        error file in their place (``non_finite``, ...; written before the batch's flush returned).  Such a batch
+        is adopted before the next one is submitted, so the run stops where a serial run stops."""
+        failures = sum(1 for o in outcomes if o.counted and (o.ticket is None or Path(o.ticket["error"]).exists()))
+        return failures > 0 and self.breaker.consecutive + failures >= self.breaker.max_consecutive
+
+    def adopt_batch(self, outcomes: list[Outcome], deadline: float, stop: threading.Event) -> list[Any]:
+        """Index each outcome in order: adopt its record (waiting for its files until ``deadline``) or fail it;
+        returns the samples to try again.  ``stop``: set when the run is abandoned; the rest stay not run."""
+        again: list[Any] = []
+        for o in outcomes:
+            if stop.is_set():
+                break
+            if not o.counted:  # a row error found before the engine: indexed, never retried nor counted
+                self.note_row(self.store.fail(o.info, o.reason, o.message))
+                continue
+            if o.ticket is None:
+                self.failed(o.sample, o.info, o.reason, o.message, again)
+                continue
+            path = wait_files(o.ticket, deadline)
+            if path is None:
+                self.failed(o.sample, o.info, "missing_record", f"no record file within {RECORD_WAIT_S:.0f} s", again)
+                continue
+            row = self.store.adopt(o.info, path)
+            if row.status == "ok":
+                self.note_storage(row)
+                self.retry.forget(o.sample.sample_id)
+                self.breaker.success()
+            else:
+                self.failed(o.sample, o.info, row.reason, row.message, again, recorded=row)
+        return again
+
+    def failed(
+        self, sample: Any, info: Any, reason: str, message: str, again: list[Any], *, recorded: Any = None
+    ) -> None:
+        """A record that failed: tried again while :class:`Retry` allows, else indexed (``recorded``: the row
+        adopt already wrote), shown, and counted by the breaker (which raises when it opens)."""
+        if reason != ENGINE_REFUSED and self.retry.allow(sample.sample_id, reason):
+            again.append(sample)  # its failed row (if adopt wrote one) gives way to the next attempt's
+            return
+        self.note_row(recorded if recorded is not None else self.store.fail(info, reason, message))
+        self.breaker.failure(reason, message)
+
+
+def drive(
+    work: Batches,
+    first: list[Any],
+    rows: Iterator[Any],
+    size: int,
+    pipe: Pipeline[list[Any]],
+    progress: Callable[[str], None],
+) -> None:
+    """Batches through the engine, each adopted in order by ``pipe``'s adopter while the engine runs the next one
+    (at most one batch in adoption, one in the engine).  A batch's retries go into the next batch read after its
+    adoption.  A batch whose engine-reported failures could open the breaker is adopted before the next one is
+    submitted; an adoption's error (the open breaker's included) is raised here before more work is submitted."""
+    done, t0 = 0, time.monotonic()
+    retry: list[Any] = []
+    held = 0  # rows of the batch the adopter holds
+
+    def adopted(rows_in: int, again: list[Any]) -> None:
+        nonlocal done
+        done += rows_in - len(again)
+        retry.extend(again)
+        progress(f"captured or failed {done} rows ({time.monotonic() - t0:.1f} s)")
+
+    def take() -> list[Any]:  # the next batch: retries first, then new rows; ``size`` rows at most
+        batch = retry[:size]
+        del retry[:size]
+        return batch + list(itertools.islice(rows, size - len(batch)))
+
+    batch = first
+    while batch or held:
+        outcomes, deadline = pipe.engine(functools.partial(work.engine_batch, batch)) if batch else ([], 0.0)
+        if held:
+            adopted(held, pipe.wait())
+            held = 0
+        if not batch:
+            batch = take()
+            continue
+        adopt = functools.partial(work.adopt_batch, outcomes, deadline, pipe.stopping)
+        if pipe.overlap and not work.may_open_breaker(outcomes):
+            nxt = take()  # the reader writes its refused rows now, while the adopter is idle
+            pipe.adopt_later(adopt)
+            held = len(batch)
+        else:
+            adopted(len(batch), pipe.adopt_now(adopt))
+            nxt = take()
+        batch = nxt
