@@ -1,7 +1,7 @@
 """The capture's :class:`~vllm_hs_compat.capture.pipeline.Pipeline`: engine work in the calling thread, adoption in
 one adopter thread, one batch of each at most; its timings; an adopter's exception raised in the waiting thread.
 
-The real engine's side is tests/e2e/test_capture.py (the default run overlaps, ``--serial`` does not)."""
+The real engine's side is tests/e2e/test_capture.py (``--adoption overlap`` against the CPU default, serial)."""
 
 from __future__ import annotations
 

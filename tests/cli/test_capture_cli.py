@@ -260,3 +260,22 @@ def test_the_engine_gets_the_platforms_settings_and_engine_args_win(
     assert _capture(model_dir, data, tmp_path / "o2", "--loss-mask", "all", "--engine-args", engine_args) == 2
     assert seen[1]["max_num_seqs"] == 4 and seen[1]["gpu_memory_utilization"] == 0.5
     assert "block_size" not in seen[1]  # null: vLLM's own default, on either platform
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_adoption_overlaps_the_engine_on_a_gpu_and_not_on_the_cpu_build(
+    monkeypatch: pytest.MonkeyPatch, gpu: bool
+) -> None:
+    """``--adoption auto`` (the default): overlap where the engine runs on a GPU, serial on vLLM's CPU build, whose
+    cores the adopter would take from the engine; ``overlap`` and ``serial`` as asked on either; anything else is
+    refused by name.  Control: the GPU case must come out the other way from the CPU case."""
+    from vllm_hs_compat.commands import capture as capture_cmd
+    from vllm_hs_compat.demo import engine as demo_engine
+    from vllm_hs_compat.errors import CaptureConfigError
+
+    monkeypatch.setattr(demo_engine, "has_gpu", lambda: gpu)
+    assert capture_cmd.adoption_overlaps("auto") is gpu
+    assert capture_cmd.adoption_overlaps("overlap") is True
+    assert capture_cmd.adoption_overlaps("serial") is False
+    with pytest.raises(CaptureConfigError, match="--adoption 'both'"):
+        capture_cmd.adoption_overlaps("both")

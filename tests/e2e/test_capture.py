@@ -14,7 +14,7 @@ Negative controls: the same comparison fails for a record paired with another sa
 of the neighbouring layer ids.  On-policy (0.32.0 session): the record covers prompt + generated tokens, its loss
 mask exactly the generated part.  Runs in the e2e sessions of 0.27.1, 0.29.0 and 0.32.0 (HS_E2E_CAPTURE=1): the
 kill-and-resume case in each (about 80 s on 2 cores: two engine starts), the on-policy, two-rank and pipelined
-against ``--serial`` cases in 0.32.0.
+against the serial default of a CPU engine in 0.32.0.
 """
 
 from __future__ import annotations
@@ -348,15 +348,16 @@ def test_two_rank_processes_write_one_tree_with_every_sample_once(tmp_path: Path
 
 @on_demo_session
 def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: Path, model_dir: str, hf: Any) -> None:
-    """The same rows captured twice at once (each engine on a CPU of its own): as the command runs by default,
-    batch k adopted while the engine runs batch k+1, and with ``--serial``, each batch adopted before the next one
-    reaches the engine.  The run's own timings (its summary) show the overlap: adoption time spent while the engine
-    ran (``overlap_s``) in the default run; in the serial run, the negative control, none at all and the engine
-    waiting through every adoption.  Both trees hold every sample once, verified, with the same hidden states."""
+    """The same rows captured twice at once (each engine on a CPU of its own): with ``--adoption overlap`` (the
+    default on a GPU), batch k adopted while the engine runs batch k+1, and as the command runs by default on vLLM's
+    CPU build (``auto``: serial), each batch adopted before the next one reaches the engine.  The run's own timings
+    (its summary) show the overlap: adoption time spent while the engine ran (``overlap_s``) in the overlapped run;
+    in the serial run, the negative control, none at all and the engine waiting through every adoption.  Both trees
+    hold every sample once, verified, with the same hidden states."""
     rows = _short_rows(hf[1], 12)
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    modes = {"pipelined": (), "serial": ("--serial",)}
+    modes = {"pipelined": ("--adoption", "overlap"), "serial": ()}  # serial: the default here, on a CPU
     procs = {
         mode: subprocess.Popen(
             [*_cmd(model_dir, data, tmp_path / mode), "--batch-size", "2", *extra],
@@ -386,7 +387,7 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
     assert records["pipelined"].keys() == records["serial"].keys()
     assert all(torch.equal(records["pipelined"][k], records["serial"][k]) for k in records["serial"])
     e2e_report.add(
-        "capture pipelined vs --serial, 12 rows in batches of 2: overlap "
+        "capture --adoption overlap vs the CPU default (serial), 12 rows in batches of 2: overlap "
         f"{pipelined['overlap_s']:.2f} s vs {serial['overlap_s']:.2f} s, engine waited on adoption "
         f"{pipelined['adopt_wait_s']:.2f} s of {pipelined['adopt_s']:.2f} s vs {serial['adopt_wait_s']:.2f} s of "
         f"{serial['adopt_s']:.2f} s"

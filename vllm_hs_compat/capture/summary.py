@@ -58,7 +58,7 @@ class Summary:
     """Of ``adopt_s``, the seconds the engine waited for adoption (idle): near 0 when the engine bounds the run,
     near ``adopt_s`` when adoption does (or with ``--serial``)."""
     overlap_s: float = 0.0
-    """Of ``adopt_s``, the seconds it ran while the engine ran (0 with ``--serial``)."""
+    """Of ``adopt_s``, the seconds it ran while the engine ran (0 when serial: ``--adoption``)."""
     ranks: list[int] = field(default_factory=list)
     world_size: int = 1
     closed: bool = False

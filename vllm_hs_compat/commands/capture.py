@@ -127,10 +127,12 @@ def register(sub: Any) -> None:
         "(default 20); rows the reader refuses (malformed, too_long, ...) do not count",
     )
     p.add_argument(
-        "--serial",
-        action="store_true",
-        help="adopt each batch before the next one reaches the engine (default: while the engine runs the next "
-        "one; for comparison)",
+        "--adoption",
+        choices=ADOPTION_CHOICES,
+        default="auto",
+        help="overlap: adopt each batch while the engine runs the next one; serial: before the next one reaches "
+        "the engine; auto (default): overlap where the engine runs on a GPU, serial on vLLM's CPU build (there "
+        "the adopter takes the engine's own cores)",
     )
     p.add_argument("--limit", type=int, default=None, help="stop after this many rows of this rank's share")
     p.add_argument("--engine-args", default=None, help="more vllm.LLM arguments as a JSON object")
@@ -140,6 +142,24 @@ def register(sub: Any) -> None:
 
 
 # --- arguments ---------------------------------------------------------------------------------------------------
+#: ``--adoption``'s choices.
+ADOPTION_CHOICES = ("auto", "overlap", "serial")
+
+
+def adoption_overlaps(choice: str) -> bool:
+    """Whether a batch is adopted while the engine runs the next one (``--adoption``).  ``auto``: where the engine
+    runs on a GPU, whose host cores wait on the device (on one H100 an 8B capture's batches took about 2.3 s of the
+    engine and 5.5-10 s in all: docs/gpu.md); not on vLLM's CPU build, where the adopter takes the engine's own
+    cores (2 cores: no gain at hidden 512, 9 % lost on the tiny model: docs/capture.md)."""
+    if choice not in ADOPTION_CHOICES:
+        raise CaptureConfigError(f"--adoption {choice!r}: expected one of {', '.join(ADOPTION_CHOICES)}")
+    if choice == "auto":
+        from vllm_hs_compat.demo.engine import has_gpu
+
+        return has_gpu()
+    return choice == "overlap"
+
+
 def parse_fields(items: Sequence[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
@@ -456,7 +476,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
                     failed_start = True
                     raise
                 ready = time.monotonic()
-                pipe: Pipeline[list[Any]] = Pipeline(overlap=not getattr(args, "serial", False))
+                pipe: Pipeline[list[Any]] = Pipeline(overlap=adoption_overlaps(getattr(args, "adoption", "auto")))
                 try:
                     work = Batches(
                         args,
