@@ -12,13 +12,17 @@ in-process engine on the same settings -- vLLM's own defaults for the platform (
 * ``capture``      -- ``vllm-hs-compat capture`` on the rows (the connector, the file sink, the sharded store, every
   record verified and indexed), ``--storage captured`` (bf16);
 * ``capture_fp8``  -- the same with ``--storage fp8_e4m3``;
+* ``capture_serial`` -- ``capture`` with ``--adoption serial`` (each batch adopted before the next reaches the
+  engine; the command overlaps them on a GPU by default): what the overlap buys, side by side (not in the default
+  list; ``--variants generate,capture,capture_serial``);
 * ``example``      -- vLLM's in-tree ``ExampleHiddenStatesConnector`` writing the same layers (one safetensors file
   per request; ``use_synchronization_lock=False``), until every file is on disk;
 * ``export``       -- the serving path: the connector's export sink (shared memory) and a trainer in ANOTHER process
   streaming every record while the engine runs; records/s and tokens/s as the trainer receives them.
 
 Prefill tokens/s = the rows' prompt tokens over the time from the first request to the end of the work (records on
-disk, or in the trainer).  Prints a table (ratios against ``generate``) and writes ``bench.json``.
+disk, or in the trainer).  Prints a table (ratios against ``generate``; under each capture variant, where its time
+went: the engine, adoption, their overlap, the engine's wait) and writes ``bench.json``.
 
     python benchmarks/gpu/bench_gpu.py --out /tmp/bench                    # 8b and 1b, every variant
     python benchmarks/gpu/bench_gpu.py --models 8b --variants generate,capture --rows 256
@@ -48,7 +52,17 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int, tuple[int, ...]]] = {
     "8b": (4096, 32, 32, 8, 14336, 128256, (2, 16, 29, 32)),
     "small": (256, 4, 4, 2, 512, 4096, (1, 2, 3, 4)),  # a CPU check of the benchmark itself
 }
-VARIANTS = ("generate", "capture", "example", "export", "extract", "capture_fp8")  # the order they run in
+VARIANTS = (
+    "generate",
+    "capture",
+    "capture_serial",
+    "example",
+    "export",
+    "extract",
+    "capture_fp8",
+)  # the order they run in
+#: What runs unless ``--variants`` says otherwise (``capture_serial`` is the overlap's comparison, asked for).
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "capture_serial")
 FIRST_TOKEN, LAST_TOKEN = 3, 500  # inside the tiny tokenizer's vocabulary (512): capture checks ids against it
 
 
@@ -167,6 +181,8 @@ def run_capture(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any
         max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {"hs_capture": {"enabled": False}}}
     )
     argv = ["--loss-mask", "all", "--engine-args", json.dumps(a.engine_args)]
+    if a.variant == "capture_serial":
+        argv += ["--adoption", "serial"]
     if a.batch_size is not None:
         argv += ["--batch-size", str(a.batch_size)]
     tree = Path(a.work) / f"tree-{storage}"
@@ -321,8 +337,8 @@ def child(a: argparse.Namespace) -> int:
     out: dict[str, Any] = {"variant": a.variant, "shape": a.shape, "rows": len(rows), "tokens": sum(map(len, rows))}
     if a.variant in ("generate", "extract"):
         run_generate(a, rows, out, spec=a.variant == "extract")
-    elif a.variant in ("capture", "capture_fp8"):
-        run_capture(a, rows, out, "captured" if a.variant == "capture" else "fp8_e4m3")
+    elif a.variant in ("capture", "capture_serial", "capture_fp8"):
+        run_capture(a, rows, out, "fp8_e4m3" if a.variant == "capture_fp8" else "captured")
     elif a.variant == "example":
         run_example(a, rows, out)
     else:
@@ -334,22 +350,28 @@ def child(a: argparse.Namespace) -> int:
 # --- the driver -------------------------------------------------------------------------------------------------------
 def table(results: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"{'shape':<6} {'variant':<12} {'tok/s':>9} {'x gen':>6} {'rows/s':>7} {'B/token':>8} {'start s':>8} "
+        f"{'shape':<6} {'variant':<14} {'tok/s':>9} {'x gen':>6} {'rows/s':>7} {'B/token':>8} {'start s':>8} "
         f"{'work s':>7} {'peak GiB':>8}"
     ]
     base = {r["shape"]: r["tokens"] / r["work_s"] for r in results if r["variant"] == "generate" and r.get("work_s")}
     for r in results:
         if not r.get("work_s"):
-            lines.append(f"{r['shape']:<6} {r['variant']:<12} FAILED: {r.get('error', '?')[-200:]}")
+            lines.append(f"{r['shape']:<6} {r['variant']:<14} FAILED: {r.get('error', '?')[-200:]}")
             continue
         rate = r["tokens"] / r["work_s"]
         ratio = f"{rate / base[r['shape']]:.2f}" if r["shape"] in base else "-"
         bpt = r.get("bytes", 0) / max(1, r["tokens"])
         peak = r.get("gpu", {}).get("peak_reserved_bytes", 0) / 2**30
         lines.append(
-            f"{r['shape']:<6} {r['variant']:<12} {rate:>9.0f} {ratio:>6} {r['rows'] / r['work_s']:>7.1f} "
+            f"{r['shape']:<6} {r['variant']:<14} {rate:>9.0f} {ratio:>6} {r['rows'] / r['work_s']:>7.1f} "
             f"{bpt:>8.0f} {r.get('start_s', 0):>8.1f} {r['work_s']:>7.2f} {peak:>8.1f}"
         )
+        w = r.get("where")
+        if w:  # the capture command's own summary: which side bounded the run
+            lines.append(
+                f"{'':<6}   engine {w['engine_s']:.2f} s, adoption {w['adopt_s']:.2f} s ({w['overlap_s']:.2f} s beside "
+                f"the engine), the engine waiting on adoption {w['adopt_wait_s']:.2f} s"
+            )
     return lines
 
 
@@ -358,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-gpu", help="bench.json and the table land here")
     ap.add_argument("--work", default=None, help="models, rows, capture trees, example files (default OUT/work)")
     ap.add_argument("--models", default="8b,1b", help=f"comma-separated, of {list(SHAPES)}")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     ap.add_argument("--rows", default="8b:256,1b:512,small:24", help="rows per shape, e.g. 8b:256,1b:512")
     ap.add_argument("--min-len", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=2048)
@@ -402,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
     if not torch.cuda.is_available():
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    unknown = sorted(set(a.variants.split(",")) - set(VARIANTS))
+    if unknown:  # a misspelt variant would otherwise fall through to the last branch of child()
+        ap.error(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
     for shape in a.models.split(","):
         model = work / f"model-{shape}"
         layers = make_model(model, shape)
