@@ -56,7 +56,7 @@ class Summary:
     index parts and their syncs, failed rows), in the adopter thread while the engine runs the next batch."""
     adopt_wait_s: float = 0.0
     """Of ``adopt_s``, the seconds the engine waited for adoption (idle): near 0 when the engine bounds the run,
-    near ``adopt_s`` when adoption does (or with ``--serial``)."""
+    near ``adopt_s`` when adoption does (all of it when serial: ``--adoption``)."""
     overlap_s: float = 0.0
     """Of ``adopt_s``, the seconds it ran while the engine ran (0 when serial: ``--adoption``)."""
     ranks: list[int] = field(default_factory=list)

@@ -476,7 +476,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
                     failed_start = True
                     raise
                 ready = time.monotonic()
-                pipe: Pipeline[list[Any]] = Pipeline(overlap=adoption_overlaps(getattr(args, "adoption", "auto")))
+                pipe: Pipeline[list[Any]] = Pipeline(overlap=adoption_overlaps(args.adoption))
                 try:
                     work = Batches(
                         args,
