@@ -109,6 +109,18 @@ def test_fp8_storage_halves_the_bytes_reads_back_in_the_captured_dtype_and_says_
     assert torch.equal(files.read_record(plain).hidden_states, rec.hidden_states)
 
 
+def test_fp8_measured_in_one_go_equals_quantizing_and_measuring_apart() -> None:
+    rows = _outliers("r", tokens=48, hidden=512).hidden_states.clone()
+    rows[3, 1] = 0.0  # a row of zeros: scale 1, error 0
+    q, scales, worst, mean = files.quantize_fp8_measured(rows)
+    q2, scales2 = files.quantize_fp8(rows)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scales, scales2)
+    assert (worst, mean) == files.relative_error(files.dequantize_fp8(q2, scales2, rows.dtype), rows)
+    assert scales[3, 1] == 1.0 and 0 < mean < worst
+    # control: measured against other rows, the one-go figures are not the apart ones
+    assert files.relative_error(files.dequantize_fp8(q2, scales2, rows.dtype), rows.roll(1, 0))[0] > worst
+
+
 def test_fp8_storage_checks_its_stored_bytes(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

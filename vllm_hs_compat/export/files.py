@@ -64,10 +64,29 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` ``[T, P, C]`` as float8 e4m3 with one float32 scale per ``(token, plane)`` row."""
-    x = rows.float()
-    amax = x.abs().amax(dim=-1)
+    q, scales, _ = _quantize(rows)
+    return q, scales
+
+
+def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The row maxima are taken in the rows' own dtype (exact: |x| and max round nothing), the float32 copy is
+    # made once and kept for the error: a third fewer passes over the rows than quantizing and measuring apart.
+    amax = rows.abs().amax(dim=-1).float()
     scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x / scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales
+    x = rows.float()
+    return x.div(scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales, x
+
+
+def quantize_fp8_measured(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """:func:`quantize_fp8` and :func:`relative_error` of its :func:`dequantize_fp8` in ``rows``' dtype against
+    ``rows``, in one go: ``(q, scales, worst, mean)``."""
+    q, scales, x = _quantize(rows)
+    back = q.float().mul_(scales.unsqueeze(-1)).to(rows.dtype)
+    norm = torch.linalg.vector_norm(x, dim=-1)
+    err = torch.linalg.vector_norm(back.float().sub_(x), dim=-1) / torch.where(norm > 0, norm, torch.ones_like(norm))
+    if not err.numel():
+        return q, scales, 0.0, 0.0
+    return q, scales, float(err.max()), float(err.mean())
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -106,8 +125,7 @@ def write_record(directory: str | os.PathLike[str], record: CaptureRecord, *, st
     if storage == "captured":
         blob = save({"hidden_states": rows, "token_ids": token_ids}, metadata=header)
     else:
-        q, scales = quantize_fp8(rows)
-        worst, mean = relative_error(dequantize_fp8(q, scales, rows.dtype), rows)
+        q, scales, worst, mean = quantize_fp8_measured(rows)
         stored = _stored_checksum(q, scales, meta.checksum_algorithm)
         manifest["storage"] = {
             "kind": storage,
