@@ -9,6 +9,8 @@ tokens), each to a new file, measured stage by stage on the same rows --
                     as the connector gives it);
 * ``save_file``  -- safetensors' ``save_file`` of the same tensors and header to a temporary name, then renamed:
                     the bytes written once, straight from the tensor;
+* ``bytes+write`` -- the same file built whole as bytes (safetensors' ``save``), then written: how the sink wrote
+                    before 2026-12-06;
 * ``adopt``      -- the capture store adopting the sink's records (read back, checksum, token ids, NaN/Inf check,
                     moved into a shard), then ``close`` (the index part made durable: syncfs);
 
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -34,7 +37,7 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=2048)
     a = ap.parse_args()
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
 
     from vllm_hs_compat.capture.rows import SampleInfo
     from vllm_hs_compat.capture.store import CaptureStore
@@ -47,45 +50,70 @@ def main() -> int:
     base = RecordMeta.for_tensor("r", rows, ids, [2, 16, 29, 32], pre_norm=True)
     base = base.with_checksum(compute_checksum(rows.view(torch.uint8).reshape(-1), base.checksum_algorithm))
     gb = a.records * rows.numel() * rows.element_size() / 1e9
+    one = rows.numel() * rows.element_size() / 1e9
+    tensors = {"hidden_states": rows, "token_ids": torch.tensor(ids)}
+    header = {"record": json.dumps(base.to_dict())}
+
+    def via_save_file(path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), header)
+        os.replace(tmp, path)
+
+    def via_bytes(path: Path) -> None:  # how the sink wrote before: the whole file built as bytes, then written
+        tmp = path.with_name(f".{path.name}.tmp")
+        blob = save(tensors, header)
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+
+    def via_sink(path: Path, i: int) -> list[Path]:
+        meta = RecordMeta.from_dict({**base.to_dict(), "request_id": f"r{i}", "sample_id": f"r{i}"})
+        manifest = files.write_record(path, CaptureRecord(meta, rows))
+        return [manifest, manifest.with_suffix(".safetensors")]
+
     for d in map(Path, a.dirs):
         work = d / f"probe-write-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
-        res: dict[str, float] = {}
-        # save_file: the bytes once, from the tensor
         (work / "plain").mkdir(parents=True)
-        t = time.perf_counter()
+        # 1. the writers side by side: per record, each in turn (each first as often as the others), each file
+        #    deleted once written, so that none pays for the others' pages
+        each: dict[str, list[float]] = {"sink": [], "save_file": [], "bytes+write": []}
         for i in range(a.records):
-            tmp = work / "plain" / f".r{i}.tmp"
-            save_file(
-                {"hidden_states": rows, "token_ids": torch.tensor(ids)},
-                str(tmp),
-                {"record": json.dumps(base.to_dict())},
-            )
-            os.replace(tmp, work / "plain" / f"r{i}.safetensors")
-        res["save_file"] = time.perf_counter() - t
-        shutil.rmtree(work / "plain")
-        # the sink, then the store adopting what it wrote
+            order = list(each)[i % 3 :] + list(each)[: i % 3]
+            for name in order:
+                t = time.perf_counter()
+                if name == "sink":
+                    made = via_sink(work / "plain", i)
+                else:
+                    made = [work / "plain" / f"{name}-{i}.safetensors"]
+                    (via_save_file if name == "save_file" else via_bytes)(made[0])
+                each[name].append(time.perf_counter() - t)
+                for f in made:
+                    f.unlink()
+        res = {k: one / statistics.median(v) for k, v in each.items()}
+        # 2. the store adopting the sink's records (read back, checksum, token ids, NaN/Inf, moved into a shard),
+        #    then closing (the index part made durable: syncfs of the folder's file system)
         store = CaptureStore(work / "tree", run_config={"probe": 1})
         stage = store.staging_dir()
         stage.mkdir(parents=True, exist_ok=True)
-        manifests = []
-        t = time.perf_counter()
-        for i in range(a.records):
-            meta = RecordMeta.from_dict({**base.to_dict(), "request_id": f"r{i}", "sample_id": f"r{i}"})
-            manifests.append(files.write_record(stage, CaptureRecord(meta, rows)))
-        res["sink"] = time.perf_counter() - t
+        manifests = [via_sink(stage, i)[0] for i in range(a.records)]
         t = time.perf_counter()
         for i, m in enumerate(manifests):
             row = store.adopt(SampleInfo(f"r{i}", "probe", a.tokens, input_ids=tuple(ids)), m)
             if row.status != "ok":
                 raise SystemExit(f"record {i} not adopted: {row.reason}: {row.message}")
-        res["adopt"] = time.perf_counter() - t
+        res["adopt"] = gb / (time.perf_counter() - t)
         t = time.perf_counter()
         store.close()
-        res["close (syncfs)"] = time.perf_counter() - t
+        res["close (syncfs)"] = gb / (time.perf_counter() - t)
         shutil.rmtree(work, ignore_errors=True)
-        line = "  ".join(f"{k} {gb / v:.2f} GB/s ({v:.2f} s)" for k, v in res.items())
-        print(f"{d}: {a.records} records, {gb:.2f} GB: {line}", flush=True)
+        line = "  ".join(f"{k} {v:.2f}" for k, v in res.items())
+        print(
+            f"{d}: {a.records} records of {one * 1e3:.0f} MB, GB/s (writes: median per record): {line}; "
+            f"sink / save_file {res['sink'] / res['save_file']:.2f}x, bytes+write / save_file "
+            f"{res['bytes+write'] / res['save_file']:.2f}x",
+            flush=True,
+        )
     return 0
 
 

@@ -3,13 +3,15 @@
 # transformers, the demo, and the throughput benchmark.  Run from a checkout (or the payload's src folder) on a GPU
 # host whose python3 imports vllm and this package -- installed the usual way, or by install.sh from the payload:
 #
-#     bash benchmarks/gpu/run_gpu.sh OUT STEP...      STEP: env | e2e | demo | bench | bench-8b | bench-1b
+#     bash benchmarks/gpu/run_gpu.sh OUT STEP...      STEP: env | disk | e2e | demo | bench | bench-8b | bench-1b
 #
 #   env    nvidia-smi, versions, /dev/shm and disk                                   -> OUT/steps.log
 #   e2e    tests/e2e/test_e2e_engine.py on the GPU: every case of the CPU suite (dense, hybrid, concurrent,
 #          preempt, hybrid_preempt, prompt_output, overrides) plus gpu_defaults, with CUDA graphs and
 #          torch.compile on, the in-tree example connector as control, the negative controls   -> OUT/e2e.log,
 #          OUT/e2e-report.txt (every pairing matrix), OUT/e2e-junit.xml with JUNIT=1
+#   disk   the host's write paths: dd of 4 GiB with fsync to WORK's disk, then benchmarks/probe_write_path.py (the
+#          file sink, safetensors' save_file, adoption, syncfs) on WORK and /dev/shm          -> OUT/disk.txt
 #   demo   vllm-hs-compat demo end to end                                            -> OUT/demo.log, OUT/demo.json
 #   bench  benchmarks/gpu/bench_gpu.py (8b then 1b, every variant)                  -> OUT/bench.json,
 #          OUT/bench-STEP.log, OUT/bench-logs.tar.gz (bench-8b / bench-1b: one shape)
@@ -75,6 +77,14 @@ for step in "$@"; do
             nproc
             free -g | head -2
         } 2>&1 | tee -a "$OUT/steps.log"
+        ;;
+    disk)
+        {
+            echo "dd: 4 GiB to $WORK with conv=fsync"
+            dd if=/dev/zero of="$WORK/dd.bin" bs=16M count=256 conv=fsync 2>&1 | tail -1
+            rm -f "$WORK/dd.bin"
+            timeout "$(cap 120)" "$PY" "$SRC/benchmarks/probe_write_path.py" "$WORK" /dev/shm --records 16
+        } 2>&1 | tee -a "$OUT/disk.txt"
         ;;
     e2e)
         export HS_E2E_JOBS=${HS_E2E_JOBS:-3} HS_E2E_WORK="$WORK/e2e-runs" HS_E2E_REPORT="$OUT/e2e-report.txt"
