@@ -55,8 +55,13 @@ def record_paths(directory: str | os.PathLike[str], record_id: str) -> tuple[Pat
     return d / f"{stem}.safetensors", d / f"{stem}.json", d / f"{stem}.error.json"
 
 
+def _tmp_name(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place (recovery deletes what a kill leaves there)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _tmp_name(path)
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
@@ -67,7 +72,7 @@ def _atomic_save(path: Path, tensors: dict[str, torch.Tensor], header: dict[str,
     # writing those copied every record twice, a quarter of the speed (docs/gpu.md, "Throughput")
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _tmp_name(path)
     save_file(tensors, str(tmp), metadata=header)
     os.replace(tmp, path)
 
@@ -91,12 +96,8 @@ def quantize_fp8_measured(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """:func:`quantize_fp8` and :func:`relative_error` of its :func:`dequantize_fp8` in ``rows``' dtype against
     ``rows``, in one go: ``(q, scales, worst, mean)``."""
     q, scales, x = _quantize(rows)
-    back = q.float().mul_(scales.unsqueeze(-1)).to(rows.dtype)
-    norm = torch.linalg.vector_norm(x, dim=-1)
-    err = torch.linalg.vector_norm(back.float().sub_(x), dim=-1) / torch.where(norm > 0, norm, torch.ones_like(norm))
-    if not err.numel():
-        return q, scales, 0.0, 0.0
-    return q, scales, float(err.max()), float(err.mean())
+    worst, mean = relative_error(dequantize_fp8(q, scales, rows.dtype), x)  # x is float32 already: not copied again
+    return q, scales, worst, mean
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -106,9 +107,12 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     """(max, mean) over rows of ``||approx - exact|| / ||exact||`` (rows of zeros count as 0)."""
-    a, e = approx.float().flatten(0, -2), exact.float().flatten(0, -2)
-    norm = e.norm(dim=-1)
-    err = (a - e).norm(dim=-1) / torch.where(norm > 0, norm, torch.ones_like(norm))
+    e = exact.float().flatten(0, -2)
+    # the difference in a float32 temporary of this function's own (never the caller's tensor), subtracted in place
+    d = approx.float() if approx.dtype != torch.float32 else approx.clone()
+    d = d.flatten(0, -2).sub_(e)
+    norm = torch.linalg.vector_norm(e, dim=-1)
+    err = torch.linalg.vector_norm(d, dim=-1) / torch.where(norm > 0, norm, torch.ones_like(norm))
     return float(err.max()) if err.numel() else 0.0, float(err.mean()) if err.numel() else 0.0
 
 
