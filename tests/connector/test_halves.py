@@ -24,7 +24,7 @@ from vllm_hs_compat.connector.config import ConnectorConfig
 from vllm_hs_compat.connector.scheduler import CaptureScheduler, SchedulerFacts
 from vllm_hs_compat.connector.worker import CaptureWorker, WorkerFacts
 from vllm_hs_compat.core import vocabulary as V
-from vllm_hs_compat.core.capture import FinishedRequest, ScheduledNew, StepInfo, StepPlan
+from vllm_hs_compat.core.capture import FinishedRequest, ScheduledCached, ScheduledNew, StepInfo, StepPlan
 from vllm_hs_compat.core.groups import CaptureGroup
 from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.errors import CaptureGroupError, RecordFailedError
@@ -465,3 +465,32 @@ def test_negative_control_a_field_dropped_on_the_wire_is_caught(make_worker: Any
             else:
                 found[field] = _differences(rec.meta, made[field].meta.with_checksum(rec.meta.checksum or 0))
     assert found == {f: [f] for f in DROPPED[:-1]} | {"layer_ids": "DescriptorError"}
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "written_shift", "fails"),
+    [(True, 1, False), (True, 0, False), (True, 2, True), (False, 1, True), (False, 0, False)],
+)
+def test_async_scheduling_lets_a_check_start_as_far_back_as_the_last_steps_drafts(
+    make_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool, written_shift: int,
+    fails: bool,
+) -> None:  # fmt: skip
+    """Async scheduling (vLLM's default on CUDA): the scheduler says a request's decode step starts at 6 counting
+    its last step's one draft as accepted; the GPU worker moved it back by the rejected draft and wrote 5-6.  The
+    check passes at a lag up to the drafts; the controls: two positions back, or the same shift without async
+    scheduling (where the scheduler's start is exact), fail."""
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}, "check_requests": 1})
+    facts = dataclasses.replace(_facts(), async_scheduling=async_scheduling)
+    s = CaptureScheduler(_adapter(), ConnectorConfig.from_extra({"check_requests": 1}), facts)
+    s.build_plan(StepInfo((ScheduledNew("a", ((3, 7),), 0),), (), {"a": 4}))  # the prompt, positions 0-3
+    s.build_plan(StepInfo((), (ScheduledCached("a", None, False, 4),), {"a": 2}, spec_tokens={"a": 1}))
+    plan = s.build_plan(StepInfo((), (ScheduledCached("a", None, False, 6),), {"a": 2}, spec_tokens={"a": 1}))
+    (check,) = plan.checks
+    assert (check.start, check.num_tokens, check.lag) == (6, 2, 1 if async_scheduling else 0)
+    start = 6 - written_shift
+    written = [(3, 7)[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + 2)]
+    monkeypatch.setattr(w.adapter, "layer_slot_mapping", lambda name, meta: torch.tensor(written))
+    w.on_capture_written(LAYER, None, plan)
+    assert w.counters["slot_checks"] == 1
+    assert w.counters["slot_checks_failed"] == int(fails)
+    assert w.counters["slot_checks_lagged"] == int(not fails and written_shift > 0)

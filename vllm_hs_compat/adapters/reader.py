@@ -170,6 +170,15 @@ class VllmReader:
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
         return str(device) == "cuda"
 
+    def async_scheduling(self, vllm_config: VllmConfig) -> bool:
+        """Whether the engine schedules a step before it has processed the previous one's output
+        (``scheduler_config.async_scheduling``; vLLM turns it on by itself on CUDA where it can, extraction of
+        hidden states included, and always off on CPU).  Then a request's ``num_computed_tokens`` in a
+        ``SchedulerOutput`` counts its last step's draft tokens as accepted, and the GPU worker moves it back by the
+        ones rejected before it writes (``GPUModelRunner._update_states``' deferred correction): the slots a step
+        writes for a request may start up to that many positions earlier than the scheduler says."""
+        return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+
     # --- parallel state -------------------------------------------------------------------------------------
     def parallel_ranks(self, vllm_config: VllmConfig | None) -> Ranks:
         """This process's TP/PP rank (0 when vLLM's parallel state is not initialised: a single process)."""
@@ -207,6 +216,7 @@ class VllmReader:
             num_scheduled_tokens={str(k): int(v) for k, v in scheduler_output.num_scheduled_tokens.items()},
             preempted=frozenset(str(r) for r in (getattr(scheduler_output, "preempted_req_ids", None) or ())),
             finished=frozenset(str(r) for r in scheduler_output.finished_req_ids),
+            spec_tokens={str(k): len(v) for k, v in (scheduler_output.scheduled_spec_decode_tokens or {}).items() if v},
         )
 
     def read_finished(self, request: Request) -> FinishedRequest:

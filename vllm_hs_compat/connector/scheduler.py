@@ -73,6 +73,9 @@ class SchedulerFacts:
     bytes_per_token: int
     clobbered_slot: int | None = None
     """The manager slot CUDA-graph padding overwrites on this release (``padding_slot``), or None."""
+    async_scheduling: bool = False
+    """The engine schedules ahead of its outputs (the adapter's ``async_scheduling``): a request's slot check
+    allows the start to lag by the drafts of the request's last step."""
 
     @classmethod
     def resolve(
@@ -91,6 +94,7 @@ class SchedulerFacts:
             num_blocks=num_blocks,
             bytes_per_token=labels.num_planes * adapter.hidden_size(vllm_config) * itemsize,
             clobbered_slot=adapter.padding_clobbered_slot(num_blocks, group.block_size) if padding else None,
+            async_scheduling=adapter.async_scheduling(vllm_config),
         )
 
 
@@ -114,6 +118,9 @@ class CaptureScheduler:
         self._pending: list[SaveRequest] = []
         self._held: set[str] = set()
         self._tracker = BlockTracker(self.group.index)
+        # Under async scheduling: the drafts scheduled for each followed request the last time it ran (its next
+        # step's start may be ahead of the positions the worker writes by up to that many).
+        self._drafts: dict[str, int] = {}
         self._checks_left = config.check_requests
         # A release the matrix has not proven (the adapter says so): every request's slots are checked.
         self._check_every = adapter.check_every_request
@@ -188,7 +195,12 @@ class CaptureScheduler:
             for rid, start in starts.items():
                 n = step.num_scheduled_tokens.get(rid, 0)
                 if rid in self._tracker and n > 0:
-                    plan.checks.append(SlotCheck(rid, self._tracker.blocks(rid), start, n))
+                    lag = self._drafts.pop(rid, 0)
+                    plan.checks.append(SlotCheck(rid, self._tracker.blocks(rid), start, n, lag))
+                    if self.facts.async_scheduling and step.spec_tokens.get(rid):
+                        self._drafts[rid] = step.spec_tokens[rid]
+            for rid in step.finished | step.preempted:
+                self._drafts.pop(rid, None)
             self.counters["slot_checks_sent"] += len(plan.checks)
         return plan
 
