@@ -467,30 +467,25 @@ def test_negative_control_a_field_dropped_on_the_wire_is_caught(make_worker: Any
     assert found == {f: [f] for f in DROPPED[:-1]} | {"layer_ids": "DescriptorError"}
 
 
-@pytest.mark.parametrize(
-    ("async_scheduling", "written_shift", "fails"),
-    [(True, 1, False), (True, 0, False), (True, 2, True), (False, 1, True), (False, 0, False)],
-)
-def test_async_scheduling_lets_a_check_start_as_far_back_as_the_last_steps_drafts(
-    make_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool, written_shift: int,
-    fails: bool,
-) -> None:  # fmt: skip
-    """Async scheduling (vLLM's default on CUDA): the scheduler says a request's decode step starts at 6 counting
-    its last step's one draft as accepted; the GPU worker moved it back by the rejected draft and wrote 5-6.  The
-    check passes at a lag up to the drafts; the controls: two positions back, or the same shift without async
-    scheduling (where the scheduler's start is exact), fail."""
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_leaves_the_steps_after_drafts_unchecked(
+    make_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    """Async scheduling (vLLM's default on CUDA): a decode step's start counts the request's last drafts as
+    accepted, and the GPU worker moves it back by the rejected ones (on an H100, 0.26.0: every capture=all record
+    failed its check for it).  Such a step is not checked (counted); the prompt and the first decode step, whose
+    starts are certain, are.  The control: without async scheduling the same step is checked, and the worker's
+    moved-back writes fail it -- as they must, since there the scheduler's start is exact."""
     w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}, "check_requests": 1})
     facts = dataclasses.replace(_facts(), async_scheduling=async_scheduling)
     s = CaptureScheduler(_adapter(), ConnectorConfig.from_extra({"check_requests": 1}), facts)
-    s.build_plan(StepInfo((ScheduledNew("a", ((3, 7),), 0),), (), {"a": 4}))  # the prompt, positions 0-3
-    s.build_plan(StepInfo((), (ScheduledCached("a", None, False, 4),), {"a": 2}, spec_tokens={"a": 1}))
-    plan = s.build_plan(StepInfo((), (ScheduledCached("a", None, False, 6),), {"a": 2}, spec_tokens={"a": 1}))
-    (check,) = plan.checks
-    assert (check.start, check.num_tokens, check.lag) == (6, 2, 1 if async_scheduling else 0)
-    start = 6 - written_shift
-    written = [(3, 7)[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + 2)]
+    prompt = s.build_plan(StepInfo((ScheduledNew("a", ((3, 7),), 0),), (), {"a": 4}))  # positions 0-3
+    first = s.build_plan(StepInfo((), (ScheduledCached("a", None, False, 4),), {"a": 2}, spec_tokens={"a": 1}))
+    after = s.build_plan(StepInfo((), (ScheduledCached("a", None, False, 6),), {"a": 2}, spec_tokens={"a": 1}))
+    assert [(c.start, c.num_tokens) for c in prompt.checks + first.checks] == [(0, 4), (4, 2)]
+    assert [(c.start, c.num_tokens) for c in after.checks] == ([] if async_scheduling else [(6, 2)])
+    assert s.counters["slot_checks_uncertain"] == int(async_scheduling)
+    written = [7 * BLOCK + 1, 7 * BLOCK + 2]  # positions 5-6: the draft at 5 was rejected, the worker went back
     monkeypatch.setattr(w.adapter, "layer_slot_mapping", lambda name, meta: torch.tensor(written))
-    w.on_capture_written(LAYER, None, plan)
-    assert w.counters["slot_checks"] == 1
-    assert w.counters["slot_checks_failed"] == int(fails)
-    assert w.counters["slot_checks_lagged"] == int(not fails and written_shift > 0)
+    w.on_capture_written(LAYER, None, after)
+    assert (w.counters["slot_checks"], w.counters["slot_checks_failed"]) == ((0, 0) if async_scheduling else (1, 1))

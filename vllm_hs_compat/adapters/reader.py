@@ -175,8 +175,8 @@ class VllmReader:
         (``scheduler_config.async_scheduling``; vLLM turns it on by itself on CUDA where it can, extraction of
         hidden states included, and always off on CPU).  Then a request's ``num_computed_tokens`` in a
         ``SchedulerOutput`` counts its last step's draft tokens as accepted, and the GPU worker moves it back by the
-        ones rejected before it writes (``GPUModelRunner._update_states``' deferred correction): the slots a step
-        writes for a request may start up to that many positions earlier than the scheduler says."""
+        ones rejected before it writes (``GPUModelRunner._update_states``' deferred correction): the scheduler
+        cannot know where such a step writes."""
         return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
 
     # --- parallel state -------------------------------------------------------------------------------------

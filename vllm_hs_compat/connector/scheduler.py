@@ -74,8 +74,8 @@ class SchedulerFacts:
     clobbered_slot: int | None = None
     """The manager slot CUDA-graph padding overwrites on this release (``padding_slot``), or None."""
     async_scheduling: bool = False
-    """The engine schedules ahead of its outputs (the adapter's ``async_scheduling``): a request's slot check
-    allows the start to lag by the drafts of the request's last step."""
+    """The engine schedules ahead of its outputs (the adapter's ``async_scheduling``): a step that follows one
+    with drafts for the request has no start this side can vouch for, and is not checked."""
 
     @classmethod
     def resolve(
@@ -119,7 +119,7 @@ class CaptureScheduler:
         self._held: set[str] = set()
         self._tracker = BlockTracker(self.group.index)
         # Under async scheduling: the drafts scheduled for each followed request the last time it ran (its next
-        # step's start may be ahead of the positions the worker writes by up to that many).
+        # step's start is then uncertain by up to that many positions).
         self._drafts: dict[str, int] = {}
         self._checks_left = config.check_requests
         # A release the matrix has not proven (the adapter says so): every request's slots are checked.
@@ -130,6 +130,7 @@ class CaptureScheduler:
             "records_scheduled": 0,
             "records_refused": 0,
             "slot_checks_sent": 0,
+            "slot_checks_uncertain": 0,
             "tracking_mismatch": 0,
             "records_lost_at_shutdown": 0,
         }
@@ -194,11 +195,18 @@ class CaptureScheduler:
             starts.update({r.req_id: r.num_computed_tokens for r in step.cached})
             for rid, start in starts.items():
                 n = step.num_scheduled_tokens.get(rid, 0)
-                if rid in self._tracker and n > 0:
-                    lag = self._drafts.pop(rid, 0)
-                    plan.checks.append(SlotCheck(rid, self._tracker.blocks(rid), start, n, lag))
-                    if self.facts.async_scheduling and step.spec_tokens.get(rid):
+                if rid not in self._tracker or n <= 0:
+                    continue
+                if self.facts.async_scheduling:
+                    # The start counts the drafts of the request's last step as accepted; the worker moves it
+                    # back by the rejected ones, which this side learns only later: no check it could vouch for.
+                    uncertain = self._drafts.pop(rid, 0) > 0
+                    if step.spec_tokens.get(rid):
                         self._drafts[rid] = step.spec_tokens[rid]
+                    if uncertain:
+                        self.counters["slot_checks_uncertain"] += 1
+                        continue
+                plan.checks.append(SlotCheck(rid, self._tracker.blocks(rid), start, n))
             for rid in step.finished | step.preempted:
                 self._drafts.pop(rid, None)
             self.counters["slot_checks_sent"] += len(plan.checks)

@@ -20,7 +20,7 @@ from vllm_hs_compat import api
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.reader import Ranks
 from vllm_hs_compat.core import finite
-from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, SlotCheck, StepPlan
+from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, StepPlan
 from vllm_hs_compat.core.groups import CaptureGroup
 from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.layout import CaptureView
@@ -118,7 +118,6 @@ class CaptureWorker:
             "slot_checks": 0,
             "slot_checks_failed": 0,
             "slot_checks_unavailable": 0,
-            "slot_checks_lagged": 0,
         }
         self._counter_lock = threading.Lock()
         LIVE.add(self)
@@ -301,43 +300,26 @@ class CaptureWorker:
         written = mapping.to(torch.int64)
         for check in plan.checks:
             self._count("slot_checks")
-            message = self._slot_check(check, written)
-            if message is not None:
-                self._slot_check_failed(check.req_id, message)
-
-    def _slot_check(self, check: SlotCheck, written: torch.Tensor) -> str | None:
-        """None when the step wrote every slot of ``check``'s positions -- at its start, or up to ``lag`` positions
-        earlier (async scheduling's rejected drafts, see :class:`SlotCheck`); else what was missing."""
-        if self.view is None:
-            return None
-        first_miss: str | None = None
-        for shift in range(min(check.lag, check.start) + 1):
-            start = check.start - shift
             try:
                 ours = api.request_slots(
                     check.req_id,
                     check.block_ids,
                     self.view,
                     num_tokens=check.num_tokens,
-                    start=start,
+                    start=check.start,
                     device=written.device,
                 )
             except HsCompatError as e:
-                return str(e)
+                self._slot_check_failed(check.req_id, str(e))
+                continue
             missing = ~torch.isin(ours, written)
-            if not bool(missing.any()):
-                if shift:
-                    self._count("slot_checks_lagged")
-                return None
-            if first_miss is None:
-                at = int(missing.nonzero()[0, 0])
-                first_miss = (
-                    f"position {start + at} maps to slot {int(ours[at])}, which vLLM did not write in this step "
-                    f"({int(missing.sum())} of {check.num_tokens} positions missing"
+            if bool(missing.any()):
+                first = int(missing.nonzero()[0, 0])
+                self._slot_check_failed(
+                    check.req_id,
+                    f"position {check.start + first} maps to slot {int(ours[first])}, which vLLM did not write in "
+                    f"this step ({int(missing.sum())} of {check.num_tokens} positions missing)",
                 )
-        if check.lag:
-            first_miss = f"{first_miss}; nor with the start up to {check.lag} position(s) earlier (async scheduling)"
-        return f"{first_miss})"
 
     def _slot_check_failed(self, req_id: str, message: str) -> None:
         self._count("slot_checks_failed")

@@ -352,18 +352,12 @@ class SaveRequest:
 @dataclass(frozen=True)
 class SlotCheck:
     """Positions ``[start, start + num_tokens)`` of a request are written in this step; every slot derived from
-    its block ids must be one the step's slot mapping writes.
-
-    ``lag``: how far the written positions may start before ``start``.  Under async scheduling the scheduler
-    sends a request's ``num_computed_tokens`` counting the drafts of its previous step as accepted, and the GPU
-    worker moves the request back by the ones rejected; so the step writes ``[start - d, start - d + num_tokens)``
-    for one ``d`` in ``[0, lag]``, ``lag`` being the drafts scheduled for the request the last time it ran."""
+    its block ids must be one the step's slot mapping writes."""
 
     req_id: str
     block_ids: tuple[int, ...]
     start: int
     num_tokens: int
-    lag: int = 0
 
 
 @dataclass
