@@ -465,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(table([r for r in results if r["shape"] == shape])[-1:]), flush=True)
             (out / "bench.json").write_text(json.dumps(results, indent=1))
             for stale in (work / "tree-captured", work / "tree-fp8_e4m3", work / "example_sink"):
+                # vLLM's log of the capture engine (the connector's stage seconds and counters at its end) stays
+                for engine_log in sorted(stale.glob("logs/*.log")):
+                    shutil.copyfile(engine_log, out / f"{shape}-{variant}-engine-{engine_log.name}")
                 shutil.rmtree(stale, ignore_errors=True)  # the disk holds one variant's records at a time
     print("\n".join(table(results)), flush=True)
     return 0 if all(r["rc"] == 0 for r in results) else 1

@@ -227,6 +227,23 @@ def test_the_worker_reads_each_saved_record_exactly_into_the_file_sink(make_work
     assert not torch.equal(other.hidden_states, want)
 
 
+def test_the_worker_times_its_stages_and_logs_them_at_shutdown(
+    make_worker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the worker's time goes (docs/gpu.md, "Throughput"): issuing the reads, the copy, the NaN/Inf check,
+    the record and the sink's write each add up; the control is a worker that published nothing (all zero)."""
+    idle = make_worker({"sink": "file", "file": {"path": str(tmp_path / "idle")}})
+    assert set(idle.seconds.values()) == {0.0}
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
+    s = _scheduler({"capture": "all"})
+    w.on_step(_save(s, "r1", [3, 7, 9]))
+    _drain(w)
+    assert all(w.seconds[k] > 0 for k in ("issue", "finite", "record", "sink")), w.seconds
+    with caplog.at_level("INFO", logger="vllm.vllm_hs_compat.connector"):
+        w.shutdown()
+    assert any("vllm-hs-compat worker seconds: {'issue'" in r.getMessage() for r in caplog.records)
+
+
 def test_the_self_test_hook_corrupts_exactly_the_named_record_before_its_checksum(
     make_worker: Any, tmp_path: Path
 ) -> None:

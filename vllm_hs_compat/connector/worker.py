@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,10 @@ class CaptureWorker:
             "slot_checks_unavailable": 0,
         }
         self._counter_lock = threading.Lock()
+        # Where the worker's time goes (logged at shutdown): on the engine's thread, issuing the step's reads and
+        # the slot checks; on the publisher's, waiting for the copies, the NaN/Inf check, building the record
+        # (its checksum) and the sink's write.
+        self.seconds = dict.fromkeys(("issue", "slot_check", "copy_wait", "finite", "record", "sink"), 0.0)
         LIVE.add(self)
 
     @classmethod
@@ -140,6 +145,11 @@ class CaptureWorker:
     def _count(self, key: str, n: int = 1) -> None:
         with self._counter_lock:
             self.counters[key] += n
+
+    def _time(self, **spent: float) -> None:
+        with self._counter_lock:
+            for key, s in spent.items():
+                self.seconds[key] += s
 
     # --- start-up ---------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -222,7 +232,9 @@ class CaptureWorker:
             if nbytes is not None:
                 batch.append((save, nbytes))
         if batch:
+            t = time.perf_counter()
             self._issue(batch)
+            self.seconds["issue"] += time.perf_counter() - t
 
     def _admit(self, save: SaveRequest) -> int | None:
         """The save's host bytes, reserved in the backlog; None when it failed here (reported)."""
@@ -297,6 +309,7 @@ class CaptureWorker:
         if mapping is None:
             self._count("slot_checks_unavailable", len(plan.checks))
             return
+        t = time.perf_counter()
         written = mapping.to(torch.int64)
         for check in plan.checks:
             self._count("slot_checks")
@@ -320,6 +333,7 @@ class CaptureWorker:
                     f"position {check.start + first} maps to slot {int(ours[first])}, which vLLM did not write in "
                     f"this step ({int(missing.sum())} of {check.num_tokens} positions missing)",
                 )
+        self.seconds["slot_check"] += time.perf_counter() - t
 
     def _slot_check_failed(self, req_id: str, message: str) -> None:
         self._count("slot_checks_failed")
@@ -366,6 +380,7 @@ class CaptureWorker:
             save, pending, nbytes = item
             reported = pending.event is None  # synchronous copies were reported when issued
             try:
+                t0 = time.perf_counter()
                 if not reported:
                     pending.wait()
                     self._done(save.req_id)
@@ -373,13 +388,19 @@ class CaptureWorker:
                 rows = pending.rows
                 if self.sink is None:
                     raise CaptureViewError("no sink")
+                t1 = time.perf_counter()
                 # NaN/Inf: flags computed where the rows were read (the direct CUDA path has none: here, on the host)
                 bad = finite.problem(rows, pending.finite, start=save.start, layer_ids=self.labels.layer_ids)
+                t2 = time.perf_counter()
+                self._time(copy_wait=t1 - t0, finite=t2 - t1)
                 if bad is not None:
                     self._count("records_non_finite")
                     self._fail(save, REASON_NON_FINITE, f"{bad} (checked by the connector before the record was made)")
                     continue
-                self.sink.write(self._record(save, rows), save.publication)
+                record = self._record(save, rows)
+                t3 = time.perf_counter()
+                self.sink.write(record, save.publication)
+                self._time(record=t3 - t2, sink=time.perf_counter() - t3)
                 self._count("records")
                 self._count("bytes", nbytes)
             except Exception as e:
@@ -411,4 +432,5 @@ class CaptureWorker:
             finally:
                 self.sink = None
         if self.owner:
+            log.info("vllm-hs-compat worker seconds: %s", {k: round(v, 3) for k, v in self.seconds.items()})
             log.info("vllm-hs-compat worker: %s", self.counters)
