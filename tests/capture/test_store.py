@@ -330,10 +330,12 @@ def test_damaged_or_failed_records_are_failures(tmp_path: Path) -> None:
     assert s.failed == {"bad_record": 1, "missing_record": 1, "pool_full": 1} and s.captured == 1
 
 
-def test_a_record_holding_nan_or_inf_is_never_adopted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("storage", ["captured", "fp8_e4m3"])
+def test_a_record_holding_nan_or_inf_is_never_adopted(tmp_path: Path, storage: str) -> None:
     """A staged record whose rows hold NaN (or Inf) and whose checksum is of exactly those rows (the connector
     checksums whatever it captured) is not adopted: a failed row ``non_finite`` naming the position and layer id,
-    its files deleted.  Control: the same record without the planted value is adopted."""
+    its files deleted.  Stored as fp8 the check reads the stored bytes and scales (not the decoded rows).  Control:
+    the same record without the planted value is adopted."""
     with CaptureStore(tmp_path, run_config=RUN_CONFIG) as store:
         for i, value in ((1, float("nan")), (2, float("-inf"))):
             info, manifest = stage(store.staging_dir(), i)
@@ -341,8 +343,9 @@ def test_a_record_holding_nan_or_inf_is_never_adopted(tmp_path: Path) -> None:
             rows = rec.hidden_states.clone()
             rows[-1, 1, 3] = value
             meta = msgspec.structs.replace(rec.meta, checksum=None)  # the file sink checksums what it is given
-            files.write_record(store.staging_dir(), CaptureRecord(meta, rows))
+            files.write_record(store.staging_dir(), CaptureRecord(meta, rows), storage=storage)
             assert not files.read_record(manifest).hidden_states.isfinite().all()  # and its checksum verifies
+            assert files.verify_record(manifest).non_finite is not None
             row = store.adopt(info, manifest)
             assert (row.status, row.reason, row.record) == ("failed", "non_finite", None), row
             assert f"the first at position {rows.shape[0] - 1}" in (row.message or "") and "layer ids [" in (
@@ -350,6 +353,9 @@ def test_a_record_holding_nan_or_inf_is_never_adopted(tmp_path: Path) -> None:
             )
             assert list(store.staging_dir().iterdir()) == [] and not store.done(info.sample_id)
         info3, manifest3 = stage(store.staging_dir(), 3)  # control
+        rec3 = files.read_record(manifest3)
+        files.write_record(store.staging_dir(), rec3, storage=storage)
+        assert files.verify_record(manifest3).non_finite is None
         assert store.adopt(info3, manifest3).status == "ok"
     assert read_summary(tmp_path).failed == {"non_finite": 2}
 

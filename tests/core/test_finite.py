@@ -82,3 +82,18 @@ def test_check_record_raises_a_named_record_format_error() -> None:
     with pytest.raises(NonFiniteRecordError, match=r"record 'r1' \(read here\): 1 of 4 token rows") as err:
         finite.check_record(rec, "read here")
     assert isinstance(err.value, RecordFormatError)  # readers that catch bad records catch this one too
+
+
+def test_token_flags_of_fp8_e4m3fn_equal_isfinite_on_all_256_bit_patterns() -> None:
+    """fp8 storage's NaN/Inf check reads the stored bytes: e4m3fn has no Inf and one NaN per sign (S.1111.111), so
+    every low bit is in the mask.  All 256 patterns, each alone in a row.  Negative control: the exponent bits alone
+    (0x78, the bf16-style mask) would call the finite 448 and -448 (S.1111.110) non-finite."""
+    rows = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).reshape(256, 1, 1)
+    want = torch.isfinite(rows.float()).reshape(256)
+    assert int((~want).sum()) == 2  # 0x7F and 0xFF
+    assert torch.equal(finite.token_flags(rows), want)
+    wide = torch.zeros(256, 3, 5, dtype=torch.float8_e4m3fn)
+    wide[:, 2, 4] = rows[:, 0, 0]
+    assert torch.equal(finite.token_flags(wide), want)
+    max_fp8 = torch.tensor([[448.0, -448.0]]).to(torch.float8_e4m3fn)
+    assert int((max_fp8.view(torch.uint8) & 0x78).amax()) == 0x78 and finite.token_flags(max_fp8).tolist() == [True]

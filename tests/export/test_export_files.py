@@ -121,6 +121,19 @@ def test_fp8_measured_in_one_go_equals_quantizing_and_measuring_apart() -> None:
     assert files.relative_error(files.dequantize_fp8(q2, scales2, rows.dtype), rows.roll(1, 0))[0] > worst
 
 
+def test_fp8_quantized_piece_by_piece_equals_the_whole_record_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long record is quantized in pieces (FP8_HOST_PIECE_BYTES here; bounded temporaries, the unit the device
+    path copies): the same bytes, scales and figures as one piece.  Control: rows of another record differ."""
+    rows = _outliers("r", tokens=48, hidden=512).hidden_states.clone()
+    whole = files.quantize_fp8_measured(rows)
+    monkeypatch.setattr(files, "FP8_HOST_PIECE_BYTES", 7 * 512 * rows.element_size())  # 7 rows a piece: ragged end
+    pieces = files.quantize_fp8_measured(rows)
+    assert torch.equal(pieces[0].view(torch.uint8), whole[0].view(torch.uint8)) and torch.equal(pieces[1], whole[1])
+    assert pieces[2:] == whole[2:]
+    other = files.quantize_fp8_measured(rows.roll(1, 0))
+    assert not torch.equal(other[0].view(torch.uint8), whole[0].view(torch.uint8))
+
+
 def test_fp8_storage_checks_its_stored_bytes(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hs_compat.core import finite
-from vllm_hs_compat.core.records import CaptureRecord
+from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.core.vocabulary import REASON_NON_FINITE
 from vllm_hs_compat.errors import ExportConfigError, RecordFailedError, RecordFormatError
 from vllm_hs_compat.export import files
@@ -31,7 +30,7 @@ from .rows import SampleInfo
 class Staged:
     """A staged record that is its sample's: ready to move into a shard."""
 
-    record: CaptureRecord
+    meta: RecordMeta
     manifest: dict[str, Any]
     """Its manifest as read (JSON)."""
     manifest_path: Path
@@ -78,11 +77,12 @@ def check_staged(sample: SampleInfo, manifest: Path, input_ids: tuple[int, ...])
             return Refused(reason, message, staged)
         return Refused("missing_record", f"no record at {manifest_path}", staged)
     try:
-        record = files.read_record(manifest_path, verify_checksum=True)
+        # checked without decoding the rows (an fp8 record's NaN/Inf on its stored bytes and scales)
+        verified = files.verify_record(manifest_path)
         raw = json.loads(manifest_path.read_text())
     except (RecordFormatError, RecordFailedError, ExportConfigError, OSError, ValueError) as e:
         return Refused("bad_record", f"{type(e).__name__}: {e}", staged)
-    meta = record.meta
+    meta = verified.meta
     tensors_path = manifest_path.with_name(str(raw.get("tensors", tensors_path.name)))
     staged[0] = tensors_path
     if meta.start != 0:
@@ -103,10 +103,9 @@ def check_staged(sample: SampleInfo, manifest: Path, input_ids: tuple[int, ...])
     problem = token_problem(meta.token_ids, meta.num_prompt_tokens, input_ids)
     if problem is not None:
         return Refused("tokenizer_mismatch", problem, staged)
-    nonfinite = finite.problem(record.hidden_states, start=meta.start, layer_ids=meta.layer_ids)
-    if nonfinite is not None:  # a checksum is of whatever was captured: NaN rows verify like any others
-        return Refused(REASON_NON_FINITE, f"{nonfinite} (found when adopting the record)", staged)
-    return Staged(record, raw, manifest_path, tensors_path, error_path)
+    if verified.non_finite is not None:  # a checksum is of whatever was captured: NaN rows verify like any others
+        return Refused(REASON_NON_FINITE, f"{verified.non_finite} (found when adopting the record)", staged)
+    return Staged(meta, raw, manifest_path, tensors_path, error_path)
 
 
 def token_problem(got: tuple[int, ...], num_prompt: int, expected: tuple[int, ...]) -> str | None:

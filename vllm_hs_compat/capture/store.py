@@ -245,7 +245,7 @@ class CaptureStore:
         staged = check_staged(sample, Path(manifest), sample.input_ids)
         if isinstance(staged, Refused):
             return self._fail_files(sample, staged.reason, staged.message, staged.files)
-        meta = staged.record.meta
+        meta = staged.meta
         shard = self.out / f"shard-{self.rank}-{self._shard_no:05d}"
         shard.mkdir(exist_ok=True)
         stem = files.record_stem(sample.sample_id or sample.key)

@@ -94,7 +94,9 @@ class FileSink(Sink):
 
     kind = "file"
 
-    def __init__(self, path: str, format: str = "native", *, dp_rank: int = 0, **options: Any) -> None:
+    def __init__(
+        self, path: str, format: str = "native", *, dp_rank: int = 0, device: Any = None, **options: Any
+    ) -> None:
         # A trainer format numbers its files per output (speculators' hs_<i> = row i of one dataset): the
         # data-parallel engines of one deployment each write their own complete output, rank k > 0 in dp<k>/.
         self.path = Path(path) if format == "native" or dp_rank == 0 else Path(path) / f"dp{dp_rank}"
@@ -102,6 +104,8 @@ class FileSink(Sink):
         if not os.access(self.path, os.W_OK):
             raise CaptureConfigError(f"file sink directory {self.path} is not writable")
         self.format = format
+        #: where a compact storage quantizes: the capture layer's CUDA device (else the host, in the publisher)
+        self.device = device
         #: how the native format stores rows (``export.files.STORAGES``); trainer formats keep the captured dtype
         self.storage = str(options.pop("storage", "captured"))
         if self.storage not in files.STORAGES or (self.storage != "captured" and format != "native"):
@@ -133,7 +137,7 @@ class FileSink(Sink):
             if first and self.writer.layer_map is not None:
                 log.info("file sink (%s): %s", self.format, self.writer.layer_map.line())
             return
-        files.write_record(self.path, record, storage=self.storage)
+        files.write_record(self.path, record, storage=self.storage, device=self.device)
 
     def fail(self, failure: RecordFailure) -> None:
         if self.writer is not None:
@@ -184,9 +188,10 @@ class CallbackSink(Sink):
         self.fn(failure)
 
 
-def make_sink(config: ConnectorConfig, dp_rank: int = 0) -> Sink:
+def make_sink(config: ConnectorConfig, dp_rank: int = 0, device: Any = None) -> Sink:
     """The sink ``config`` names (in the capture owner's worker).  A fixed export ``port`` is offset by the
-    data-parallel rank, so the DP engines of one host listen on distinct endpoints."""
+    data-parallel rank, so the DP engines of one host listen on distinct endpoints.  ``device``: the capture
+    layer's CUDA device, where the file sink's ``fp8_e4m3`` storage quantizes (None: on the host)."""
     if config.sink == "export":
         opts = dict(config.export)
         if int(opts.get("port", 0) or 0) > 0:
@@ -195,7 +200,7 @@ def make_sink(config: ConnectorConfig, dp_rank: int = 0) -> Sink:
     if config.sink == "file":
         if config.file_path is None:  # config validation guarantees it; keep the error named anyway
             raise CaptureConfigError('sink "file" needs "file": {"path": "<directory>"}')
-        return FileSink(config.file_path, dp_rank=dp_rank, **dict(config.file_options))
+        return FileSink(config.file_path, dp_rank=dp_rank, device=device, **dict(config.file_options))
     if config.callback is None:
         raise CaptureConfigError('sink "callback" needs "callback": "module:function"')
     return CallbackSink(config.callback)

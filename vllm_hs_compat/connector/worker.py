@@ -167,7 +167,9 @@ class CaptureWorker:
             )
             self.reader = RowReader(tensor, self.view, options=self.config.read)
         if self.owner:
-            self.sink = make_sink(self.config, ranks.dp_rank)
+            # where a compact file storage quantizes: on the capture layer's GPU (else on the host)
+            device = tensor.device if tensor is not None and tensor.device.type == "cuda" else None
+            self.sink = make_sink(self.config, ranks.dp_rank, device=device)
             self._thread = threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True)
             self._thread.start()
         view = self.view.describe() if self.view is not None else "none (this stage does not hold the capture layer)"

@@ -16,16 +16,19 @@ know a ``storage`` kind refuses the record by name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
+from vllm_hs_compat.core import finite
 from vllm_hs_compat.core.checksums import compute_checksum
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.core.vocabulary import FILE_KEY
@@ -36,6 +39,13 @@ PARAMS_KEY = FILE_KEY  # the kv_transfer_params key (core.vocabulary)
 STORAGES: Final = ("captured", "fp8_e4m3")
 #: Largest finite float8 e4m3 value: a row is scaled so that its absolute maximum lands on it.
 FP8_MAX: Final = 448.0
+#: Rows quantized at a time on a device (bytes of the captured rows): bounds the connector's device memory for it
+#: (about ten times this at the peak, beside vLLM's share of the card).
+FP8_PIECE_BYTES: Final = 16 << 20
+#: The same on the host: a long record's float32 temporaries bounded; smaller pieces cost the host time (64 MiB of
+#: bf16 in pieces of 8 MiB took 1.3x as long as in one, 2-core VM).
+FP8_HOST_PIECE_BYTES: Final = 256 << 20
+_cuda: Any = torch.cuda  # torch.cuda.Stream is untyped
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -92,12 +102,38 @@ def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return x.div(scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales, x
 
 
-def quantize_fp8_measured(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+def quantize_fp8_measured(
+    rows: torch.Tensor, *, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """:func:`quantize_fp8` and :func:`relative_error` of its :func:`dequantize_fp8` in ``rows``' dtype against
-    ``rows``, in one go: ``(q, scales, worst, mean)``."""
-    q, scales, x = _quantize(rows)
-    worst, mean = relative_error(dequantize_fp8(q, scales, rows.dtype), x)  # x is float32 already: not copied again
-    return q, scales, worst, mean
+    ``rows``, in one go: ``(q, scales, worst, mean)`` (``q`` and ``scales`` where ``rows`` are).
+
+    Piece by piece (:data:`FP8_PIECE_BYTES` on a GPU, :data:`FP8_HOST_PIECE_BYTES` on the host): every row's scale,
+    bytes and error are those of the whole tensor at once.  ``device``: a CUDA device to do it on (each piece copied
+    there on a stream of its own, the bytes and errors copied back) -- a GPU engine's rows otherwise cost a host core
+    about 0.3 s per 64 MiB."""
+    if rows.dim() < 2:
+        raise RecordFormatError(f"fp8 storage quantizes rows [..., hidden]; found shape {list(rows.shape)}")
+    flat = rows.reshape(-1, rows.shape[-1])
+    n = int(flat.shape[0])
+    q = torch.empty(flat.shape, dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = torch.empty(n, dtype=torch.float32, device=rows.device)
+    err = torch.empty(n, dtype=torch.float32, device=rows.device)
+    target = torch.device(device) if device is not None else rows.device
+    remote = target != rows.device
+    piece_bytes = FP8_PIECE_BYTES if target.type == "cuda" else FP8_HOST_PIECE_BYTES
+    per = max(1, piece_bytes // max(1, int(flat.shape[1]) * flat.element_size()))
+    stream: Any = _cuda.Stream(target) if remote and target.type == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for lo in range(0, n, per):
+            piece = flat[lo : lo + per].to(target) if remote else flat[lo : lo + per]
+            pq, ps, x = _quantize(piece)
+            pe = _row_errors(dequantize_fp8(pq, ps, rows.dtype), x)
+            q[lo : lo + per].copy_(pq)
+            scales[lo : lo + per].copy_(ps)
+            err[lo : lo + per].copy_(pe)
+    worst, mean = (float(err.max()), float(err.mean())) if n else (0.0, 0.0)
+    return q.view(rows.shape), scales.view(rows.shape[:-1]), worst, mean
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,18 +143,30 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     """(max, mean) over rows of ``||approx - exact|| / ||exact||`` (rows of zeros count as 0)."""
+    err = _row_errors(approx, exact)
+    return float(err.max()) if err.numel() else 0.0, float(err.mean()) if err.numel() else 0.0
+
+
+def _row_errors(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """``||approx - exact|| / ||exact||`` per row (float32; rows of zeros count as 0)."""
     e = exact.float().flatten(0, -2)
     # the difference in a float32 temporary of this function's own (never the caller's tensor), subtracted in place
     d = approx.float() if approx.dtype != torch.float32 else approx.clone()
     d = d.flatten(0, -2).sub_(e)
     norm = torch.linalg.vector_norm(e, dim=-1)
-    err = torch.linalg.vector_norm(d, dim=-1) / torch.where(norm > 0, norm, torch.ones_like(norm))
-    return float(err.max()) if err.numel() else 0.0, float(err.mean()) if err.numel() else 0.0
+    err: torch.Tensor = torch.linalg.vector_norm(d, dim=-1) / torch.where(norm > 0, norm, torch.ones_like(norm))
+    return err
 
 
-def write_record(directory: str | os.PathLike[str], record: CaptureRecord, *, storage: str = "captured") -> Path:
+def write_record(
+    directory: str | os.PathLike[str],
+    record: CaptureRecord,
+    *,
+    storage: str = "captured",
+    device: torch.device | None = None,
+) -> Path:
     """Write ``record`` (its checksum is computed if missing) in ``storage`` (:data:`STORAGES`); returns the
-    manifest path."""
+    manifest path.  ``device``: where a compact storage quantizes (:func:`quantize_fp8_measured`)."""
     if storage not in STORAGES:
         raise ExportConfigError(f"record storage {storage!r}; expected one of {list(STORAGES)}")
     tensors_path, manifest_path, _ = record_paths(directory, record.meta.record_id)
@@ -137,7 +185,7 @@ def write_record(directory: str | os.PathLike[str], record: CaptureRecord, *, st
     if storage == "captured":
         tensors = {"hidden_states": rows, "token_ids": token_ids}
     else:
-        q, scales, worst, mean = quantize_fp8_measured(rows)
+        q, scales, worst, mean = quantize_fp8_measured(rows, device=device)
         stored = _stored_checksum(q, scales, meta.checksum_algorithm)
         manifest["storage"] = {
             "kind": storage,
@@ -174,6 +222,46 @@ def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -
 
     Raises :class:`RecordFailedError` when only the error file exists, :class:`RecordFormatError` (or its
     checksum subclass) when the files are damaged."""
+    name, meta, storage, tensors = _load(path)
+    if storage is None:
+        record = CaptureRecord(meta, tensors["hidden_states"])
+        if verify_checksum:
+            record.check()
+        return record
+    q, scales = _stored(name, meta, storage, tensors, verify_checksum)
+    return CaptureRecord(meta, dequantize_fp8(q, scales, meta.torch_dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A record's files checked (:func:`verify_record`): its metadata, and why its rows are not finite (None when
+    they are)."""
+
+    meta: RecordMeta
+    non_finite: str | None
+
+
+def verify_record(path: str | os.PathLike[str]) -> Verified:
+    """:func:`read_record`'s checks (the files, the token ids, the checksum of the captured or stored bytes) and the
+    NaN/Inf check of the rows, without giving the rows back: an fp8 record is checked on its stored bytes and scales
+    (its rows are finite exactly when both are), not decoded -- only a failing one is, for the message.  Raises as
+    :func:`read_record` does."""
+    name, meta, storage, tensors = _load(path)
+    if storage is None:
+        record = CaptureRecord(meta, tensors["hidden_states"])
+        record.check()
+        return Verified(meta, finite.problem(record.hidden_states, start=meta.start, layer_ids=meta.layer_ids))
+    q, scales = _stored(name, meta, storage, tensors, True)
+    flags = finite.token_flags(q) & torch.isfinite(scales).all(dim=-1)
+    if bool(flags.all()):
+        return Verified(meta, None)
+    rows = dequantize_fp8(q, scales, meta.torch_dtype)
+    return Verified(meta, finite.problem(rows, flags, start=meta.start, layer_ids=meta.layer_ids))
+
+
+def _load(path: str | os.PathLike[str]) -> tuple[str, RecordMeta, Any, dict[str, torch.Tensor]]:
+    """A record's files read and their shape checked: ``(tensors file name, meta, storage entry or None,
+    tensors)``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -202,22 +290,17 @@ def read_record(path: str | os.PathLike[str], *, verify_checksum: bool = True) -
         raise RecordFormatError(f"{tensors_path}: cannot read the record's tensors ({type(e).__name__}: {e})") from None
     if "token_ids" not in tensors or tuple(int(t) for t in tensors["token_ids"].tolist()) != meta.token_ids:
         raise RecordFormatError(f"{tensors_name}: token_ids missing or differ from the manifest's")
-    if storage is None:
-        if "hidden_states" not in tensors:
-            raise RecordFormatError(
-                f"{tensors_name}: expected tensors 'hidden_states' and 'token_ids', found {sorted(tensors)}"
-            )
-        record = CaptureRecord(meta, tensors["hidden_states"])
-        if verify_checksum:
-            record.check()
-        return record
-    return _read_stored(tensors_name, meta, storage, tensors, verify_checksum)
+    if storage is None and "hidden_states" not in tensors:
+        raise RecordFormatError(
+            f"{tensors_name}: expected tensors 'hidden_states' and 'token_ids', found {sorted(tensors)}"
+        )
+    return str(tensors_name), meta, storage, tensors
 
 
-def _read_stored(
+def _stored(
     name: str, meta: RecordMeta, storage: Any, tensors: dict[str, torch.Tensor], verify_checksum: bool
-) -> CaptureRecord:
-    """A record stored in a compact kind: its stored bytes checked, its rows back in the captured dtype."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A record stored in a compact kind: its stored bytes checked; ``(q, scales)``."""
     kind = storage.get("kind") if isinstance(storage, dict) else None
     if kind != "fp8_e4m3":
         raise RecordFormatError(
@@ -239,7 +322,7 @@ def _read_stored(
             raise ChecksumMismatchError(
                 f"{name}: the stored fp8 bytes' checksum is {got:#x}, the manifest says {storage.get('checksum')!r}"
             )
-    return CaptureRecord(meta, dequantize_fp8(q, scales, meta.torch_dtype))
+    return q, scales
 
 
 def iter_records(directory: str | os.PathLike[str], *, verify_checksum: bool = True) -> Iterator[CaptureRecord]:
