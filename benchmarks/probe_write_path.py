@@ -24,7 +24,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +34,7 @@ import torch
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`'s SIGTERM runs the cleanup below
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--records", type=int, default=16)
@@ -73,47 +76,49 @@ def main() -> int:
 
     for d in map(Path, a.dirs):
         work = d / f"probe-write-{os.getpid()}"
-        shutil.rmtree(work, ignore_errors=True)
-        (work / "plain").mkdir(parents=True)
-        # 1. the writers side by side: per record, each in turn (each first as often as the others), each file
-        #    deleted once written, so that none pays for the others' pages
-        each: dict[str, list[float]] = {"sink": [], "save_file": [], "bytes+write": []}
-        for i in range(a.records):
-            order = list(each)[i % 3 :] + list(each)[: i % 3]
-            for name in order:
-                t = time.perf_counter()
-                if name == "sink":
-                    made = via_sink(work / "plain", i)
-                else:
-                    made = [work / "plain" / f"{name}-{i}.safetensors"]
-                    (via_save_file if name == "save_file" else via_bytes)(made[0])
-                each[name].append(time.perf_counter() - t)
-                for f in made:
-                    f.unlink()
-        res = {k: one / statistics.median(v) for k, v in each.items()}
-        # 2. the store adopting the sink's records (read back, checksum, token ids, NaN/Inf, moved into a shard),
-        #    then closing (the index part made durable: syncfs of the folder's file system)
-        store = CaptureStore(work / "tree", run_config={"probe": 1})
-        stage = store.staging_dir()
-        stage.mkdir(parents=True, exist_ok=True)
-        manifests = [via_sink(stage, i)[0] for i in range(a.records)]
-        t = time.perf_counter()
-        for i, m in enumerate(manifests):
-            row = store.adopt(SampleInfo(f"r{i}", "probe", a.tokens, input_ids=tuple(ids)), m)
-            if row.status != "ok":
-                raise SystemExit(f"record {i} not adopted: {row.reason}: {row.message}")
-        res["adopt"] = gb / (time.perf_counter() - t)
-        t = time.perf_counter()
-        store.close()
-        res["close (syncfs)"] = gb / (time.perf_counter() - t)
-        shutil.rmtree(work, ignore_errors=True)
-        line = "  ".join(f"{k} {v:.2f}" for k, v in res.items())
-        print(
-            f"{d}: {a.records} records of {one * 1e3:.0f} MB, GB/s (writes: median per record): {line}; "
-            f"sink / save_file {res['sink'] / res['save_file']:.2f}x, bytes+write / save_file "
-            f"{res['bytes+write'] / res['save_file']:.2f}x",
-            flush=True,
-        )
+        try:
+            shutil.rmtree(work, ignore_errors=True)
+            (work / "plain").mkdir(parents=True)
+            # 1. the writers side by side: per record, each in turn (each first as often as the others), each file
+            #    deleted once written, so that none pays for the others' pages
+            each: dict[str, list[float]] = {"sink": [], "save_file": [], "bytes+write": []}
+            for i in range(a.records):
+                order = list(each)[i % 3 :] + list(each)[: i % 3]
+                for name in order:
+                    t = time.perf_counter()
+                    if name == "sink":
+                        made = via_sink(work / "plain", i)
+                    else:
+                        made = [work / "plain" / f"{name}-{i}.safetensors"]
+                        (via_save_file if name == "save_file" else via_bytes)(made[0])
+                    each[name].append(time.perf_counter() - t)
+                    for f in made:
+                        f.unlink()
+            res = {k: one / statistics.median(v) for k, v in each.items()}
+            # 2. the store adopting the sink's records (read back, checksum, token ids, NaN/Inf, moved into a shard),
+            #    then closing (the index part made durable: syncfs of the folder's file system)
+            store = CaptureStore(work / "tree", run_config={"probe": 1})
+            stage = store.staging_dir()
+            stage.mkdir(parents=True, exist_ok=True)
+            manifests = [via_sink(stage, i)[0] for i in range(a.records)]
+            t = time.perf_counter()
+            for i, m in enumerate(manifests):
+                row = store.adopt(SampleInfo(f"r{i}", "probe", a.tokens, input_ids=tuple(ids)), m)
+                if row.status != "ok":
+                    raise SystemExit(f"record {i} not adopted: {row.reason}: {row.message}")
+            res["adopt"] = gb / (time.perf_counter() - t)
+            t = time.perf_counter()
+            store.close()
+            res["close (syncfs)"] = gb / (time.perf_counter() - t)
+            line = "  ".join(f"{k} {v:.2f}" for k, v in res.items())
+            print(
+                f"{d}: {a.records} records of {one * 1e3:.0f} MB, GB/s (writes: median per record): {line}; "
+                f"sink / save_file {res['sink'] / res['save_file']:.2f}x, bytes+write / save_file "
+                f"{res['bytes+write'] / res['save_file']:.2f}x",
+                flush=True,
+            )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # a probe stopped by its time limit leaves nothing either
     return 0
 
 
