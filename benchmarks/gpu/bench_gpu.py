@@ -32,6 +32,7 @@ went: the engine, adoption, their overlap, the engine's wait) and writes ``bench
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import random
@@ -348,6 +349,17 @@ def child(a: argparse.Namespace) -> int:
 
 
 # --- the driver -------------------------------------------------------------------------------------------------------
+def connector_seconds(engine_log: Path) -> dict[str, float] | None:
+    """The worker's seconds per stage, from the line it logs at shutdown (``vllm-hs-compat worker seconds: {...}``;
+    None when the log has none)."""
+    found = None
+    for line in engine_log.read_text(errors="replace").splitlines():
+        at = line.find("vllm-hs-compat worker seconds: ")
+        if at >= 0:
+            found = ast.literal_eval(line[at + len("vllm-hs-compat worker seconds: ") :].strip())
+    return found
+
+
 def table(results: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"{'shape':<6} {'variant':<14} {'tok/s':>9} {'x gen':>6} {'rows/s':>7} {'B/token':>8} {'start s':>8} "
@@ -372,6 +384,9 @@ def table(results: list[dict[str, Any]]) -> list[str]:
                 f"{'':<6}   engine {w['engine_s']:.2f} s, adoption {w['adopt_s']:.2f} s ({w['overlap_s']:.2f} s beside "
                 f"the engine), the engine waiting on adoption {w['adopt_wait_s']:.2f} s"
             )
+        c = r.get("connector_s")
+        if c:  # the connector's worker: its engine-thread stages, then its publisher's
+            lines.append(f"{'':<6}   connector s: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
     return lines
 
 
@@ -461,14 +476,17 @@ def main(argv: list[str] | None = None) -> int:
             got["rc"], got["wall_s"] = rc, time.monotonic() - t
             if rc != 0:
                 got["error"] = f"rc {rc}: " + log.read_text(errors="replace")[-1500:]
-            results.append(got)
-            print("\n".join(table([r for r in results if r["shape"] == shape])[-1:]), flush=True)
-            (out / "bench.json").write_text(json.dumps(results, indent=1))
             for stale in (work / "tree-captured", work / "tree-fp8_e4m3", work / "example_sink"):
-                # vLLM's log of the capture engine (the connector's stage seconds and counters at its end) stays
+                # vLLM's log of the capture engine stays, and the connector's stage seconds from its end
                 for engine_log in sorted(stale.glob("logs/*.log")):
-                    shutil.copyfile(engine_log, out / f"{shape}-{variant}-engine-{engine_log.name}")
+                    kept = out / f"{shape}-{variant}-engine-{engine_log.name}"
+                    shutil.copyfile(engine_log, kept)
+                    got.setdefault("connector_s", connector_seconds(kept))
                 shutil.rmtree(stale, ignore_errors=True)  # the disk holds one variant's records at a time
+            results.append(got)
+            mine = [r for r in results if r["shape"] == shape]
+            print("\n".join(table(mine)[len(table(mine[:-1])) :]), flush=True)  # this variant's lines
+            (out / "bench.json").write_text(json.dumps(results, indent=1))
     print("\n".join(table(results)), flush=True)
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
