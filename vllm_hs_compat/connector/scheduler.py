@@ -207,8 +207,9 @@ class CaptureScheduler:
                         self.counters["slot_checks_uncertain"] += 1
                         continue
                 plan.checks.append(SlotCheck(rid, self._tracker.blocks(rid), start, n))
-            for rid in step.finished | step.preempted:
-                self._drafts.pop(rid, None)
+            if self._drafts:
+                for rid in step.finished | step.preempted:
+                    self._drafts.pop(rid, None)
             self.counters["slot_checks_sent"] += len(plan.checks)
         return plan
 

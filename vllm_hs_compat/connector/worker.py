@@ -236,7 +236,7 @@ class CaptureWorker:
         if batch:
             t = time.perf_counter()
             self._issue(batch)
-            self.seconds["issue"] += time.perf_counter() - t
+            self._time(issue=time.perf_counter() - t)
 
     def _admit(self, save: SaveRequest) -> int | None:
         """The save's host bytes, reserved in the backlog; None when it failed here (reported)."""
@@ -335,7 +335,7 @@ class CaptureWorker:
                     f"position {check.start + first} maps to slot {int(ours[first])}, which vLLM did not write in "
                     f"this step ({int(missing.sum())} of {check.num_tokens} positions missing)",
                 )
-        self.seconds["slot_check"] += time.perf_counter() - t
+        self._time(slot_check=time.perf_counter() - t)
 
     def _slot_check_failed(self, req_id: str, message: str) -> None:
         self._count("slot_checks_failed")
