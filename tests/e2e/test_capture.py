@@ -349,8 +349,9 @@ def test_two_rank_processes_write_one_tree_with_every_sample_once(tmp_path: Path
 @on_demo_session
 def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: Path, model_dir: str, hf: Any) -> None:
     """The same rows captured twice at once (each engine on a CPU of its own): with ``--adoption overlap`` (the
-    default on a GPU), batch k adopted while the engine runs batch k+1, and as the command runs by default on vLLM's
-    CPU build (``auto``: serial), each batch adopted before the next one reaches the engine.  The run's own timings
+    default on a GPU), batch k adopted while the engine runs batch k+1 with batch k+2 queued behind it, and as the
+    command runs by default on vLLM's CPU build (``auto``: serial), each batch adopted before the next one reaches
+    the engine.  The run's own timings
     (its summary) show the overlap: adoption time spent while the engine ran (``overlap_s``) in the overlapped run;
     in the serial run, the negative control, none at all and the engine waiting through every adoption.  Both trees
     hold every sample once, verified, with the same hidden states."""
@@ -380,6 +381,9 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
     pipelined, serial = got["pipelined"], got["serial"]
     assert pipelined["overlap_s"] > 0, pipelined  # the engine's next batch began before the last one was adopted
     assert serial["overlap_s"] == 0 and serial["adopt_wait_s"] == pytest.approx(serial["adopt_s"], abs=0.01), serial
+    # the next batch queued behind the running one: some of its requests finished in the steps that finished the
+    # batch before (the engine never ran dry between them); serial queues nothing ahead
+    assert pipelined["engine_run_ahead"] > 0 and serial["engine_run_ahead"] == 0, (pipelined, serial)
     records = {}
     for mode in modes:
         ok = [r for r in read_index(tmp_path / mode).to_pylist() if r["status"] == "ok"]
@@ -390,7 +394,8 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
         "capture --adoption overlap vs the CPU default (serial), 12 rows in batches of 2: overlap "
         f"{pipelined['overlap_s']:.2f} s vs {serial['overlap_s']:.2f} s, engine waited on adoption "
         f"{pipelined['adopt_wait_s']:.2f} s of {pipelined['adopt_s']:.2f} s vs {serial['adopt_wait_s']:.2f} s of "
-        f"{serial['adopt_s']:.2f} s"
+        f"{serial['adopt_s']:.2f} s; requests run ahead {pipelined['engine_run_ahead']} vs "
+        f"{serial['engine_run_ahead']}"
     )
 
 

@@ -1,8 +1,11 @@
-"""vLLM's offline engine entry points, for the tools that run an engine (``demo``, ``verify``).
+"""vLLM's offline engine entry points, for the tools that run an engine (``demo``, ``verify``, ``capture``).
 
 The faces never spell a vLLM module path; they build engines and sampling parameters through these functions.
-``LLM``, ``SamplingParams`` and ``KVTransferConfig`` sit where they are on every supported release (0.17-0.34), so
-no era module needs to own a delta here.  vLLM is imported on the first call, never at import.
+``LLM``, ``SamplingParams``, ``RequestOutputKind`` and ``KVTransferConfig`` sit where they are on every supported
+release (0.17-0.34), and ``LLM.llm_engine`` is the v1 ``LLMEngine`` whose ``add_request(request_id, prompt, params)``,
+``step()`` and ``has_unfinished_requests()`` ``LLM.generate`` itself calls (tests/vllm/test_engine_api.py holds their
+signatures per release), so no era module needs to own a delta here.  vLLM is imported on the first call, never at
+import.
 """
 
 from __future__ import annotations
@@ -24,6 +27,32 @@ def sampling_params(**kwargs: Any) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(**kwargs)
+
+
+def final_only(params: Any) -> Any:
+    """``params`` set to report a request once, when it finishes (``RequestOutputKind.FINAL_ONLY``, what
+    ``LLM.generate`` sets on the requests it adds); returns ``params``."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+def add_request(llm: Any, request_id: str, prompt: Mapping[str, Any], params: Any) -> None:
+    """Queue one request in an offline ``LLM``'s in-process engine without running it (the call ``LLM.generate``
+    makes per prompt).  Raises what vLLM raises for a request it refuses (``ValueError``, ``TypeError``: e.g. a
+    prompt longer than the context); the engine and its other requests are untouched then."""
+    llm.llm_engine.add_request(request_id, prompt, params)
+
+
+def step(llm: Any) -> list[Any]:
+    """One step of an offline ``LLM``'s in-process engine: the ``RequestOutput`` of each request it finished."""
+    return [out for out in llm.llm_engine.step() if getattr(out, "finished", False)]
+
+
+def has_unfinished(llm: Any) -> bool:
+    """Whether an offline ``LLM``'s engine holds requests not finished yet."""
+    return bool(llm.llm_engine.has_unfinished_requests())
 
 
 def plain_llm(args: Mapping[str, Any]) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_hs_compat.errors import CaptureConfigError
 
+from .feed import EngineFeed, Submitted
 from .pipeline import Pipeline
 
 #: Seconds to wait for a record's files after the engine stepped past its request (the file sink writes them from
@@ -79,6 +80,17 @@ class Outcome:
     counted: bool = True
 
 
+@dataclass
+class _Queued:
+    """A batch whose requests are in the engine: the outcomes known before it (by the sample's index), the index of
+    each sample sent, and the feed's handle of their requests."""
+
+    samples: list[Any]
+    early: dict[int, Outcome]
+    sent: list[int]
+    sub: Submitted
+
+
 class Batches:
     """A run's batches against one engine and one store: the retry policy, the circuit breaker and the compact
     storage's figures are this object's.  ``capture``: the record's span (``prompt`` or ``all``); ``storage``:
@@ -98,6 +110,8 @@ class Batches:
         from vllm_hs_compat.capture.policy import Breaker, Retry
 
         self.args, self.capture, self.storage, self.store, self.llm = args, capture, storage, store, llm
+        self.feed = EngineFeed(llm)
+        self._queued: _Queued | None = None  # the next batch, queued in the engine behind the running one
         self.note_row = note_row
         self.retry = Retry(args.retries + 1)
         #: Counts records that failed in the engine, the connector or adoption, never rows the reader refused: those
@@ -126,51 +140,55 @@ class Batches:
             "bytes_per_token": sum(b for _, _, _, b in self.stored) / max(1, tokens),
         }
 
-    def engine_batch(self, samples: list[Any]) -> tuple[list[Outcome], float]:
-        """The engine's part of a batch: run ``samples`` and flush their records to the staging folder.  Returns
-        what became of each sample, in order (nothing written to the store yet: :meth:`adopt_batch` does, in this
+    def _submit(self, samples: list[Any]) -> _Queued:
+        """Queue ``samples``' requests in the engine (not run yet); a row whose parameters cannot be built is an
+        outcome already (``bad_field``, never sent)."""
+        from vllm_hs_compat.capture.rows import SampleInfo
+
+        early: dict[int, Outcome] = {}
+        ready: list[tuple[int, Any, Any]] = []
+        for i, s in enumerate(samples):
+            try:
+                ready.append((i, s, request_params(s, self.args, self.capture)))
+            except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical: a row
+                early[i] = Outcome(s, SampleInfo.of(s), reason="bad_field", message=str(exc), counted=False)
+        sub = self.feed.submit([{"prompt_token_ids": list(s.input_ids)} for _, s, _ in ready], [p for *_, p in ready])
+        return _Queued(samples, early, [i for i, _, _ in ready], sub)
+
+    def engine_batch(self, samples: list[Any], ahead: list[Any] | None = None) -> tuple[list[Outcome], float]:
+        """The engine's part of a batch: run ``samples`` until their records are read (their files follow from the
+        connector's publisher).  ``ahead``: the next batch, queued behind this one now so that the engine steps
+        finishing this batch run its tokens too (its own ``engine_batch`` call finds it queued).  Returns what
+        became of each sample, in order (nothing written to the store yet: :meth:`adopt_batch` does, in this
         order), and the deadline for their files."""
         from vllm_hs_compat.capture.rows import SampleInfo
-        from vllm_hs_compat.connector import flush
         from vllm_hs_compat.core.vocabulary import RESULT_KEY
         from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
 
-        outcomes: list[Outcome] = []
-        ready: list[tuple[Any, Any]] = []
-        for s in samples:
-            try:
-                ready.append((s, request_params(s, self.args, self.capture)))
-            except CaptureConfigError as exc:  # e.g. metadata over the record's bound once made canonical: a row
-                outcomes.append(Outcome(s, SampleInfo.of(s), reason="bad_field", message=str(exc), counted=False))
-        if not ready:
-            return outcomes, time.monotonic()
-        samples = [s for s, _ in ready]
-        prompts = [{"prompt_token_ids": list(s.input_ids)} for s in samples]
-        params = [p for _, p in ready]
-        try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
-        except (ValueError, TypeError) as exc:  # vLLM refused a request before running any: find it, fail it alone
-            if len(samples) == 1:
-                message = f"{type(exc).__name__}: {exc}"
-                outcomes.append(Outcome(samples[0], SampleInfo.of(samples[0]), reason=ENGINE_REFUSED, message=message))
-                return outcomes, time.monotonic()
-            deadline = 0.0
-            for one in samples:
-                more, deadline = self.engine_batch([one])
-                outcomes += more
-            return outcomes, deadline
-        flush(self.llm)
-        for sample, out in zip(samples, outs, strict=True):
+        queued = self._queued if self._queued is not None and self._queued.samples is samples else None
+        self._queued = None
+        if queued is None:
+            queued = self._submit(samples)
+        if ahead:
+            self._queued = self._submit(ahead)
+        outs = self.feed.finish(queued.sub)
+        outcomes: dict[int, Outcome] = dict(queued.early)
+        for j, (i, out) in enumerate(zip(queued.sent, outs, strict=True)):
+            sample = samples[i]
+            if out is None:  # vLLM refused the request before running it (e.g. longer than the context)
+                message = queued.sub.refused[j]
+                outcomes[i] = Outcome(sample, SampleInfo.of(sample), reason=ENGINE_REFUSED, message=message)
+                continue
             kv = dict(out.kv_transfer_params or {})
             result = kv.get(RESULT_KEY) or {}
             ticket = kv.get(FILE_KEY)
             if ticket is None or result.get("status") in ("failed", "skipped"):
                 reason = str(result.get("reason") or "not_captured")
                 message = str(result.get("message") or f"the engine returned no record for it ({result or kv})")
-                outcomes.append(Outcome(sample, SampleInfo.of(sample), reason=reason, message=message))
+                outcomes[i] = Outcome(sample, SampleInfo.of(sample), reason=reason, message=message)
             else:
-                outcomes.append(Outcome(sample, SampleInfo.of(sample), ticket=ticket))
-        return outcomes, time.monotonic() + RECORD_WAIT_S
+                outcomes[i] = Outcome(sample, SampleInfo.of(sample), ticket=ticket)
+        return [outcomes[i] for i in range(len(samples))], time.monotonic() + RECORD_WAIT_S
 
     def may_open_breaker(self, outcomes: list[Outcome]) -> bool:
         """True when the failures the engine already reported could open the breaker during these outcomes'
@@ -227,9 +245,12 @@ def drive(
     progress: Callable[[str], None],
 ) -> None:
     """Batches through the engine, each adopted in order by ``pipe``'s adopter while the engine runs the next one
-    (at most one batch in adoption, one in the engine).  A batch's retries go into the next batch read after its
-    adoption.  A batch whose engine-reported failures could open the breaker is adopted before the next one is
-    submitted; an adoption's error (the open breaker's included) is raised here before more work is submitted."""
+    (at most one batch in adoption, one in the engine and, when overlapping, the one after it queued in the engine
+    behind it: the engine's steps that finish a batch are filled with the next one's tokens).  A batch's retries go
+    into the next batch read after its adoption.  A batch whose engine-reported failures could open the breaker is
+    adopted before more rows are read; an adoption's error (the open breaker's included) is raised here before more
+    work is submitted.  Serial (``pipe.overlap`` False): nothing is queued ahead, each batch is adopted before the
+    next one reaches the engine."""
     done, t0 = 0, time.monotonic()
     retry: list[Any] = []
     held = 0  # rows of the batch the adopter holds
@@ -246,13 +267,14 @@ def drive(
         return batch + list(itertools.islice(rows, size - len(batch)))
 
     batch = first
+    ahead: list[Any] = take() if pipe.overlap else []  # queued in the engine behind ``batch``
     while batch or held:
-        outcomes, deadline = pipe.engine(functools.partial(work.engine_batch, batch)) if batch else ([], 0.0)
+        outcomes, deadline = pipe.engine(functools.partial(work.engine_batch, batch, ahead)) if batch else ([], 0.0)
         if held:
             adopted(held, pipe.wait())
             held = 0
         if not batch:
-            batch = take()
+            batch, ahead = take(), []
             continue
         adopt = functools.partial(work.adopt_batch, outcomes, deadline, pipe.stopping)
         if pipe.overlap and not work.may_open_breaker(outcomes):
@@ -262,4 +284,4 @@ def drive(
         else:
             adopted(len(batch), pipe.adopt_now(adopt))
             nxt = take()
-        batch = nxt
+        batch, ahead = (ahead, nxt) if ahead else (nxt, [])

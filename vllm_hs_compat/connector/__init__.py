@@ -8,6 +8,7 @@ configuration, sinks and the two halves import without vLLM.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 from vllm_hs_compat.errors import HsCompatError
@@ -28,6 +29,7 @@ __all__ = [
     "Sink",
     "flush",
     "pending_records",
+    "unread",
 ]
 
 
@@ -37,6 +39,15 @@ def pending_records() -> int:
     from .scheduler import LIVE
 
     return sum(s.held for s in list(LIVE))
+
+
+def unread(record_ids: Collection[str]) -> int:
+    """Of ``record_ids`` (the ``record_id`` of each request's result), the records the scheduler halves of this
+    process still hold blocks for: not read yet.  Once a record is read its files follow from the connector's
+    publisher thread without more engine steps."""
+    from .scheduler import LIVE
+
+    return sum(s.holds(record_ids) for s in list(LIVE))
 
 
 def flush(llm: Any, timeout_s: float = 60.0) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -342,6 +342,10 @@ class CaptureScheduler:
     def on_finished_sending(self, req_ids: set[str]) -> None:
         """The workers reported these held requests done (vLLM frees their blocks)."""
         self._held.difference_update(req_ids)
+
+    def holds(self, record_ids: Collection[str]) -> int:
+        """How many of ``record_ids`` are held for a record not read yet (a record's id is its request's)."""
+        return sum(1 for r in record_ids if r in self._held)
 
     @property
     def held(self) -> int:
