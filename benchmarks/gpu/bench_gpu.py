@@ -15,6 +15,8 @@ in-process engine on the same settings -- vLLM's own defaults for the platform (
 * ``capture_serial`` -- ``capture`` with ``--adoption serial`` (each batch adopted before the next reaches the
   engine; the command overlaps them on a GPU by default): what the overlap buys, side by side (not in the default
   list; ``--variants generate,capture,capture_serial``);
+* ``capture@N`` (any capture variant) -- the same with ``--batch-size N``: what the size of the batches the command
+  gives the engine costs, side by side (``--variants capture,capture@256``);
 * ``example``      -- vLLM's in-tree ``ExampleHiddenStatesConnector`` writing the same layers (one safetensors file
   per request; ``use_synchronization_lock=False``), until every file is on disk;
 * ``export``       -- the serving path: the connector's export sink (shared memory) and a trainer in ANOTHER process
@@ -333,9 +335,19 @@ def trainer(endpoint: str, token_file: str, expect: int, result: str) -> int:
     return 0 if failed == 0 and n == expect else 1
 
 
+def split_variant(name: str) -> tuple[str, int | None]:
+    """``capture@256`` -> (``capture``, 256): a capture variant with its own ``--batch-size``."""
+    base, _, size = name.partition("@")
+    return base, int(size) if size else None
+
+
 def child(a: argparse.Namespace) -> int:
     rows = [json.loads(line)["input_ids"] for line in Path(a.data).read_text().splitlines()]
     out: dict[str, Any] = {"variant": a.variant, "shape": a.shape, "rows": len(rows), "tokens": sum(map(len, rows))}
+    a.variant, size = split_variant(a.variant)
+    if size is not None:
+        a.batch_size = size
+        out["batch_size"] = size
     if a.variant in ("generate", "extract"):
         run_generate(a, rows, out, spec=a.variant == "extract")
     elif a.variant in ("capture", "capture_serial", "capture_fp8"):
@@ -362,20 +374,20 @@ def connector_seconds(engine_log: Path) -> dict[str, float] | None:
 
 def table(results: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"{'shape':<6} {'variant':<14} {'tok/s':>9} {'x gen':>6} {'rows/s':>7} {'B/token':>8} {'start s':>8} "
+        f"{'shape':<6} {'variant':<18} {'tok/s':>9} {'x gen':>6} {'rows/s':>7} {'B/token':>8} {'start s':>8} "
         f"{'work s':>7} {'peak GiB':>8}"
     ]
     base = {r["shape"]: r["tokens"] / r["work_s"] for r in results if r["variant"] == "generate" and r.get("work_s")}
     for r in results:
         if not r.get("work_s"):
-            lines.append(f"{r['shape']:<6} {r['variant']:<14} FAILED: {r.get('error', '?')[-200:]}")
+            lines.append(f"{r['shape']:<6} {r['variant']:<18} FAILED: {r.get('error', '?')[-200:]}")
             continue
         rate = r["tokens"] / r["work_s"]
         ratio = f"{rate / base[r['shape']]:.2f}" if r["shape"] in base else "-"
         bpt = r.get("bytes", 0) / max(1, r["tokens"])
         peak = r.get("gpu", {}).get("peak_reserved_bytes", 0) / 2**30
         lines.append(
-            f"{r['shape']:<6} {r['variant']:<14} {rate:>9.0f} {ratio:>6} {r['rows'] / r['work_s']:>7.1f} "
+            f"{r['shape']:<6} {r['variant']:<18} {rate:>9.0f} {ratio:>6} {r['rows'] / r['work_s']:>7.1f} "
             f"{bpt:>8.0f} {r.get('start_s', 0):>8.1f} {r['work_s']:>7.2f} {peak:>8.1f}"
         )
         w = r.get("where")
@@ -395,7 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-gpu", help="bench.json and the table land here")
     ap.add_argument("--work", default=None, help="models, rows, capture trees, example files (default OUT/work)")
     ap.add_argument("--models", default="8b,1b", help=f"comma-separated, of {list(SHAPES)}")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    ap.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, of {list(VARIANTS)}; a capture variant may name its batch size: capture@256",
+    )
     ap.add_argument("--rows", default="8b:256,1b:512,small:24", help="rows per shape, e.g. 8b:256,1b:512")
     ap.add_argument("--min-len", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=2048)
@@ -439,7 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
     if not torch.cuda.is_available():
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
-    unknown = sorted(set(a.variants.split(",")) - set(VARIANTS))
+    variants = a.variants.split(",")
+    unknown = sorted(
+        v
+        for v in variants
+        if v.partition("@")[0] not in VARIANTS
+        or ("@" in v and not (v.startswith("capture") and v.partition("@")[2].isdigit()))
+    )
     if unknown:  # a misspelt variant would otherwise fall through to the last branch of child()
         ap.error(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
     for shape in a.models.split(","):
@@ -448,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         (model / "layers.json").write_text(json.dumps(layers))
         data = work / f"rows-{shape}.jsonl"
         make_rows(data, int(per_shape[shape]), a.min_len, a.max_len)
-        for variant in a.variants.split(","):
+        for variant in variants:
             left = None if a.deadline is None else a.deadline - (time.monotonic() - t_start)
             if left is not None and left < 60:
                 print(f"{shape} {variant}: skipped, {left:.0f} s of --deadline left", flush=True)
