@@ -100,13 +100,11 @@ class EngineFeed:
                 )
             self.step(want)
         outs = [None if r is None else self._done.pop(r) for r in sub.request_ids]
-        records = [
-            str(rec["record_id"])
-            for out in outs
-            if out is not None
-            for rec in [((out.kv_transfer_params or {}).get(RESULT_KEY) or {})]
-            if rec.get("record_id") is not None
-        ]
+        records: list[str] = []  # the connector's record of each request (none where it refused one)
+        for out in outs:
+            result = {} if out is None else (out.kv_transfer_params or {}).get(RESULT_KEY) or {}
+            if result.get("record_id") is not None:
+                records.append(str(result["record_id"]))
         deadline: float | None = None
         while unread(records):
             if engine_api.has_unfinished(self.llm):
