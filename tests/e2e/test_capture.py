@@ -351,10 +351,11 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
     """The same rows captured twice at once (each engine on a CPU of its own): with ``--adoption overlap`` (the
     default on a GPU), batch k adopted while the engine runs batch k+1 with batch k+2 queued behind it, and as the
     command runs by default on vLLM's CPU build (``auto``: serial), each batch adopted before the next one reaches
-    the engine.  The run's own timings
-    (its summary) show the overlap: adoption time spent while the engine ran (``overlap_s``) in the overlapped run;
-    in the serial run, the negative control, none at all and the engine waiting through every adoption.  Both trees
-    hold every sample once, verified, with the same hidden states."""
+    the engine.  The run's own timings (its summary) show the overlap: adoption time spent while the engine ran
+    (``overlap_s``) and requests of the queued batch finished in the steps finishing the one before
+    (``engine_run_ahead``) in the overlapped run; in the serial run, the negative control, none of either and the
+    engine waiting through every adoption.  Both trees hold every sample once, verified, with the same hidden
+    states."""
     rows = _short_rows(hf[1], 12)
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

@@ -41,7 +41,10 @@ def final_only(params: Any) -> Any:
 def add_request(llm: Any, request_id: str, prompt: Mapping[str, Any], params: Any) -> None:
     """Queue one request in an offline ``LLM``'s in-process engine without running it (the call ``LLM.generate``
     makes per prompt).  Raises what vLLM raises for a request it refuses (``ValueError``, ``TypeError``: e.g. a
-    prompt longer than the context); the engine and its other requests are untouched then."""
+    prompt longer than the context); the engine and its other requests are untouched then.  Releases whose
+    ``LLM.generate`` renders prompts first (0.34 among them) render a plain ``{"prompt_token_ids": ...}`` here the
+    same way and log once that raw prompts are deprecated; a release that drops them needs an era module's own
+    rendering."""
     llm.llm_engine.add_request(request_id, prompt, params)
 
 
