@@ -234,6 +234,11 @@ class CaptureStoreError(ToolError):
     the fix."""
 
 
+class CaptureFeedError(ToolError):
+    """The capture command's engine dropped requests it queued (never finished them), or left their records unread
+    with nothing else to run; or the command ran its batches out of the order it queued them."""
+
+
 class RunConfigMismatchError(CaptureStoreError):
     """``--out`` holds a tree made with a different run configuration (model, layers, capture mode, template...);
     the message names the keys that differ."""

@@ -335,16 +335,22 @@ def trainer(endpoint: str, token_file: str, expect: int, result: str) -> int:
     return 0 if failed == 0 and n == expect else 1
 
 
-def split_variant(name: str) -> tuple[str, int | None]:
-    """``capture@256`` -> (``capture``, 256): a capture variant with its own ``--batch-size``."""
-    base, _, size = name.partition("@")
-    return base, int(size) if size else None
+def split_variant(name: str) -> tuple[str, int | None] | None:
+    """``capture@256`` -> (``capture``, 256): a capture variant with its own ``--batch-size``; ``generate`` ->
+    (``generate``, None); None for a name that is neither."""
+    base, at, size = name.partition("@")
+    if base not in VARIANTS or (at and not (base.startswith("capture") and size.isdigit())):
+        return None
+    return base, int(size) if at else None
 
 
 def child(a: argparse.Namespace) -> int:
     rows = [json.loads(line)["input_ids"] for line in Path(a.data).read_text().splitlines()]
     out: dict[str, Any] = {"variant": a.variant, "shape": a.shape, "rows": len(rows), "tokens": sum(map(len, rows))}
-    a.variant, size = split_variant(a.variant)
+    known = split_variant(a.variant)
+    if known is None:
+        raise SystemExit(f"unknown variant {a.variant!r}")
+    a.variant, size = known
     if size is not None:
         a.batch_size = size
         out["batch_size"] = size
@@ -456,12 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     variants = a.variants.split(",")
-    unknown = sorted(
-        v
-        for v in variants
-        if v.partition("@")[0] not in VARIANTS
-        or ("@" in v and not (v.startswith("capture") and v.partition("@")[2].isdigit()))
-    )
+    unknown = sorted(v for v in variants if split_variant(v) is None)
     if unknown:  # a misspelt variant would otherwise fall through to the last branch of child()
         ap.error(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
     for shape in a.models.split(","):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hs_compat.errors import CaptureConfigError
+from vllm_hs_compat.errors import CaptureConfigError, CaptureFeedError
 
 from .feed import EngineFeed, Submitted
 from .pipeline import Pipeline
@@ -165,10 +165,14 @@ class Batches:
         from vllm_hs_compat.core.vocabulary import RESULT_KEY
         from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
 
-        queued = self._queued if self._queued is not None and self._queued.samples is samples else None
-        self._queued = None
+        queued, self._queued = self._queued, None
         if queued is None:
             queued = self._submit(samples)
+        elif queued.samples is not samples:  # its requests would run with no one to take their outputs
+            raise CaptureFeedError(
+                f"engine_batch: {len(queued.samples)} rows are queued in the engine ahead, but a batch of "
+                f"{len(samples)} other rows was given to run next; run the queued batch first"
+            )
         if ahead:
             self._queued = self._submit(ahead)
         outs = self.feed.finish(queued.sub)

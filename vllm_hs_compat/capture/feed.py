@@ -18,14 +18,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hs_compat.errors import HsCompatError
+from vllm_hs_compat.errors import CaptureFeedError
 
 #: Seconds ``finish`` steps an engine with nothing left to run for the batch's records to be read (``flush``'s).
 READ_WAIT_S = 60.0
-
-
-class FeedError(HsCompatError):
-    """The engine lost requests the feed queued, or never read their records."""
 
 
 @dataclass
@@ -83,9 +79,10 @@ class EngineFeed:
     def finish(self, sub: Submitted) -> list[Any]:
         """Step the engine until every request of ``sub`` finished and the connector read its record (requests
         queued after them run in the same steps); their outputs in ``sub``'s order (None where refused).  Their
-        record files follow from the connector's publisher thread without more steps.  Raises :class:`FeedError`
-        when the engine holds none of them any more without having finished them, or their records stay unread for
-        ``read_wait_s`` of steps after the engine ran out of work."""
+        record files follow from the connector's publisher thread without more steps.  Raises
+        :class:`~vllm_hs_compat.errors.CaptureFeedError` when the engine holds none of them any more without having
+        finished them, or their records stay unread for ``read_wait_s`` of steps after the engine ran out of
+        work."""
         from vllm_hs_compat.adapters import engine_api
         from vllm_hs_compat.connector import unread
         from vllm_hs_compat.core.vocabulary import RESULT_KEY
@@ -94,7 +91,7 @@ class EngineFeed:
         while any(r not in self._done for r in want):
             if not engine_api.has_unfinished(self.llm):
                 lost = sorted(r for r in want if r not in self._done)
-                raise FeedError(
+                raise CaptureFeedError(
                     f"the engine holds no unfinished request, but {len(lost)} queued by the capture feed never "
                     f"finished (first: {lost[0]!r}); was the engine stepped or aborted elsewhere?"
                 )
@@ -112,7 +109,7 @@ class EngineFeed:
             elif deadline is None:
                 deadline = time.monotonic() + self.read_wait_s
             elif time.monotonic() > deadline:
-                raise FeedError(
+                raise CaptureFeedError(
                     f"{unread(records)} capture record(s) still unread after {self.read_wait_s:.0f} s of engine "
                     "steps with nothing else to run"
                 )
