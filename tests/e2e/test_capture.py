@@ -421,3 +421,23 @@ def test_ray_actors_write_the_tree_a_job_array_writes(tmp_path: Path, model_dir:
     assert again.returncode == 0, again.stderr[-3000:]
     assert _check_tree(out, rows, hf)[0] == per_rank  # nothing captured twice
     e2e_report.add(f"capture --ray 2: {per_rank} records per actor in {elapsed:.1f} s, worst rel err {worst:.4f}")
+
+
+@on_demo_session
+def test_feed_names_a_request_dropped_in_the_engine_and_the_engine_runs_on(tmp_path: Path, model_dir: str) -> None:
+    """``capture``'s engine feed (``capture/feed.py``) on a real in-process engine: a batch runs to records the
+    connector read (none left unread); a batch one of whose requests is aborted through vLLM's own
+    ``LLMEngine.abort_request`` after it was queued raises ``CaptureFeedError`` naming that request instead of
+    stepping forever or handing back fewer outputs; the next batch on the same engine runs to its records.  The
+    first and last batches are the negative control: the same calls without the abort raise nothing."""
+    child = Path(__file__).with_name("e2e_feed_child.py")
+    argv = [sys.executable, str(child), model_dir, str(tmp_path / "records"), ",".join(map(str, LAYERS))]
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for batch in ("first", "after"):
+        assert "error" not in got[batch], got
+        assert len(set(got[batch]["records"])) == 3 and "None" not in got[batch]["records"], got
+        assert got[batch]["unread"] == 0, got
+    assert "never finished" in got["aborted"]["error"] and repr(got["aborted"]["dropped"]) in got["aborted"]["error"]
+    assert got["after"]["steps"] > got["first"]["steps"], got
