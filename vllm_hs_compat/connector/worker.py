@@ -38,6 +38,7 @@ from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatE
 
 from .config import ConnectorConfig
 from .sinks import Sink, make_sink
+from .slot_checks import SlotChecks
 
 if TYPE_CHECKING:
     from vllm_hs_compat.adapters.vllm_types import KVCacheConfig, VllmConfig
@@ -104,7 +105,7 @@ class CaptureWorker:
         self._group_checked = False
         self._report: set[str] = set()
         self._report_lock = threading.Lock()
-        self._bad: dict[str, str] = {}
+        self.slot_checks = SlotChecks(self._slot_check_failed)
         self._queue: queue.Queue[tuple[SaveRequest, PendingRows, int] | None] = queue.Queue()
         self._backlog = 0
         self._backlog_lock = threading.Lock()
@@ -224,6 +225,7 @@ class CaptureWorker:
             return
         self._issued_step = plan.step
         self._check_group(plan)
+        self.slot_checks.poll()
         batch: list[tuple[SaveRequest, int]] = []
         for save in plan.saves:
             self._count("saves")
@@ -244,7 +246,7 @@ class CaptureWorker:
             self._fail(save, REASON_BLOCKS, "the capture owner has no registered capture view")
             self._done(save.req_id)
             return None
-        bad = self._bad.pop(save.req_id, None)
+        bad = self.slot_checks.take(save.req_id, wait=False)  # a verdict still on the device: the publisher's
         if bad is not None:
             self._fail(save, REASON_SLOT_CHECK, bad)
             self._done(save.req_id)
@@ -298,12 +300,16 @@ class CaptureWorker:
         return done
 
     def on_capture_written(self, layer_name: str, attn_metadata: Any, plan: StepPlan | None) -> None:
-        """``save_kv_layer`` of the capture layer: its rows for this step are written.  Remember the point on
-        the writing stream (side-stream reads wait for it) and run this step's slot checks."""
+        """``save_kv_layer`` of the capture layer: its rows for this step are written.  Queue this step's slot
+        checks on the writing stream, then remember the point after them there (side-stream reads wait for it, so
+        a record's rows are read after its checks' verdicts reached the host)."""
         if layer_name != self.group.layer_name:
             return
+        self._check_slots(layer_name, attn_metadata, plan)
         if self.reader is not None:
             self.reader.mark_written()
+
+    def _check_slots(self, layer_name: str, attn_metadata: Any, plan: StepPlan | None) -> None:
         if not self.owner or plan is None or not plan.checks or plan.step <= self._checked_step or self.view is None:
             return
         self._checked_step = plan.step
@@ -312,34 +318,25 @@ class CaptureWorker:
             self._count("slot_checks_unavailable", len(plan.checks))
             return
         t = time.perf_counter()
-        written = mapping.to(torch.int64)
+        checks, slots = [], []
         for check in plan.checks:
             self._count("slot_checks")
             try:
                 ours = api.request_slots(
-                    check.req_id,
-                    check.block_ids,
-                    self.view,
-                    num_tokens=check.num_tokens,
-                    start=check.start,
-                    device=written.device,
+                    check.req_id, check.block_ids, self.view, num_tokens=check.num_tokens, start=check.start
                 )
             except HsCompatError as e:
-                self._slot_check_failed(check.req_id, str(e))
+                self.slot_checks.fail(check.req_id, str(e))
                 continue
-            missing = ~torch.isin(ours, written)
-            if bool(missing.any()):
-                first = int(missing.nonzero()[0, 0])
-                self._slot_check_failed(
-                    check.req_id,
-                    f"position {check.start + first} maps to slot {int(ours[first])}, which vLLM did not write in "
-                    f"this step ({int(missing.sum())} of {check.num_tokens} positions missing)",
-                )
+            checks.append(check)
+            slots.append(ours)
+        num_slots = self.view.num_manager_blocks * self.view.group_block_size
+        self.slot_checks.submit(checks, slots, mapping, num_slots=num_slots)
         self._time(slot_check=time.perf_counter() - t)
 
     def _slot_check_failed(self, req_id: str, message: str) -> None:
+        """Count and log a failed slot check (:class:`SlotChecks` keeps it until the record takes it)."""
         self._count("slot_checks_failed")
-        self._bad[req_id] = message
         log.error("vllm-hs-compat: slot check failed for request %r: %s", req_id, message)
 
     # --- publishing (background thread) -----------------------------------------------------------------
@@ -391,6 +388,10 @@ class CaptureWorker:
                 if self.sink is None:
                     raise CaptureViewError("no sink")
                 t1 = time.perf_counter()
+                checked = self.slot_checks.take(save.req_id, wait=True)  # read after the step's write event: ready
+                if checked is not None:
+                    self._fail(save, REASON_SLOT_CHECK, checked)
+                    continue
                 # NaN/Inf: flags computed where the rows were read (the direct CUDA path has none: here, on the host)
                 bad = finite.problem(rows, pending.finite, start=save.start, layer_ids=self.labels.layer_ids)
                 t2 = time.perf_counter()

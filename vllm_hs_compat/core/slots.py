@@ -169,3 +169,29 @@ def request_slots(
         num_manager_blocks=view.num_manager_blocks,
         device=device,
     )
+
+
+def unwritten_slots(
+    slots: torch.Tensor, ranges: torch.Tensor, starts: torch.Tensor, written: torch.Tensor, *, num_slots: int
+) -> torch.Tensor:
+    """Which of ``slots`` a step's slot mapping ``written`` lacks, per range of consecutive slots.
+
+    ``slots``: int64, in ``[0, num_slots)`` (validated manager slots); ``ranges[j]``: the range slot ``j`` belongs
+    to (``0 .. k-1``, ascending); ``starts[i]``: the index in ``slots`` where range ``i`` begins; ``written``:
+    vLLM's slot mapping of the step (may hold its padding slot -1; values outside ``[-1, num_slots)`` count as
+    padding).  Returns int64 ``[k, 3]``: per range the number of its slots ``written`` lacks, the offset of the
+    first of them within the range and that slot (where none is missing: 0, 0 and the range's first slot; an empty
+    range's slot is any).  Tensor operations on ``slots``' device only, no host synchronization: on CUDA the
+    result is ready once the stream reaches it.
+    """
+    device = slots.device
+    k, total = int(starts.numel()), int(slots.numel())
+    seen = torch.zeros(num_slots + 2, dtype=torch.bool, device=device)  # slot s at s + 1; -1 (padding) at 0
+    seen.index_fill_(0, written.reshape(-1).to(torch.int64).clamp(-1, num_slots) + 1, True)
+    missing = ~seen.index_select(0, slots + 1)
+    count = torch.zeros(k, dtype=torch.int64, device=device).index_add_(0, ranges, missing.to(torch.int64))
+    at = torch.where(missing, torch.arange(total, dtype=torch.int64, device=device), total)
+    first = torch.full((k,), total, dtype=torch.int64, device=device).scatter_reduce_(0, ranges, at, "amin")
+    first = torch.where(count > 0, first, starts)
+    slot = slots.index_select(0, first.clamp(max=total - 1)) if total else torch.zeros_like(first)
+    return torch.stack([count, first - starts, slot], dim=1)
