@@ -73,8 +73,11 @@ PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in (35, 34, 31, 28, 27, 24, 17
 SRC_PATHS = (
     "vllm_hs_compat",
     "tests/e2e",
+    "tests/gpu",
     "benchmarks/gpu",
     "benchmarks/bench_capture.py",
+    "benchmarks/probe_write_path.py",
+    "benchmarks/probe_step_read.py",
     "examples",
     "pyproject.toml",
 )

@@ -3,7 +3,7 @@
 # transformers, the demo, and the throughput benchmark.  Run from a checkout (or the payload's src folder) on a GPU
 # host whose python3 imports vllm and this package -- installed the usual way, or by install.sh from the payload:
 #
-#     bash benchmarks/gpu/run_gpu.sh OUT STEP...      STEP: env | disk | gpu-tests | e2e | demo | bench | bench-8b | bench-1b
+#     bash benchmarks/gpu/run_gpu.sh OUT STEP...      STEP: env | disk | probe | gpu-tests | e2e | demo | bench | bench-8b | bench-1b
 #
 #   env    nvidia-smi, versions, /dev/shm and disk                                   -> OUT/steps.log
 #   e2e    tests/e2e/test_e2e_engine.py on the GPU: every case of the CPU suite (dense, hybrid, concurrent,
@@ -12,7 +12,10 @@
 #          OUT/e2e-report.txt (every pairing matrix), OUT/e2e-junit.xml with JUNIT=1
 #   disk   the host's write paths: dd of 4 GiB with fsync to WORK's disk, then benchmarks/probe_write_path.py (the
 #          file sink, safetensors' save_file, adoption, syncfs) on WORK and /dev/shm          -> OUT/disk.txt
-#   gpu-tests  tests/gpu (the row reader's stream-ordering races, fp8 quantized on the device)  -> OUT/gpu-tests.log
+#   probe  benchmarks/probe_step_read.py: one engine step's batched read on the engine's thread (pinned allocation,
+#          issue time, copy) for the 8B shape                                         -> OUT/step_read.json
+#   gpu-tests  tests/gpu (the row reader's stream-ordering races, fp8 quantized on the device, slot checks queued
+#          without a wait)                                                             -> OUT/gpu-tests.log
 #   demo   vllm-hs-compat demo end to end                                            -> OUT/demo.log, OUT/demo.json
 #   bench  benchmarks/gpu/bench_gpu.py (8b then 1b, every variant)                  -> OUT/bench.json,
 #          OUT/bench-STEP.log, OUT/bench-logs.tar.gz (bench-8b / bench-1b: one shape)
@@ -97,6 +100,9 @@ for step in "$@"; do
             ${JUNIT:+--junitxml="$OUT/e2e-junit.xml"} || rc=1
         (cd "$HS_E2E_WORK" 2>/dev/null && find . -maxdepth 3 \( -name '*.log' -o -name 'result.json' -o -name 'summary.json' \) \
             -size -4M -print0 | tar -czf "$OUT/e2e-logs.tar.gz" --null -T -) 2>/dev/null
+        ;;
+    probe)
+        limited "$(cap 90)" "$OUT/probe.log" "$PY" "$SRC/benchmarks/probe_step_read.py" --json "$OUT/step_read.json" || rc=1
         ;;
     gpu-tests)
         # tests/gpu: the row reader's stream-ordering races, its figures' paths, fp8 quantized on the device
