@@ -13,8 +13,8 @@ command.  Then, independently of the package's own templating code:
 Negative controls: the same comparison fails for a record paired with another sample's ids, and with the planes
 of the neighbouring layer ids.  On-policy (0.32.0 session): the record covers prompt + generated tokens, its loss
 mask exactly the generated part.  Runs in the e2e sessions of 0.27.1, 0.29.0 and 0.32.0 (HS_E2E_CAPTURE=1): the
-kill-and-resume case in each (about 80 s on 2 cores: two engine starts), the on-policy, two-rank and pipelined
-against the serial default of a CPU engine in 0.32.0.
+kill-and-resume case in each (about 80 s on 2 cores: two engine starts), the on-policy, two-rank, pipelined
+against the serial default of a CPU engine and the engine feed's dropped request in 0.32.0.
 """
 
 from __future__ import annotations
