@@ -3,13 +3,13 @@
     python benchmarks/probe_step_read.py [--steps 24] [--step-tokens 16384] [--json out.json]
 
 An 8B-shaped capture cache (4 planes x 4,096 hidden, bf16, 16-token blocks, the <= 0.28 order vLLM 0.26.0 has) on
-the GPU; each step reads ``--step-tokens`` tokens of records of 512-2,048 tokens with
-``RowReader.read_many`` (what the connector's worker issues in ``start_load_kv`` of the next step), while a
-"publisher" thread waits for each step's copy and keeps its rows ``--hold`` seconds (the sink's write) before
-dropping them.  Printed: the engine thread's host time per ``read_many`` (median, max; first step apart), the
-copy's time on the side stream, what ``torch.empty(pin_memory=True)`` of one step's rows costs cold and from
-torch's pinned cache, and the D2H rate.  Without CUDA it runs the same reads on a CPU cache (synchronous: the
-figures say nothing about a GPU; the run checks the probe itself).
+the GPU; each step reads ``--step-tokens`` tokens of records of 512-2,048 tokens with ``RowReader.read_many`` (the
+one batched read the connector's worker issues per step), while a "publisher" thread waits for each step's copy
+and keeps its rows ``--hold`` seconds (the sink's write) before dropping them.  Printed: the engine thread's host
+time per ``read_many`` (median, max; first step apart), the copy's time (from the issue until the publisher thread
+saw it complete: an upper bound of the side stream's copy), what ``torch.empty(pin_memory=True)`` of one step's
+rows costs cold and from torch's pinned cache, and the D2H rate.  Without CUDA it runs the same reads on a CPU
+cache (synchronous: the figures say nothing about a GPU; the run checks the probe itself).
 """
 
 from __future__ import annotations
