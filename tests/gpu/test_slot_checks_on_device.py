@@ -45,12 +45,13 @@ def raise_on_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _step() -> tuple[list[SlotCheck], list[torch.Tensor], torch.Tensor]:
+def _step() -> tuple[list[tuple[SlotCheck, int]], torch.Tensor, torch.Tensor]:
+    """Two checks (each with the offset of its slots in the step's concatenation), their slots, the slot mapping."""
     bad, bad_slots = _check("bad", (3, 7), 0, 20)
     good, good_slots = _check("good", (4, 9), 0, 20)
     written = torch.cat([bad_slots, good_slots, torch.full((24,), -1)])
     written[5] = 5000  # "bad" position 5 written elsewhere (garbage past the cache: treated as padding)
-    return [bad, good], [bad_slots, good_slots], written.cuda()
+    return [(bad, 0), (good, 20)], torch.cat([bad_slots, good_slots]), written.cuda()
 
 
 def test_submit_never_waits_for_the_gpu_and_the_verdicts_name_the_unwritten_slot() -> None:
@@ -67,7 +68,7 @@ def test_submit_never_waits_for_the_gpu_and_the_verdicts_name_the_unwritten_slot
 
 def test_control_the_old_check_waits_and_the_mode_catches_it() -> None:
     _, slots, written = _step()
-    ours = slots[0].cuda()
+    ours = slots[:20].cuda()
     with raise_on_sync(), pytest.raises(RuntimeError, match="synchroniz"):
         bool((~torch.isin(ours, written)).any())
 

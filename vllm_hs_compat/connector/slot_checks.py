@@ -52,22 +52,24 @@ class SlotChecks:
         self._failed: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def submit(self, checks: Sequence[SlotCheck], slots: Sequence[torch.Tensor], written: torch.Tensor, *,
-               num_slots: int) -> None:  # fmt: skip
-        """Queue the comparison of each check's ``slots`` (host int64, validated) with ``written`` (the step's
-        slot mapping, on the capture layer's device) on the current stream."""
+    def submit(
+        self, checks: Sequence[tuple[SlotCheck, int]], slots: torch.Tensor, written: torch.Tensor, *, num_slots: int
+    ) -> None:
+        """Queue the comparison of each check's slots with ``written`` (the step's slot mapping, on the capture
+        layer's device) on the current stream.  ``slots``: every check's slots concatenated (host int64, validated:
+        :func:`~vllm_hs_compat.core.slots.batch_slots`); each check comes with the offset of its first slot."""
         if not checks:
             return
-        lengths = [int(s.numel()) for s in slots]
-        total = sum(lengths)
-        ranges = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths), output_size=total)
-        starts = torch.tensor([0, *lengths[:-1]], dtype=torch.int64).cumsum(0)
-        packed = torch.cat([*slots, ranges, starts])
+        lengths = torch.tensor([c.num_tokens for c, _ in checks], dtype=torch.int64)
+        starts = torch.tensor([at for _, at in checks], dtype=torch.int64)
+        total = int(slots.numel())
+        ranges = torch.repeat_interleave(torch.arange(len(checks)), lengths, output_size=total)
+        packed = torch.cat([slots, ranges, starts])
         device = written.device
         if device.type != "cuda":
             verdicts = unwritten_slots(packed[:total], packed[total : 2 * total], packed[2 * total :], written,
                                        num_slots=num_slots)  # fmt: skip
-            flight = _InFlight(list(checks), verdicts, None)
+            flight = _InFlight([c for c, _ in checks], verdicts, None)
         else:
             host = packed.pin_memory()
             on_device = host.to(device, non_blocking=True)
@@ -77,7 +79,7 @@ class SlotChecks:
             verdicts.copy_(found, non_blocking=True)
             event = _cuda.Event()
             event.record()
-            flight = _InFlight(list(checks), verdicts, event, (host, on_device, found))
+            flight = _InFlight([c for c, _ in checks], verdicts, event, (host, on_device, found))
         with self._lock:
             self._in_flight.append(flight)
             self._read_ready()

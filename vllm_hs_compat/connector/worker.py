@@ -21,11 +21,12 @@ from vllm_hs_compat import api
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.reader import Ranks
 from vllm_hs_compat.core import finite
-from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, StepPlan
+from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, SlotCheck, StepPlan
 from vllm_hs_compat.core.groups import CaptureGroup
 from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.layout import CaptureView
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
+from vllm_hs_compat.core.slots import batch_slots
 from vllm_hs_compat.core.transfer import PendingRows, RowReader
 from vllm_hs_compat.core.vocabulary import (
     REASON_BACKLOG,
@@ -34,7 +35,7 @@ from vllm_hs_compat.core.vocabulary import (
     REASON_SLOT_CHECK,
     reason_of,
 )
-from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatError
+from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatError, SlotError
 
 from .config import ConnectorConfig
 from .sinks import Sink, make_sink
@@ -318,20 +319,22 @@ class CaptureWorker:
             self._count("slot_checks_unavailable", len(plan.checks))
             return
         t = time.perf_counter()
-        checks, slots = [], []
-        for check in plan.checks:
-            self._count("slot_checks")
-            try:
-                ours = api.request_slots(
-                    check.req_id, check.block_ids, self.view, num_tokens=check.num_tokens, start=check.start
-                )
-            except HsCompatError as e:
-                self.slot_checks.fail(check.req_id, str(e))
-                continue
-            checks.append(check)
-            slots.append(ours)
-        num_slots = self.view.num_manager_blocks * self.view.group_block_size
-        self.slot_checks.submit(checks, slots, mapping, num_slots=num_slots)
+        self._count("slot_checks", len(plan.checks))
+        view = self.view
+        # every check's slots at once, as the step's read takes them; a check whose block ids cannot address its
+        # positions fails here, the others are queued on the device
+        slots, where = batch_slots(
+            [(c.req_id, c.block_ids, c.start, c.num_tokens) for c in plan.checks],
+            group_block_size=view.group_block_size,
+            num_manager_blocks=view.num_manager_blocks,
+        )
+        queued: list[tuple[SlotCheck, int]] = []
+        for check, at in zip(plan.checks, where, strict=True):
+            if isinstance(at, SlotError):
+                self.slot_checks.fail(check.req_id, str(at))
+            else:
+                queued.append((check, at))
+        self.slot_checks.submit(queued, slots, mapping, num_slots=view.num_manager_blocks * view.group_block_size)
         self._time(slot_check=time.perf_counter() - t)
 
     def _slot_check_failed(self, req_id: str, message: str) -> None:
