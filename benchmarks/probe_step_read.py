@@ -25,7 +25,7 @@ import time
 import torch
 
 from vllm_hs_compat.core import ViewOrder, describe_capture_view
-from vllm_hs_compat.core.transfer import RowReader
+from vllm_hs_compat.core.transfer import RowReader, pinned_host_stats
 
 
 def main() -> int:
@@ -103,6 +103,7 @@ def main() -> int:
     out["copy_ms_median"] = statistics.median(copy_ms[1:])
     out["d2h_gb_s"] = step_bytes / (statistics.median(copy_ms[1:]) / 1e3) / 1e9
     out["issue_ms_all"] = [round(x, 2) for x in issue_ms]
+    out["pinned_host"] = pinned_host_stats()  # blocks torch's pinned allocator created, ms in cudaHostAlloc
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

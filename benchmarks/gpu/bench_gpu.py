@@ -367,14 +367,15 @@ def child(a: argparse.Namespace) -> int:
 
 
 # --- the driver -------------------------------------------------------------------------------------------------------
-def connector_seconds(engine_log: Path) -> dict[str, float] | None:
-    """The worker's seconds per stage, from the line it logs at shutdown (``vllm-hs-compat worker seconds: {...}``;
-    None when the log has none)."""
+def logged(engine_log: Path, head: str) -> dict[str, float] | None:
+    """The dict the connector's worker logs at shutdown after ``head`` (its last such line; None when none):
+    ``vllm-hs-compat worker seconds: `` (its seconds per stage), ``vllm-hs-compat pinned host memory: `` (torch's
+    pinned host allocator in the engine's process: blocks created, milliseconds in ``cudaHostAlloc``)."""
     found = None
     for line in engine_log.read_text(errors="replace").splitlines():
-        at = line.find("vllm-hs-compat worker seconds: ")
+        at = line.find(head)
         if at >= 0:
-            found = ast.literal_eval(line[at + len("vllm-hs-compat worker seconds: ") :].strip())
+            found = ast.literal_eval(line[at + len(head) :].strip())
     return found
 
 
@@ -405,6 +406,9 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         c = r.get("connector_s")
         if c:  # the connector's worker: its engine-thread stages, then its publisher's
             lines.append(f"{'':<6}   connector s: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
+        h = r.get("pinned")
+        if h:  # torch's pinned host allocator in the engine's process (cudaHostAlloc runs on the engine thread)
+            lines.append(f"{'':<6}   pinned host: " + ", ".join(f"{k} {v:.1f}" for k, v in h.items()))
     return lines
 
 
@@ -504,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                 for engine_log in sorted(stale.glob("logs/*.log")):
                     kept = out / f"{shape}-{variant}-engine-{engine_log.name}"
                     shutil.copyfile(engine_log, kept)
-                    got.setdefault("connector_s", connector_seconds(kept))
+                    got.setdefault("connector_s", logged(kept, "vllm-hs-compat worker seconds: "))
+                    got.setdefault("pinned", logged(kept, "vllm-hs-compat pinned host memory: "))
                 shutil.rmtree(stale, ignore_errors=True)  # the disk holds one variant's records at a time
             results.append(got)
             mine = [r for r in results if r["shape"] == shape]

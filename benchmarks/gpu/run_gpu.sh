@@ -76,7 +76,7 @@ for step in "$@"; do
         {
             nvidia-smi -L
             nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm --format=csv
-            "$PY" -c 'import sys, torch, triton, transformers, vllm, vllm_hs_compat, importlib.metadata as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "vllm-hs-compat", m.version("vllm-hs-compat"), "cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "-")'
+            "$PY" -c 'import sys, torch, triton, transformers, vllm, vllm_hs_compat, importlib.metadata as m; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "safetensors", m.version("safetensors"), "xxhash", m.version("xxhash"), "vllm", vllm.__version__, "vllm-hs-compat", m.version("vllm-hs-compat"), "cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "-")'
             df -h /dev/shm /tmp "$WORK" | sed 's/^/  /'
             nproc
             free -g | head -2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -321,20 +322,71 @@ def test_a_failed_slot_check_fails_that_record_and_its_control_passes(
     assert len(files.read_record(files.record_paths(tmp_path, "good")[1]).meta.token_ids) == 6
 
 
-def test_the_backlog_bound_fails_records_by_name(
+def _blocked_sink(w: CaptureWorker) -> threading.Event:
+    """Make ``w``'s sink wait in every write until the returned event is set (a sink slower than the engine)."""
+    sink = w.sink
+    assert sink is not None
+    release = threading.Event()
+    write = sink.write
+
+    def slow(record: Any, publication: Any) -> None:
+        assert release.wait(10)
+        write(record, publication)
+
+    sink.write = slow  # type: ignore[method-assign,assignment]
+    return release
+
+
+def test_saves_past_the_backlog_wait_in_their_blocks_and_are_read_later(
     make_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A sink slower than the engine: once the records on their way to it pass the backlog bound, the next saves
+    are not read (their blocks stay held: vLLM schedules around them) and not failed; a later step reads them once
+    the sink caught up.  Nothing is lost.  Control: under a bound with room, the same save is read at once."""
     w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
-    s = _scheduler()
-    monkeypatch.setattr(worker_module, "MAX_BACKLOG_BYTES", 6 * PLANES * HIDDEN * 4 - 1)  # one record is 6 rows
-    w.on_step(_save(s, "over", [3, 7, 9]))
-    assert _drain(w) == {"over"}
-    with pytest.raises(RecordFailedError, match=f"{V.REASON_BACKLOG}: "):
-        files.read_record(files.record_paths(tmp_path, "over")[2])
-    monkeypatch.setattr(worker_module, "MAX_BACKLOG_BYTES", 6 * PLANES * HIDDEN * 4)  # control: it fits exactly
-    w.on_step(_save(s, "fits", [3, 7, 9]))
-    _drain(w)
-    assert len(files.read_record(files.record_paths(tmp_path, "fits")[1]).meta.token_ids) == 6
+    s = _scheduler({"capture": "all"})
+    monkeypatch.setattr(worker_module, "MAX_BACKLOG_BYTES", 8 * PLANES * HIDDEN * 4)  # one record of 8 rows
+    release = _blocked_sink(w)
+    w.on_step(_save(s, "first", [3, 7, 9]))  # alone: read whatever the bound
+    w.on_step(_save(s, "second", [4, 5, 6]))
+    assert w.finished() == {"first"}  # the first is read (on CPU at issue); the second waits
+    assert w.counters["saves_waited"] == 1 and w.counters["records_failed"] == 0
+    w.on_step(s.build_plan(StepInfo((), (), {})))  # a step while the sink still holds the first: still waiting
+    assert w.finished() == set() and w.counters["saves_waited"] == 1
+    release.set()
+    assert w.drain(10)
+    w.on_step(s.build_plan(StepInfo((), (), {})))  # the next step reads it
+    assert _drain(w) == {"second"}
+    assert w.counters["records"] == 2 and w.counters["records_failed"] == 0
+    for rid in ("first", "second"):
+        assert len(files.read_record(files.record_paths(tmp_path, rid)[1]).meta.token_ids) == 8
+    # control: with room for both, the second is read in its own step, the sink still blocked
+    w2 = make_worker({"sink": "file", "file": {"path": str(tmp_path / "roomy")}})
+    monkeypatch.setattr(worker_module, "MAX_BACKLOG_BYTES", 16 * PLANES * HIDDEN * 4)
+    release2 = _blocked_sink(w2)
+    w2.on_step(_save(s, "a", [3, 7, 9]))
+    w2.on_step(_save(s, "b", [4, 5, 6]))
+    assert w2.finished() == {"a", "b"} and w2.counters["saves_waited"] == 0
+    release2.set()
+    _drain(w2)
+
+
+def test_saves_still_waiting_when_the_engine_stops_fail_by_name(
+    make_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted, never silent: a save the engine stopped before reading fails as ``backlog`` in its own file."""
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
+    s = _scheduler({"capture": "all"})
+    monkeypatch.setattr(worker_module, "MAX_BACKLOG_BYTES", 8 * PLANES * HIDDEN * 4)
+    release = _blocked_sink(w)
+    w.on_step(_save(s, "first", [3, 7, 9]))
+    w.on_step(_save(s, "stuck", [4, 5, 6]))
+    release.set()
+    w.shutdown(10)
+    assert w.counters["records"] == 1 and w.counters["records_failed"] == 1
+    with pytest.raises(RecordFailedError, match=f"{V.REASON_BACKLOG}: the engine stopped"):
+        files.read_record(files.record_paths(tmp_path, "stuck")[2])
+    assert len(files.read_record(files.record_paths(tmp_path, "first")[1]).meta.token_ids) == 8  # control
 
 
 def test_a_plan_for_another_group_stops_the_worker_loudly(make_worker: Any, tmp_path: Path) -> None:

@@ -162,6 +162,8 @@ def build_llm(spec: EngineSpec, out: Path) -> Any:
         if getattr(spec, key) is not None:  # None: vLLM's own default
             kwargs[key] = getattr(spec, key)
     kwargs.update(spec.llm_args)
+    # a diagnostic lever for a GPU host (e.g. '{"async_scheduling": false}'): the case's LLM arguments, overridden
+    kwargs.update(json.loads(os.environ.get("HS_E2E_LLM_ARGS") or "{}"))
     if spec.extract:
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",

@@ -131,6 +131,7 @@ def pair(
     diag_max = 0.0
     off_min = float("inf")
     full, length_ok, tokens_ok, layers_ok = [], [], [], []
+    notes: list[str] = []
     for i, rec in enumerate(records):
         layers_ok.append(
             sorted(rec.layer_ids) == sorted(ref_layer_ids) and len(set(rec.layer_ids)) == len(rec.layer_ids)
@@ -150,6 +151,13 @@ def pair(
             if i == j:
                 diag_max = max(diag_max, float(err.max()) if err.numel() else 0.0)
                 full.append(rec.hidden_states.shape[0] == tj and bool((err <= ROW_TOL).all()))
+                off = (err > ROW_TOL).nonzero().flatten().tolist()
+                if off:  # where they are says why (a decode step's rows, a block, the record's end)
+                    at = [offs[i] + t for t in off]
+                    notes.append(
+                        f"record {i}: {len(off)} of {tj} rows off its reference at positions "
+                        f"{at[:16]}{' ...' if len(at) > 16 else ''} (context {len(contexts[i])} tokens)"
+                    )
             elif seg.numel():
                 off_min = min(off_min, float(seg.min()))
         length_ok.append(rec.hidden_states.shape[0] == refs[i].shape[0])
@@ -163,4 +171,5 @@ def pair(
         layers_ok=layers_ok,
         diag_max_err=diag_max,
         offdiag_min_err=off_min if off_min != float("inf") else float("nan"),
+        notes=notes,
     )

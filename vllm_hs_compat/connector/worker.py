@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,7 @@ from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.layout import CaptureView
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.core.slots import batch_slots
-from vllm_hs_compat.core.transfer import PendingRows, RowReader
+from vllm_hs_compat.core.transfer import PendingRows, RowReader, pinned_host_stats
 from vllm_hs_compat.core.vocabulary import (
     REASON_BACKLOG,
     REASON_BLOCKS,
@@ -46,8 +47,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.vllm_hs_compat.connector")
 
-#: Host bytes of records waiting for the sink beyond which new records fail (counted) instead of piling up.
+#: Host bytes of records read or being read and not yet through the sink beyond which the worker reads no more:
+#: further saves wait in the engine's blocks (held, so vLLM schedules around them) until the sink catches up.  A
+#: record alone is always read, whatever its size.
 MAX_BACKLOG_BYTES = 4 << 30
+
+
+class _Wait:
+    """The backlog is full: the save waits (its blocks held) for a later step."""
+
+
+WAIT = _Wait()
+
+
+def _idle(q: queue.Queue[Any]) -> bool:
+    return q.unfinished_tasks == 0
+
 
 #: Worker halves alive in this process (the in-process engine), drained by ``vllm_hs_compat.connector.flush``.
 LIVE: weakref.WeakSet[CaptureWorker] = weakref.WeakSet()
@@ -107,13 +122,19 @@ class CaptureWorker:
         self._report: set[str] = set()
         self._report_lock = threading.Lock()
         self.slot_checks = SlotChecks(self._slot_check_failed)
+        # Two threads past the engine's: the copies' completions (a read reported the moment its copy is done, so
+        # vLLM frees its blocks whatever the sink is doing), then the publisher (checks, record, the sink's write).
+        self._copies: queue.Queue[tuple[SaveRequest, PendingRows, int] | None] = queue.Queue()
         self._queue: queue.Queue[tuple[SaveRequest, PendingRows, int] | None] = queue.Queue()
+        self._waiting: list[SaveRequest] = []  # saves not read yet while the backlog is full (engine thread)
+        self._waited: set[str] = set()  # request ids of those counted in "saves_waited"
         self._backlog = 0
         self._backlog_lock = threading.Lock()
         self._made = 0  # records built (the order "self_test": {"corrupt_record": N} counts in)
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.counters = {
             "saves": 0,
+            "saves_waited": 0,
             "records": 0,
             "records_failed": 0,
             "records_non_finite": 0,
@@ -172,8 +193,12 @@ class CaptureWorker:
             # where a compact file storage quantizes: on the capture layer's GPU (else on the host)
             device = tensor.device if tensor is not None and tensor.device.type == "cuda" else None
             self.sink = make_sink(self.config, ranks.dp_rank, device=device)
-            self._thread = threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True)
-            self._thread.start()
+            self._threads = [
+                threading.Thread(target=self._complete_loop, name="hs-compat-copies", daemon=True),
+                threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True),
+            ]
+            for thread in self._threads:
+                thread.start()
         view = self.view.describe() if self.view is not None else "none (this stage does not hold the capture layer)"
         log.info(
             "vllm-hs-compat worker (%s): vLLM %s, adapter %s; %s; view %s shape=%s layout=%s; planes = layer ids %s "
@@ -220,29 +245,43 @@ class CaptureWorker:
         self._group_checked = True
 
     def on_step(self, plan: StepPlan | None) -> None:
-        """Issue the reads of this step's saves (once per step: 0.17 binds the metadata twice): one batched read
-        (one index upload, one gather) for all records of the step."""
-        if plan is None or plan.step <= self._issued_step:
+        """Issue the reads of this step's saves (once per step: 0.17 binds the metadata twice) and of saves that
+        waited for the backlog: one batched read (one index upload, one gather) for all of them."""
+        if plan is not None and plan.step > self._issued_step:
+            self._issued_step = plan.step
+            self._check_group(plan)
+            self.slot_checks.poll()
+            for save in plan.saves:
+                self._count("saves")
+                if not self.owner:
+                    self._done(save.req_id)
+                    continue
+                self._waiting.append(save)
+        if not self._waiting:
             return
-        self._issued_step = plan.step
-        self._check_group(plan)
-        self.slot_checks.poll()
         batch: list[tuple[SaveRequest, int]] = []
-        for save in plan.saves:
-            self._count("saves")
-            if not self.owner:
-                self._done(save.req_id)
-                continue
-            nbytes = self._admit(save)
-            if nbytes is not None:
-                batch.append((save, nbytes))
+        admitted = 0
+        for save in self._waiting:
+            got = self._admit(save)
+            if isinstance(got, _Wait):  # in order: the saves after it wait as well
+                break
+            admitted += 1
+            if got is not None:
+                batch.append((save, got))
+        self._waited.difference_update(save.req_id for save in self._waiting[:admitted])
+        self._waiting = self._waiting[admitted:]
+        for save in self._waiting:
+            if save.req_id not in self._waited:
+                self._waited.add(save.req_id)
+                self._count("saves_waited")
         if batch:
             t = time.perf_counter()
             self._issue(batch)
             self._time(issue=time.perf_counter() - t)
 
-    def _admit(self, save: SaveRequest) -> int | None:
-        """The save's host bytes, reserved in the backlog; None when it failed here (reported)."""
+    def _admit(self, save: SaveRequest) -> int | None | _Wait:
+        """The save's host bytes, reserved in the backlog; None when it failed here (reported); :data:`WAIT`
+        when the backlog is full (its blocks stay held until a later step reads it)."""
         if self.reader is None:
             self._fail(save, REASON_BLOCKS, "the capture owner has no registered capture view")
             self._done(save.req_id)
@@ -254,13 +293,9 @@ class CaptureWorker:
             return None
         nbytes = save.num_tokens * self.labels.num_planes * self.hidden_size * self.reader.cache.element_size()
         with self._backlog_lock:
-            over = self._backlog + nbytes > MAX_BACKLOG_BYTES
-            if not over:
-                self._backlog += nbytes
-        if over:
-            self._fail(save, REASON_BACKLOG, f"{self._backlog} bytes of records wait for the sink already")
-            self._done(save.req_id)
-            return None
+            if self._backlog and self._backlog + nbytes > MAX_BACKLOG_BYTES:
+                return WAIT
+            self._backlog += nbytes
         return nbytes
 
     def _release(self, nbytes: int) -> None:
@@ -286,7 +321,9 @@ class CaptureWorker:
                 continue
             if pending.event is None:  # CPU: the copy was synchronous, the blocks may go at once
                 self._done(save.req_id)
-            self._queue.put((save, pending, nbytes))
+                self._queue.put((save, pending, nbytes))
+            else:
+                self._copies.put((save, pending, nbytes))
 
     def _done(self, req_id: str) -> None:
         with self._report_lock:
@@ -373,6 +410,29 @@ class CaptureWorker:
         )
         return CaptureRecord(meta, rows)
 
+    def _complete_loop(self) -> None:
+        """Report each CUDA read the moment its copy is done (vLLM frees the blocks in its next step), in issue
+        order, then hand it to the publisher: a slow sink never holds the engine's blocks."""
+        while True:
+            item = self._copies.get()
+            if item is None:
+                self._queue.put(None)
+                self._copies.task_done()
+                return
+            save, pending, nbytes = item
+            try:
+                t0 = time.perf_counter()
+                pending.wait()
+                self._time(copy_wait=time.perf_counter() - t0)
+            except Exception as e:
+                self._fail(save, reason_of(e), f"{type(e).__name__}: {e}")
+                self._release(nbytes)
+                continue
+            finally:
+                self._done(save.req_id)  # exactly once: vLLM frees the blocks of each reported request
+                self._copies.task_done()
+            self._queue.put(item)
+
     def _publish_loop(self) -> None:
         while True:
             item = self._queue.get()
@@ -380,13 +440,7 @@ class CaptureWorker:
                 self._queue.task_done()
                 return
             save, pending, nbytes = item
-            reported = pending.event is None  # synchronous copies were reported when issued
             try:
-                t0 = time.perf_counter()
-                if not reported:
-                    pending.wait()
-                    self._done(save.req_id)
-                    reported = True
                 rows = pending.rows
                 if self.sink is None:
                     raise CaptureViewError("no sink")
@@ -398,7 +452,7 @@ class CaptureWorker:
                 # NaN/Inf: flags computed where the rows were read (the direct CUDA path has none: here, on the host)
                 bad = finite.problem(rows, pending.finite, start=save.start, layer_ids=self.labels.layer_ids)
                 t2 = time.perf_counter()
-                self._time(copy_wait=t1 - t0, finite=t2 - t1)
+                self._time(finite=t2 - t1)
                 if bad is not None:
                     self._count("records_non_finite")
                     self._fail(save, REASON_NON_FINITE, f"{bad} (checked by the connector before the record was made)")
@@ -411,8 +465,6 @@ class CaptureWorker:
                 self._count("bytes", nbytes)
             except Exception as e:
                 self._fail(save, reason_of(e), f"{type(e).__name__}: {e}")
-                if not reported:  # exactly once: vLLM frees the blocks of each reported request
-                    self._done(save.req_id)
             finally:
                 with self._backlog_lock:
                     self._backlog -= nbytes
@@ -422,16 +474,25 @@ class CaptureWorker:
         """Wait until every read record has reached the sink (True) or ``timeout_s`` passed.  Sleeps on the
         queue's condition (what ``Queue.join`` waits on; the publisher's ``task_done`` of the last record wakes
         it), so the wait neither polls nor adds a poll interval to a drain."""
-        q = self._queue
-        with q.all_tasks_done:
-            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, max(0.0, timeout_s))
+        deadline = time.monotonic() + timeout_s
+        for q in (self._copies, self._queue):  # the completions hand every record on before their task is done
+            with q.all_tasks_done:
+                if not q.all_tasks_done.wait_for(partial(_idle, q), max(0.0, deadline - time.monotonic())):
+                    return False
+        return True
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Publish what is read, stop the publisher, close the sink; log the counters."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout_s)
-            self._thread = None
+        for save in self._waiting:  # never read: the engine stopped while they waited for the sink (counted)
+            self._fail(save, REASON_BACKLOG, "the engine stopped while the record waited for the sink's backlog")
+            self._done(save.req_id)
+        self._waiting = []
+        if self._threads:
+            self._copies.put(None)  # the completions pass it on to the publisher
+            deadline = time.monotonic() + timeout_s
+            for thread in self._threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            self._threads = []
         if self.sink is not None:
             try:
                 self.sink.close()
@@ -440,3 +501,6 @@ class CaptureWorker:
         if self.owner:
             log.info("vllm-hs-compat worker seconds: %s", {k: round(v, 3) for k, v in self.seconds.items()})
             log.info("vllm-hs-compat worker: %s", self.counters)
+            pinned = pinned_host_stats()
+            if pinned is not None:  # the process's pinned host blocks: cudaHostAlloc on the engine thread is slow
+                log.info("vllm-hs-compat pinned host memory: %s", {k: round(v, 3) for k, v in pinned.items()})

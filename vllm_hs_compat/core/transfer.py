@@ -59,6 +59,23 @@ def side_stream(device: torch.device) -> Any:
         return stream
 
 
+def pinned_host_stats() -> dict[str, float] | None:
+    """What torch's pinned host allocator did in this process (every user of it: the reads here and vLLM's own):
+    blocks created (``cudaHostAlloc`` calls), the milliseconds spent in them, the most bytes it held and the
+    most bytes handed out at once.  None without CUDA or on a torch that does not count them."""
+    stats_of = getattr(torch.cuda, "host_memory_stats", None)
+    if stats_of is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    s = stats_of()
+    return {
+        "allocs": float(s.get("num_host_alloc", 0)),
+        "alloc_ms": float(s.get("host_alloc_time.total", 0)) / 1e3,
+        "alloc_max_ms": float(s.get("host_alloc_time.max", 0)) / 1e3,
+        "held_gib_peak": float(s.get("allocated_bytes.peak", 0)) / 2**30,
+        "active_gib_peak": float(s.get("active_bytes.peak", 0)) / 2**30,
+    }
+
+
 @dataclass
 class PendingRows:
     """Rows being copied; ``rows`` is valid once :meth:`done` is True (or after :meth:`wait`).

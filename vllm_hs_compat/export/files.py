@@ -97,7 +97,10 @@ def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     # The row maxima are taken in the rows' own dtype (exact: |x| and max round nothing), the float32 copy is
     # made once and kept for the error: a third fewer passes over the rows than quantizing and measuring apart.
     amax = rows.abs().amax(dim=-1).float()
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Divided by a tensor on the rows' device, never by a Python number: CUDA divides by a host scalar as a
+    # multiplication by its float32 reciprocal (1/448 is inexact), the host divides -- the scales (and so the
+    # bytes) of a GPU-quantized record differed from the host's by one ulp (seen on an H100).
+    scales = torch.where(amax > 0, amax / amax.new_full((), FP8_MAX), torch.ones_like(amax))
     x = rows.float()
     return x.div(scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales, x
 
