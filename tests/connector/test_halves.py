@@ -389,6 +389,50 @@ def test_saves_still_waiting_when_the_engine_stops_fail_by_name(
     assert len(files.read_record(files.record_paths(tmp_path, "first")[1]).meta.token_ids) == 8  # control
 
 
+@pytest.mark.parametrize("writers", [3, 1])
+def test_native_file_records_are_written_by_several_threads_at_once(
+    make_worker: Any, tmp_path: Path, writers: int
+) -> None:
+    """``file.writers``: native records are files of their own, written by that many publisher threads at once (a
+    GPU engine's records come faster than one thread writes them).  Each write here waits until three are in
+    progress together: with 3 writers all three records are written; control, with 1 writer no second write ever
+    starts beside the first, so each record fails (named) instead."""
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path), "writers": writers}})
+    sink = w.sink
+    assert sink is not None and sink.writers == writers
+    together = threading.Barrier(3, timeout=1.5)
+    write = sink.write
+
+    def side_by_side(record: Any, publication: Any) -> None:
+        together.wait()
+        write(record, publication)
+
+    sink.write = side_by_side  # type: ignore[method-assign,assignment]
+    s = _scheduler({"capture": "all"})
+    for rid, blocks in (("a", [3, 7, 9]), ("b", [4, 5, 6]), ("c", [10, 11, 12])):
+        w.on_step(_save(s, rid, blocks))
+    assert _drain(w) == {"a", "b", "c"}
+    if writers == 3:
+        assert w.counters["records"] == 3 and w.counters["records_failed"] == 0
+        for rid in ("a", "b", "c"):
+            assert len(files.read_record(files.record_paths(tmp_path, rid)[1]).meta.token_ids) == 8
+    else:
+        assert w.counters["records"] == 0 and w.counters["records_failed"] == 3
+
+
+def test_file_writers_are_checked_and_a_trainer_format_takes_one(tmp_path: Path) -> None:
+    from vllm_hs_compat.errors import CaptureConfigError
+
+    for bad in (0, 65, True, "4"):
+        with pytest.raises(CaptureConfigError, match="file.writers must be an integer in 1..64"):
+            ConnectorConfig.from_extra({"sink": "file", "file": {"path": str(tmp_path), "writers": bad}})
+    with pytest.raises(CaptureConfigError, match="takes one writer"):
+        ConnectorConfig.from_extra(
+            {"sink": "file", "file": {"path": str(tmp_path), "format": "speculators", "writers": 2}}
+        )
+    ConnectorConfig.from_extra({"sink": "file", "file": {"path": str(tmp_path), "writers": 8}})  # control
+
+
 def test_a_plan_for_another_group_stops_the_worker_loudly(make_worker: Any, tmp_path: Path) -> None:
     w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
     with pytest.raises(CaptureGroupError, match="block size 16"):

@@ -52,6 +52,7 @@ FILE_KEYS: Final = frozenset(
         "compress",
         "final_norm",
         "storage",
+        "writers",
     }
 )
 #: The names vLLM may be given for this connector (``kv_connector``) and its module (``kv_connector_module_path``).
@@ -173,6 +174,16 @@ class ConnectorConfig:
                 raise CaptureConfigError(
                     f"{WHAT}: file.storage must be one of {list(STORAGES)} (a compact storage with the native "
                     f"format only), found {storage!r} with format {fmt!r}; {FIX}"
+                )
+            writers = file_options.get("writers")
+            if writers is not None and (
+                isinstance(writers, bool) or not isinstance(writers, int) or not 1 <= writers <= 64
+            ):
+                raise CaptureConfigError(f"{WHAT}: file.writers must be an integer in 1..64, found {writers!r}; {FIX}")
+            if writers not in (None, 1) and fmt != "native":
+                raise CaptureConfigError(
+                    f"{WHAT}: file.writers={writers} with format {fmt!r}: a trainer format numbers its files in "
+                    f"order and takes one writer; {FIX}"
                 )
         if sink == "file" and file_path is None:
             raise CaptureConfigError(f'{WHAT}: "sink": "file" needs "file": {{"path": "<directory>"}}; {FIX}')

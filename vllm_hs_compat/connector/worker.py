@@ -195,7 +195,10 @@ class CaptureWorker:
             self.sink = make_sink(self.config, ranks.dp_rank, device=device)
             self._threads = [
                 threading.Thread(target=self._complete_loop, name="hs-compat-copies", daemon=True),
-                threading.Thread(target=self._publish_loop, name="hs-compat-publish", daemon=True),
+                *(
+                    threading.Thread(target=self._publish_loop, name=f"hs-compat-publish-{i}", daemon=True)
+                    for i in range(max(1, self.sink.writers))
+                ),
             ]
             for thread in self._threads:
                 thread.start()
@@ -391,7 +394,8 @@ class CaptureWorker:
             log.exception("vllm-hs-compat: the sink could not record the failure of %r", save.record_id)
 
     def _record(self, save: SaveRequest, rows: torch.Tensor) -> CaptureRecord:
-        made, self._made = self._made, self._made + 1
+        with self._counter_lock:
+            made, self._made = self._made, self._made + 1
         if made == self.config.corrupt_record:  # "self_test" (ConnectorConfig.corrupt_record): before the checksum
             rows = rows.clone()
             rows[rows.shape[0] // 2, 0].neg_()
@@ -416,7 +420,8 @@ class CaptureWorker:
         while True:
             item = self._copies.get()
             if item is None:
-                self._queue.put(None)
+                for _ in range(len(self._threads) - 1):  # one for each publisher
+                    self._queue.put(None)
                 self._copies.task_done()
                 return
             save, pending, nbytes = item
