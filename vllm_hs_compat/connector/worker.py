@@ -425,18 +425,19 @@ class CaptureWorker:
                 self._copies.task_done()
                 return
             save, pending, nbytes = item
+            copied = False
             try:
                 t0 = time.perf_counter()
                 pending.wait()
                 self._time(copy_wait=time.perf_counter() - t0)
+                copied = True
             except Exception as e:
                 self._fail(save, reason_of(e), f"{type(e).__name__}: {e}")
                 self._release(nbytes)
-                continue
-            finally:
-                self._done(save.req_id)  # exactly once: vLLM frees the blocks of each reported request
-                self._copies.task_done()
-            self._queue.put(item)
+            self._done(save.req_id)  # exactly once: vLLM frees the blocks of each reported request
+            if copied:
+                self._queue.put(item)  # before this task is done: a drain never sees the record between queues
+            self._copies.task_done()
 
     def _publish_loop(self) -> None:
         while True:
