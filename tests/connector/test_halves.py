@@ -166,6 +166,19 @@ def test_an_untested_release_checks_the_slots_of_every_request() -> None:
     assert [c.req_id for c in control.build_plan(batch).checks] == ["a"]
 
 
+def test_async_scheduling_warns_that_generated_positions_are_not_settled(caplog: pytest.LogCaptureFixture) -> None:
+    """The one GPU run had rows of records with generated positions off the model under async scheduling
+    (docs/gpu.md): an engine that schedules ahead says so at start; control: one that does not stays quiet."""
+    with caplog.at_level("WARNING", logger="vllm.vllm_hs_compat.connector"):
+        CaptureScheduler(_adapter(), ConnectorConfig.from_extra({}), _facts())
+    assert not [r for r in caplog.records if "async scheduling" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="vllm.vllm_hs_compat.connector"):
+        CaptureScheduler(
+            _adapter(), ConnectorConfig.from_extra({}), dataclasses.replace(_facts(), async_scheduling=True)
+        )
+    assert [r for r in caplog.records if "--no-async-scheduling" in r.getMessage()]
+
+
 def test_a_shutdown_with_unsent_records_leaves_an_error_file_per_record(tmp_path: Path) -> None:
     s = _scheduler({"sink": "file", "file": {"path": str(tmp_path)}})
     assert s.finished(_request("lost"), [3, 7, 9])[0]

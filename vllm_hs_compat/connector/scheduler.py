@@ -146,6 +146,18 @@ class CaptureScheduler:
             config.sink,
             "every request (untested release)" if self._check_every else f"first {config.check_requests} requests",
         )
+        if facts.async_scheduling:
+            # Measured, not settled (docs/gpu.md, "Seventh session"): say it where a user of generated positions looks.
+            log.warning(
+                "vllm-hs-compat: vLLM schedules ahead of its outputs here (async scheduling, its default on CUDA). "
+                "Prompt records matched the model on a GPU engine; records that include generated positions "
+                "(capture 'all' or 'output'; this engine's default is %r, a request may override it) had rows that "
+                "did not in the one GPU run so far (docs/gpu.md). vLLM's CPU engines, which never schedule ahead, "
+                "match on every row. If you train on generated positions, check the records (vllm-hs-compat "
+                "verify) or turn it off: --no-async-scheduling (vllm serve), async_scheduling=False (vllm.LLM, "
+                "capture's --engine-args).",
+                config.capture.mode,
+            )
 
     @classmethod
     def from_vllm(
