@@ -78,6 +78,7 @@ SRC_PATHS = (
     "benchmarks/bench_capture.py",
     "benchmarks/probe_write_path.py",
     "benchmarks/probe_step_read.py",
+    "benchmarks/probe_pinned_reuse.py",
     "examples",
     "pyproject.toml",
 )

@@ -14,6 +14,7 @@
 #          file sink, safetensors' save_file, adoption, syncfs) on WORK and /dev/shm          -> OUT/disk.txt
 #   probe  benchmarks/probe_step_read.py: one engine step's batched read on the engine's thread (pinned allocation,
 #          issue time, copy) for the 8B shape                                         -> OUT/step_read.json
+#          and benchmarks/probe_pinned_reuse.py: one pinned buffer per step vs per record -> OUT/pinned_reuse.json
 #   gpu-tests  tests/gpu (the row reader's stream-ordering races, fp8 quantized on the device, slot checks queued
 #          without a wait)                                                             -> OUT/gpu-tests.log
 #   demo   vllm-hs-compat demo end to end                                            -> OUT/demo.log, OUT/demo.json
@@ -103,6 +104,9 @@ for step in "$@"; do
         ;;
     probe)
         limited "$(cap 90)" "$OUT/probe.log" "$PY" "$SRC/benchmarks/probe_step_read.py" --json "$OUT/step_read.json" || rc=1
+        # one pinned buffer per step's read vs one per record: cudaHostAlloc on the engine's thread
+        limited "$(cap 90)" "$OUT/probe-pinned.log" "$PY" "$SRC/benchmarks/probe_pinned_reuse.py" \
+            --json "$OUT/pinned_reuse.json" || rc=1
         ;;
     gpu-tests)
         # tests/gpu: the row reader's stream-ordering races, its figures' paths, fp8 quantized on the device
