@@ -102,6 +102,19 @@ def test_a_finished_request_is_queued_with_its_positions_blocks_and_tokens() -> 
     assert s.held == 1 and s.build_plan(StepInfo((), (), {})).saves == []  # sent once
 
 
+def test_a_step_in_flight_at_finish_is_left_out_of_the_record() -> None:
+    """Async scheduling (vLLM's default on CUDA): when a request finishes, ``num_computed_tokens`` also counts a step
+    already scheduled after it, whose positions are not final (on an H100: 29 computed for a request of 28 tokens,
+    its last row another token's); the record ends at the positions the scheduler confirmed, ``num_computed_tokens``
+    minus vLLM's ``num_output_placeholders``.  Control: the same count without placeholders (a synchronous engine
+    whose last draft was accepted) keeps every position."""
+    s = _scheduler({"capture": "all"})
+    _, params = s.finished(_request("ahead", num_computed_tokens=10, num_output_placeholders=2), [3, 7, 9])
+    assert _entry(params)["num_tokens"] == 8  # 9 tokens; 10 counted, 2 of them in flight: positions 0-7
+    _, params = s.finished(_request("synchronous", num_computed_tokens=9), [3, 7, 9])
+    assert _entry(params)["num_tokens"] == 9
+
+
 @pytest.mark.parametrize(
     ("request_kw", "blocks", "reason", "status"),
     [

@@ -71,3 +71,21 @@ def test_children_share_the_arrival_time_read_finished_reads() -> None:
         req = Request.from_engine_core_request(child, None)  # no block hasher: prefix caching plays no part here
         times.append(adapter.read_finished(req).arrival_time)
     assert times == [ARRIVAL] * N
+
+
+def test_read_finished_ends_a_record_at_the_positions_the_async_scheduler_confirmed() -> None:
+    """vLLM's ``Request`` counts the tokens of steps scheduled ahead in ``num_output_placeholders`` (its async
+    scheduler adds them when it schedules a step, takes them off when it sees the step's output, and commits
+    prefix-cache blocks only up to ``num_computed_tokens`` minus them).  ``read_finished`` reads that attribute: a
+    rename would make the connector count a step in flight as final (the rows an H100 showed wrong)."""
+    from vllm.v1.request import Request
+
+    req = Request.from_engine_core_request(_engine_core_request("r-1", 1), None)
+    assert req.num_output_placeholders == 0  # the fact, on this release's own class
+    adapter = api.get_adapter()
+    req.append_output_token_ids([7, 8])  # 5 prompt + 2 generated tokens
+    req.num_computed_tokens = 8  # 6 confirmed + a step of 2 in flight
+    req.num_output_placeholders = 2
+    assert adapter.read_finished(req).num_valid == 6
+    req.num_output_placeholders = 0  # control: nothing in flight, every token computed
+    assert adapter.read_finished(req).num_valid == 7

@@ -233,6 +233,9 @@ class VllmReader:
             status=name,
             params=params if isinstance(params, Mapping) else None,
             arrival_time=_float_or_none(getattr(request, "arrival_time", None)),
+            # vLLM's own count of a request's tokens of steps in flight (its async scheduler commits prefix-cache
+            # blocks only up to num_computed_tokens minus these); 0 where nothing is scheduled ahead
+            num_output_placeholders=int(getattr(request, "num_output_placeholders", 0) or 0),
         )
 
     def parallel_sampling_child(self, req_id: str) -> tuple[str, int] | None:

@@ -317,11 +317,16 @@ class FinishedRequest:
     """The request's own ``kv_transfer_params``."""
     arrival_time: float | None = None
     """When the engine received the request (the children of an ``n > 1`` request share it)."""
+    num_output_placeholders: int = 0
+    """Of ``num_computed_tokens``, the tokens of steps scheduled ahead whose outputs the scheduler has not seen
+    (async scheduling: a step already in flight when the request finished); their positions are not final."""
 
     @property
     def num_valid(self) -> int:
-        """Positions whose hidden states exist."""
-        return max(0, min(self.num_computed_tokens, len(self.token_ids)))
+        """Positions whose hidden states exist and are final: the computed ones the scheduler has confirmed (under
+        async scheduling ``num_computed_tokens`` also counts a step in flight, which writes past them)."""
+        confirmed = self.num_computed_tokens - max(0, self.num_output_placeholders)
+        return max(0, min(confirmed, len(self.token_ids)))
 
 
 # --- what the scheduler half sends the worker half -------------------------------------------------------------
