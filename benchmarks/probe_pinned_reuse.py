@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from vllm_hs_compat.core.transfer import pinned_host_stats
+
 
 def run(layout: str, args: argparse.Namespace) -> dict[str, float | str]:
     cuda = torch.cuda.is_available()
@@ -87,10 +89,10 @@ def run(layout: str, args: argparse.Namespace) -> dict[str, float | str]:
         "alloc_ms_max": max(alloc_ms),
         "engine_waited_s": waited,
     }
-    if cuda:
-        s = torch.cuda.host_memory_stats()
-        out["blocks_created"] = float(s.get("num_host_alloc", 0))
-        out["active_gib_peak"] = float(s.get("active_bytes.peak", 0)) / 2**30
+    stats = pinned_host_stats()  # what the connector's worker logs at shutdown (None without CUDA)
+    if stats is not None:
+        out["blocks_created"] = stats["allocs"]
+        out["active_gib_peak"] = stats["active_gib_peak"]
     return out
 
 

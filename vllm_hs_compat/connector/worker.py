@@ -127,7 +127,7 @@ class CaptureWorker:
         self._copies: queue.Queue[tuple[SaveRequest, PendingRows, int] | None] = queue.Queue()
         self._queue: queue.Queue[tuple[SaveRequest, PendingRows, int] | None] = queue.Queue()
         self._waiting: list[SaveRequest] = []  # saves not read yet while the backlog is full (engine thread)
-        self._waited: set[str] = set()  # request ids of those counted in "saves_waited"
+        self._counted = 0  # the first this many of _waiting are counted in "saves_waited" (a FIFO: always a prefix)
         self._backlog = 0
         self._backlog_lock = threading.Lock()
         self._made = 0  # records built (the order "self_test": {"corrupt_record": N} counts in)
@@ -271,12 +271,11 @@ class CaptureWorker:
             admitted += 1
             if got is not None:
                 batch.append((save, got))
-        self._waited.difference_update(save.req_id for save in self._waiting[:admitted])
         self._waiting = self._waiting[admitted:]
-        for save in self._waiting:
-            if save.req_id not in self._waited:
-                self._waited.add(save.req_id)
-                self._count("saves_waited")
+        counted = max(0, self._counted - admitted)
+        if len(self._waiting) > counted:
+            self._count("saves_waited", len(self._waiting) - counted)
+        self._counted = len(self._waiting)
         if batch:
             t = time.perf_counter()
             self._issue(batch)
@@ -493,6 +492,7 @@ class CaptureWorker:
             self._fail(save, REASON_BACKLOG, "the engine stopped while the record waited for the sink's backlog")
             self._done(save.req_id)
         self._waiting = []
+        self._counted = 0
         if self._threads:
             self._copies.put(None)  # the completions pass it on to the publisher
             deadline = time.monotonic() + timeout_s
