@@ -179,17 +179,68 @@ def test_an_untested_release_checks_the_slots_of_every_request() -> None:
     assert [c.req_id for c in control.build_plan(batch).checks] == ["a"]
 
 
-def test_async_scheduling_warns_that_generated_positions_are_not_settled(caplog: pytest.LogCaptureFixture) -> None:
-    """The one GPU run had rows of records with generated positions off the model under async scheduling
-    (docs/gpu.md): an engine that schedules ahead says so at start; control: one that does not stays quiet."""
-    with caplog.at_level("WARNING", logger="vllm.vllm_hs_compat.connector"):
-        CaptureScheduler(_adapter(), ConnectorConfig.from_extra({}), _facts())
-    assert not [r for r in caplog.records if "async scheduling" in r.getMessage()]
+MISPLACED = "Model Runner V1 counts one token for a step that emits two"
+
+
+def test_an_engine_that_misplaces_drafts_says_so_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    """An engine whose adapter says it writes generated rows after a two-token step one place short (async
+    scheduling, Model Runner V1, vllm-project/vllm#56417) warns at start how to keep such records; control: an
+    engine without it -- async scheduling alone included -- stays quiet."""
     with caplog.at_level("WARNING", logger="vllm.vllm_hs_compat.connector"):
         CaptureScheduler(
             _adapter(), ConnectorConfig.from_extra({}), dataclasses.replace(_facts(), async_scheduling=True)
         )
-    assert [r for r in caplog.records if "--no-async-scheduling" in r.getMessage()]
+    assert not [r for r in caplog.records if "--no-async-scheduling" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="vllm.vllm_hs_compat.connector"):
+        CaptureScheduler(
+            _adapter(),
+            ConnectorConfig.from_extra({}),
+            dataclasses.replace(_facts(), async_scheduling=True, misplaced_drafts=MISPLACED),
+        )
+    said = [r.getMessage() for r in caplog.records if "--no-async-scheduling" in r.getMessage()]
+    assert said and MISPLACED in said[0] and V.REASON_ASYNC_DRAFTS in said[0]
+
+
+def _repeating(rid: str, generated: tuple[int, ...], **kw: Any) -> FinishedRequest:
+    """A request of 6 prompt tokens (100-105) that generated ``generated``."""
+    tokens = tuple(range(100, 106)) + generated
+    return _request(rid, token_ids=tokens, num_computed_tokens=len(tokens) - 1, **kw)
+
+
+@pytest.mark.parametrize("misplaced", [MISPLACED, None], ids=["misplacing_engine", "control"])
+def test_records_past_a_two_token_step_fail_by_name_where_the_engine_misplaces_them(misplaced: str | None) -> None:
+    """On the H100 (vLLM 0.26.0, async scheduling) generated rows were off only after a generated token repeated
+    the one before it -- the mark of a step that emitted two tokens, since extract_hidden_states drafts the last
+    sampled token.  Where the engine misplaces them, a record reaching past that position fails
+    (``async_drafts``), naming it and the fix; one ending before it, prompt records and outputs without a repeat
+    are queued.  Control: the same requests on an engine that places them right are all queued."""
+    facts = dataclasses.replace(_facts(), async_scheduling=True, misplaced_drafts=misplaced)
+    s = CaptureScheduler(_adapter(), ConnectorConfig.from_extra({"capture": "all"}), facts)
+    # generated 200 201 201 ...: position 8 repeats position 7 (a prompt token equal to the first output is no mark)
+    repeats = (200, 201, 201, 202)
+    hold, params = s.finished(_repeating("past", repeats), [3, 7, 9])
+    entry = _entry(params)
+    if misplaced is None:
+        assert hold and entry["status"] == V.STATUS_QUEUED
+    else:
+        assert (hold, entry["status"], entry["reason"]) == (False, V.STATUS_FAILED, V.REASON_ASYNC_DRAFTS)
+        assert "position 8" in entry["message"] and MISPLACED in entry["message"]
+        assert "--no-async-scheduling" in entry["message"]
+    queued = [
+        _repeating("before", repeats, params={"hs_capture": {"window": [0, 8]}}),  # positions 0-7
+        _repeating("prompt", repeats, params={"hs_capture": {"capture": "prompt"}}),
+        _repeating("no_repeat", (105, 200, 201, 202)),  # the first output equals the last prompt token: no mark
+    ]
+    for fr in queued:
+        hold, params = s.finished(fr, [3, 7, 9])
+        assert hold and _entry(params)["status"] == V.STATUS_QUEUED, (fr.req_id, _entry(params))
+
+
+def test_the_first_generated_repeat_is_found_among_generated_tokens_only() -> None:
+    assert _repeating("a", (200, 201, 201, 201)).first_generated_repeat == 8
+    assert _repeating("b", (105, 200, 201)).first_generated_repeat is None  # prompt's last == first output
+    assert _repeating("c", (200, 200)).first_generated_repeat == 7
+    assert _repeating("d", ()).first_generated_repeat is None
 
 
 def test_a_shutdown_with_unsent_records_leaves_an_error_file_per_record(tmp_path: Path) -> None:

@@ -134,6 +134,63 @@ def _handle_preemptions_arg() -> str:
     return params[0] if params else "none"
 
 
+def _two_token_feedback() -> int:
+    """Model Runner V1's ``ExtractHiddenStatesProposer.prepare_next_token_ids_padded`` called on the CPU for one
+    request whose step emitted two valid tokens; returns the token count it reports for that row."""
+    import numpy as np
+    import torch
+
+    proposer = importlib.import_module("vllm.v1.spec_decode.extract_hidden_states").ExtractHiddenStatesProposer
+    method = proposer.prepare_next_token_ids_padded
+
+    class _Buffer:  # the CpuGpuBuffer interface the method uses, both sides on the CPU
+        def __init__(self, n: int) -> None:
+            self.cpu = torch.zeros(n, dtype=torch.int32)
+            self.np = self.cpu.numpy()
+            self.gpu = torch.zeros(n, dtype=torch.int32)
+
+        def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
+            self.gpu.copy_(self.cpu)
+            return self.gpu
+
+    class _Owner:
+        backup_next_token_ids = _Buffer(1)
+        device = torch.device("cpu")
+
+    class _Request:
+        @staticmethod
+        def get_token_id(index: int) -> int:
+            return 7
+
+    class _Batch:
+        num_reqs = 1
+        req_ids = ["r"]
+        vocab_size = 100
+        num_tokens_no_spec = np.array([3], dtype=np.int32)
+
+    class _Metadata:
+        seq_lens_cpu = torch.tensor([3], dtype=torch.int32)
+
+    offered: dict[str, Any] = {
+        "common_attn_metadata": _Metadata(),
+        "sampled_token_ids": torch.tensor([[15, 18]], dtype=torch.int32),
+        "requests": {"r": _Request()},
+        "gpu_input_batch": _Batch(),
+        "discard_request_mask": torch.zeros(1, dtype=torch.bool),
+    }
+    named = [p for p in inspect.signature(method).parameters.values() if p.name != "self"]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    unknown = [p.name for p in named if p.kind not in variadic and p.name not in offered and p.default is p.empty]
+    if unknown:
+        raise TypeError(f"prepare_next_token_ids_padded takes {unknown}, which this check does not know")
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in named):
+        given = offered
+    else:
+        given = {p.name: offered[p.name] for p in named if p.name in offered}
+    _, counts = method(_Owner(), **given)
+    return int(counts[0])
+
+
 PROBES: tuple[Probe, ...] = (
     Probe(
         "backend_get_kv_cache_shape",
@@ -267,6 +324,58 @@ class VllmAdapter(VllmReader):
         if not self.v1_runner:
             return ("v2",)
         return ("v2", "v1") if self.default_runner == "v2" else ("v1",)
+
+    def model_runner_in_use(self, vllm_config: Any) -> str:
+        """The runner this engine's workers build: ``vllm_config.use_v2_model_runner`` where the config decides
+        (0.2x+: ``VLLM_USE_V2_MODEL_RUNNER``, then the model and feature checks), else the environment flag
+        (0.17-0.2x, default V1); V2 alone from 0.34.0."""
+        if not self.v1_runner:
+            return "v2"
+        try:
+            v2 = getattr(vllm_config, "use_v2_model_runner", None)
+        except Exception:  # the property raises for a configuration V2 refuses: the engine will not start anyway
+            v2 = None
+        if v2 is None:
+            v2 = bool(getattr(importlib.import_module("vllm.envs"), "VLLM_USE_V2_MODEL_RUNNER", False))
+        return "v2" if v2 else "v1"
+
+    def v1_draft_feedback(self) -> int | None:
+        """How many tokens Model Runner V1's ``extract_hidden_states`` proposer reports for a request whose step
+        emitted two (its draft accepted, then the bonus token): vLLM's own ``prepare_next_token_ids_padded`` run on
+        the CPU with one such row.  1 on every release so far (it reads the first column only,
+        vllm-project/vllm#56417); 2 once fixed; None when V1 is absent or the call cannot run here."""
+        if not self.v1_runner or not _module_exists("vllm.v1.spec_decode.extract_hidden_states"):
+            return None
+        try:
+            return _two_token_feedback()
+        except Exception:  # a reworked method (a GPU kernel, new arguments) cannot be judged here
+            return None
+
+    def generated_rows_need_sync_scheduling(self) -> bool:
+        """Whether a capture of generated positions must turn async scheduling off before the engine exists (the
+        ``capture`` and ``serve-args`` faces): this release can run Model Runner V1 and its proposer is not known to
+        count both tokens of a two-token step (:meth:`async_drafts_misplace_rows` decides per engine)."""
+        return self.v1_runner and self.v1_draft_feedback() != 2
+
+    def async_drafts_misplace_rows(self, vllm_config: Any) -> str | None:
+        """Why this engine writes some generated positions' rows at wrong positions, or None when it does not.
+
+        Under async scheduling the V1 runner moves a request's next positions back by the drafts it believes
+        rejected, taking the count of tokens each step emitted from the proposer; where the proposer reports one
+        token for a step that emitted two (:meth:`v1_draft_feedback`), the following steps run (and write their
+        hidden states) one position short.  Measured on an H100 with vLLM 0.26.0: rows off only after such a
+        step, every row right with async scheduling off (docs/gpu.md)."""
+        if not self.async_scheduling(vllm_config) or self.model_runner_in_use(vllm_config) != "v1":
+            return None
+        feedback = self.v1_draft_feedback()
+        if feedback is not None and feedback >= 2:
+            return None
+        found = "counts one token" if feedback == 1 else "could not be checked on this install"
+        return (
+            f"vLLM {self.version} schedules ahead of its outputs (async scheduling) with Model Runner V1, whose "
+            f"extract_hidden_states proposer {found} for a step that emits two (vllm-project/vllm#56417): after "
+            "such a step the engine computes and writes the request's next positions one place short"
+        )
 
     @property
     def default_block_size(self) -> int:

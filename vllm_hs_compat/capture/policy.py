@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Collection
 from typing import Final
 
-from vllm_hs_compat.core.vocabulary import REASON_NON_FINITE
+from vllm_hs_compat.core.vocabulary import REASON_ASYNC_DRAFTS, REASON_NON_FINITE
 from vllm_hs_compat.errors import CaptureStoreError, CircuitOpenError
 
 from .rows import MAX_MESSAGE
@@ -28,6 +28,7 @@ NOT_RETRIED: Final = frozenset(
         "bad_field",
         "bad_params",
         REASON_NON_FINITE,
+        REASON_ASYNC_DRAFTS,
     }
 )
 

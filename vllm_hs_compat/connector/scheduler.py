@@ -32,6 +32,7 @@ from vllm_hs_compat.core.groups import CaptureGroup
 from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.vocabulary import (
     REASON_ABORTED,
+    REASON_ASYNC_DRAFTS,
     REASON_BAD_PARAMS,
     REASON_BLOCKS,
     REASON_DISABLED,
@@ -76,6 +77,9 @@ class SchedulerFacts:
     async_scheduling: bool = False
     """The engine schedules ahead of its outputs (the adapter's ``async_scheduling``): a step that follows one
     with drafts for the request has no start this side can vouch for, and is not checked."""
+    misplaced_drafts: str | None = None
+    """Why this engine writes generated positions after a step that emitted two tokens at wrong positions (the
+    adapter's ``async_drafts_misplace_rows``), or None: a record reaching past such a step fails (``async_drafts``)."""
 
     @classmethod
     def resolve(
@@ -95,6 +99,7 @@ class SchedulerFacts:
             bytes_per_token=labels.num_planes * adapter.hidden_size(vllm_config) * itemsize,
             clobbered_slot=adapter.padding_clobbered_slot(num_blocks, group.block_size) if padding else None,
             async_scheduling=adapter.async_scheduling(vllm_config),
+            misplaced_drafts=adapter.async_drafts_misplace_rows(vllm_config),
         )
 
 
@@ -146,17 +151,14 @@ class CaptureScheduler:
             config.sink,
             "every request (untested release)" if self._check_every else f"first {config.check_requests} requests",
         )
-        if facts.async_scheduling:
-            # Measured, not settled (docs/gpu.md, "Seventh session"): say it where a user of generated positions looks.
+        if facts.misplaced_drafts is not None:
             log.warning(
-                "vllm-hs-compat: vLLM schedules ahead of its outputs here (async scheduling, its default on CUDA). "
-                "Prompt records matched the model on a GPU engine; records that include generated positions "
-                "(capture 'all' or 'output'; this engine's default is %r, a request may override it) had rows that "
-                "did not in the one GPU run so far (docs/gpu.md). vLLM's CPU engines, which never schedule ahead, "
-                "match on every row. If you train on generated positions, check the records (vllm-hs-compat "
-                "verify) or turn it off: --no-async-scheduling (vllm serve), async_scheduling=False (vllm.LLM, "
-                "capture's --engine-args).",
+                "vllm-hs-compat: %s. Records that reach past such a step (capture 'all' or 'output'; this engine's "
+                "default is %r, a request may override it) fail with reason %r; prompt records are not affected. "
+                "To keep them: --no-async-scheduling (vllm serve), async_scheduling=False (vllm.LLM).",
+                facts.misplaced_drafts,
                 config.capture.mode,
+                REASON_ASYNC_DRAFTS,
             )
 
     @classmethod
@@ -277,6 +279,15 @@ class CaptureScheduler:
             start, stop = spec.positions(num_prompt_tokens=fr.num_prompt_tokens, num_valid=fr.num_valid)
         except NoRecord as e:
             return self._refuse(fr, e.reason, e.message)
+        repeat = fr.first_generated_repeat if self.facts.misplaced_drafts is not None else None
+        if repeat is not None and stop > repeat:
+            return self._refuse(
+                fr,
+                REASON_ASYNC_DRAFTS,
+                f"the record reaches position {stop - 1}, past position {repeat}, where a step emitted two tokens "
+                f"(a generated token repeats the one before it); {self.facts.misplaced_drafts}. Run with "
+                "--no-async-scheduling (vllm serve) or async_scheduling=False (vllm.LLM), or capture 'prompt'",
+            )
         try:
             what = f"request {fr.req_id!r} {REQUEST_KEY}.sample"
             record_sample = None if sample is None else sample.for_record(start, stop, len(fr.token_ids), what=what)

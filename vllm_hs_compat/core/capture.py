@@ -328,6 +328,19 @@ class FinishedRequest:
         confirmed = self.num_computed_tokens - max(0, self.num_output_placeholders)
         return max(0, min(confirmed, len(self.token_ids)))
 
+    @property
+    def first_generated_repeat(self) -> int | None:
+        """The position of the first generated token equal to the generated token before it, or None.
+
+        ``extract_hidden_states`` proposes a request's last sampled token as its draft, so a step that emits two
+        tokens (the draft accepted, then the bonus token) always starts with such a repeat: no step before this
+        position emitted more than one token (a repeat without an accepted draft is possible, so this errs early)."""
+        tokens = self.token_ids
+        for pos in range(max(self.num_prompt_tokens, 0) + 1, len(tokens)):
+            if tokens[pos] == tokens[pos - 1]:
+                return pos
+        return None
+
 
 # --- what the scheduler half sends the worker half -------------------------------------------------------------
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ REASON_BACKLOG: Final = "backlog"
 REASON_POOL_FULL: Final = "pool_full"
 REASON_SINK: Final = "sink"
 REASON_NON_FINITE: Final = "non_finite"
+REASON_ASYNC_DRAFTS: Final = "async_drafts"
 
 #: reason -> (where it is decided, what it means and what to do).  "scheduler" reasons come back in the response's
 #: ``hs_record``; "worker" reasons after the response, as the ``RecordFailedError`` of the ticket's fetch (the
@@ -83,6 +84,11 @@ REASONS: Final[Mapping[str, tuple[str, str]]] = {
     REASON_POOL_FULL: ("worker", "the export pool had no free slot (`on_full: \"drop\"`, or after `wait_timeout_s`)"),
     REASON_SINK: ("worker", "the sink raised (a file error, a callback's exception); the message names the error"),
     REASON_NON_FINITE: ("worker", "the rows hold NaN/Inf (positions past the model's own context, an overflow)"),
+    REASON_ASYNC_DRAFTS: (
+        "scheduler",
+        "generated positions after a step that emitted two tokens, which this engine placed wrong under async "
+        "scheduling (vllm-project/vllm#56417); run with --no-async-scheduling",
+    ),
 }  # fmt: skip
 
 
