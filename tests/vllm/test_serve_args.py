@@ -78,6 +78,24 @@ def test_flags_parse_with_the_releases_cli(tmp_path: Path, sink: str, capsys: py
     assert out["cost"]["hs_bytes_per_token"] == 4 * 4096 * 2
 
 
+@pytest.mark.parametrize("capture", ["all", "prompt"])
+def test_generated_positions_turn_async_scheduling_off_where_v1_misplaces_them(
+    tmp_path: Path, capture: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--capture all`` on a release whose Model Runner V1 misplaces the positions after a two-token step under
+    async scheduling (tests/vllm/test_async_drafts.py) adds ``--no-async-scheduling``, which this release's own
+    CLI parses to ``async_scheduling=False``; control: ``--capture prompt`` leaves vLLM's default."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    rc = S.main(["--model", str(tmp_path), "--layers", ",".join(map(str, _layers())), "--capture", capture, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"]
+    ea = _engine_args(["--model", out["argv"][1], *out["argv"][2:]])
+    turned_off = capture == "all" and api.get_adapter().generated_rows_need_sync_scheduling()
+    assert ("--no-async-scheduling" in out["argv"]) == turned_off
+    assert (ea.async_scheduling is False) == turned_off  # vLLM's default (None or True) where not turned off
+    assert any("#56417" in w for w in out["warnings"]) == turned_off
+
+
 def test_layer_ids_outside_the_releases_bounds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     lo, hi = api.get_adapter().layer_id_bounds(32)

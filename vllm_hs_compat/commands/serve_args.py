@@ -400,6 +400,13 @@ def plan(args: argparse.Namespace, adapter: Any, vllm_version: str, config: Mapp
             extra_flags.append("--disable-hybrid-kv-cache-manager")
         elif args.hybrid_kv_cache_manager == "on":
             extra_flags.append("--no-disable-hybrid-kv-cache-manager")
+    if args.capture != "prompt" and adapter.generated_rows_need_sync_scheduling():
+        extra_flags.append("--no-async-scheduling")
+        warnings.append(
+            f"--capture {args.capture}: async scheduling off (--no-async-scheduling). On vLLM {vllm_version} Model "
+            "Runner V1 under async scheduling computes the positions after a step that emitted two tokens one "
+            "place short (vllm-project/vllm#56417); the connector would fail those records (reason async_drafts)"
+        )
     if facts.state_layers and not facts.hybrid:
         warnings.append(f"{facts.state_layers} layers hold no per-token KV (state layers)")
     trainer: dict[str, Any] | None = None
