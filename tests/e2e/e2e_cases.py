@@ -397,6 +397,15 @@ class Expected:
     hi: int = 0
 
 
+def first_generated_repeat(prompt: list[int], output: list[int]) -> int | None:
+    """The position of the first generated token equal to the generated token before it (a step that emitted two
+    tokens: extract_hidden_states drafts the last sampled token), or None."""
+    for k in range(1, len(output)):
+        if output[k] == output[k - 1]:
+            return len(prompt) + k
+    return None
+
+
 def expected_record(
     capture: str,
     window: list[int | None] | None,
@@ -405,17 +414,24 @@ def expected_record(
     output_len: int,
     num_computed: int | None,
     record_len: int | None,
+    *,
+    placeholders: int = 0,
+    first_repeat: int | None = None,
 ) -> Expected:
     """Hidden states exist for the first ``num_computed_tokens`` positions (vLLM's own count at finish, witnessed
     in-process).  Without the witness (multiprocess engines) that is the prompt plus every generated token but
     the last -- or all of them, when the final step's accepted draft token was computed and the bonus token cut
     by ``max_tokens``; the record's own length picks one of the two, and the transformers comparison proves that
-    row real.  ``capture`` selects prompt / all / output positions, ``window`` slices them (Python semantics)."""
+    row real.  Under async scheduling the count at finish includes a step in flight (``placeholders``), whose
+    positions are not final.  ``capture`` selects prompt / all / output positions, ``window`` slices them (Python
+    semantics).  ``first_repeat``: on an engine that misplaces the positions after a two-token step (async
+    scheduling on Model Runner V1, vllm-project/vllm#56417), the first generated token equal to the one before it;
+    a record reaching past it must fail (``async_drafts``)."""
     if not enabled:
         return Expected("skipped")
     total = prompt_len + output_len
     if num_computed is not None:
-        computed = min(num_computed, total)
+        computed = min(num_computed - placeholders, total)
     else:
         computed = total - 1
         unwindowed_len = {"all": total, "output": output_len}.get(capture)
@@ -433,6 +449,8 @@ def expected_record(
         picked = range(lo, hi)[slice(*window)]
         lo, hi = (picked.start, picked.stop) if len(picked) else (lo, lo)
     if hi <= lo:
+        return Expected("failed")
+    if first_repeat is not None and hi > first_repeat:
         return Expected("failed")
     return Expected("queued", lo, hi)
 
@@ -563,6 +581,7 @@ def check(run: CaseRun, title: str) -> CheckResult:
         i = r["index"]
         capture, window, enabled = _request_capture(run, i)
         at_finish = r.get("at_finish") or {}
+        misplaced = run.spec.connector == "ours" and bool(run.result.get("engine_config", {}).get("misplaced_drafts"))
         exp = expected_record(
             capture,
             window,
@@ -571,6 +590,8 @@ def check(run: CaseRun, title: str) -> CheckResult:
             len(r["output"]),
             at_finish.get("num_computed_tokens"),
             rec.hidden_states.shape[0] if rec is not None else None,
+            placeholders=int(at_finish.get("num_output_placeholders") or 0),
+            first_repeat=first_generated_repeat(r["prompt"], r["output"]) if misplaced else None,
         )
         statuses.append(exp.status)
         status = ((r["kv_transfer_params"] or {}).get(RESULT_KEY) or {}).get("status")

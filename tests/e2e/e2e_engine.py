@@ -312,6 +312,8 @@ def model_runner_classes(llm: Any) -> list[str]:
 
 def engine_config(llm: Any) -> dict[str, Any]:
     """The settings vLLM resolved (its defaults where the spec left them out)."""
+    from vllm_hs_compat import api
+
     config = llm.llm_engine.vllm_config
     sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
     return {
@@ -322,6 +324,9 @@ def engine_config(llm: Any) -> dict[str, Any]:
         "enforce_eager": bool(config.model_config.enforce_eager),
         "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None)),
         "device": str(config.device_config.device),
+        "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
+        # vLLM's own proposer, run by the adapter (tests/vllm/test_async_drafts.py checks it per release)
+        "misplaced_drafts": api.get_adapter().async_drafts_misplace_rows(config),
     }
 
 
@@ -385,6 +390,7 @@ class FinishWitness:
                 {
                     "num_computed_tokens": int(request.num_computed_tokens),
                     "num_tokens": int(request.num_tokens),
+                    "num_output_placeholders": int(getattr(request, "num_output_placeholders", 0) or 0),
                     "prompt": list(request.prompt_token_ids or []),
                 },
             )
