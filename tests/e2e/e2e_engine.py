@@ -227,8 +227,13 @@ def drain(llm: Any, spec: EngineSpec, out: Path, requests: list[dict[str, Any]])
     busy_after_flush = None
     steps = 0
     if core is not None and spec.connector == "ours":
+        from vllm_hs_compat.connector.scheduler import LIVE
+
         flush(llm, timeout_s=spec.drain_timeout_s)
-        busy_after_flush = bool(core.scheduler.has_requests())
+        # No request left, and no finished one whose blocks the connector still holds.  vLLM's list of requests
+        # finished in the last step (sent to the workers with the next one) may remain: under async scheduling
+        # ``generate`` returns before that step, and flush steps the engine only while a record is unread.
+        busy_after_flush = bool(core.scheduler.has_unfinished_requests()) or any(s.held for s in LIVE)
     while time.monotonic() < deadline:
         if core is not None and core.scheduler.has_requests():
             llm.llm_engine.step()
