@@ -66,7 +66,7 @@ class Pairing:
         diag = [self.matrix[i][i] for i in range(n)]
         off = [self.matrix[i][j] for i in range(n) for j in range(n) if i != j]
         lines.append(
-            f"  diagonal min {min(diag):.3f}  off-diagonal max {max(off) if off else 0.0:.3f}  "
+            f"  diagonal min {min(diag, default=float('nan')):.3f}  off-diagonal max {max(off) if off else 0.0:.3f}  "
             f"full-row matches {sum(self.full_match)}/{n}  lengths {sum(self.length_ok)}/{n}  "
             f"token ids+start {sum(self.tokens_ok)}/{n}  layer ids {sum(self.layers_ok)}/{n}"
         )
