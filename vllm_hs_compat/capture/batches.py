@@ -10,9 +10,11 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,17 +56,68 @@ def request_params(sample: Any, args: argparse.Namespace, capture: str) -> Any:
     return sampling_params(max_tokens=1, temperature=0.0, extra_args=kv)
 
 
+def files_ready(ticket: Mapping[str, Any]) -> Path | None:
+    """The record's manifest (or its error file) if the file sink wrote it already, else None."""
+    manifest, error = Path(ticket["manifest"]), Path(ticket["error"])
+    if manifest.exists():
+        return manifest
+    if error.exists():
+        return error
+    return None
+
+
 def wait_files(ticket: Mapping[str, Any], deadline: float) -> Path | None:
     """The record's manifest (or its error file) once the file sink wrote it; None past ``deadline``."""
-    manifest, error = Path(ticket["manifest"]), Path(ticket["error"])
     while True:
-        if manifest.exists():
-            return manifest
-        if error.exists():
-            return error
+        path = files_ready(ticket)
+        if path is not None:
+            return path
         if time.monotonic() > deadline:
             return None
         time.sleep(0.01)
+
+
+#: Threads that check staged records ahead of their adoption (reading a record back, its checksum and its NaN/Inf
+#: check are most of adoption's time, and release the interpreter); 1: each record is checked when adopted.
+CHECK_THREADS = min(4, os.cpu_count() or 1)
+#: How many outcomes past the one being adopted are offered to the checking threads.
+CHECK_AHEAD = 2 * CHECK_THREADS
+
+
+class CheckAhead:
+    """Staged records checked (:meth:`CaptureStore.check`) in a few threads ahead of their adoption, which stays
+    in order in the adopter: only records whose files the sink finished are taken (a thread never waits for a
+    file), and an answer is used only for the very file it checked."""
+
+    def __init__(self, store: Any, threads: int | None = None) -> None:
+        self.store = store
+        threads = CHECK_THREADS if threads is None else threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="capture-check") if threads > 1 else None
+        self._pending: dict[int, tuple[Path, Future[Any]]] = {}
+
+    def offer(self, outcomes: list[Outcome]) -> None:
+        """Start checking those of ``outcomes`` whose files are ready."""
+        if self._pool is None:
+            return
+        for o in outcomes:
+            if o.ticket is None or not o.counted or id(o) in self._pending:
+                continue
+            path = files_ready(o.ticket)
+            if path is not None:
+                self._pending[id(o)] = (path, self._pool.submit(self.store.check, o.info, path))
+
+    def take(self, o: Outcome, path: Path) -> Any:
+        """The answer for ``o``'s file at ``path`` if it was checked ahead (waiting for it), else None."""
+        pending = self._pending.pop(id(o), None)
+        if pending is None or pending[0] != path:
+            return None
+        return pending[1].result()
+
+    def close(self) -> None:
+        """Drop what is not taken; wait for the checks in progress (they only read)."""
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
@@ -206,26 +259,32 @@ class Batches:
         """Index each outcome in order: adopt its record (waiting for its files until ``deadline``) or fail it;
         returns the samples to try again.  ``stop``: set when the run is abandoned; the rest stay not run."""
         again: list[Any] = []
-        for o in outcomes:
-            if stop.is_set():
-                break
-            if not o.counted:  # a row error found before the engine: indexed, never retried nor counted
-                self.note_row(self.store.fail(o.info, o.reason, o.message))
-                continue
-            if o.ticket is None:
-                self.failed(o.sample, o.info, o.reason, o.message, again)
-                continue
-            path = wait_files(o.ticket, deadline)
-            if path is None:
-                self.failed(o.sample, o.info, "missing_record", f"no record file within {RECORD_WAIT_S:.0f} s", again)
-                continue
-            row = self.store.adopt(o.info, path)
-            if row.status == "ok":
-                self.note_storage(row)
-                self.retry.forget(o.sample.sample_id)
-                self.breaker.success()
-            else:
-                self.failed(o.sample, o.info, row.reason, row.message, again, recorded=row)
+        ahead = CheckAhead(self.store)
+        try:
+            for i, o in enumerate(outcomes):
+                if stop.is_set():
+                    break
+                if not o.counted:  # a row error found before the engine: indexed, never retried nor counted
+                    self.note_row(self.store.fail(o.info, o.reason, o.message))
+                    continue
+                if o.ticket is None:
+                    self.failed(o.sample, o.info, o.reason, o.message, again)
+                    continue
+                path = wait_files(o.ticket, deadline)
+                if path is None:
+                    why = f"no record file within {RECORD_WAIT_S:.0f} s"
+                    self.failed(o.sample, o.info, "missing_record", why, again)
+                    continue
+                ahead.offer(outcomes[i + 1 : i + 1 + CHECK_AHEAD])
+                row = self.store.adopt(o.info, path, checked=ahead.take(o, path))
+                if row.status == "ok":
+                    self.note_storage(row)
+                    self.retry.forget(o.sample.sample_id)
+                    self.breaker.success()
+                else:
+                    self.failed(o.sample, o.info, row.reason, row.message, again, recorded=row)
+        finally:
+            ahead.close()
         return again
 
     def failed(

@@ -66,7 +66,7 @@ from .durable import RankLock, write_atomic
 from .index import TreeIndex, failed_rows, read_index
 from .policy import NOT_RETRIED, Breaker, Retry
 from .rows import INDEX_COLUMNS, IndexRow, SampleInfo, owner_of, sample_key, trim
-from .staged import Refused, check_staged
+from .staged import Refused, Staged, check_staged, record_files
 from .summary import Summary, read_summary
 from .tree import SHARD_RE, check_run_json, json_config
 
@@ -225,8 +225,20 @@ class CaptureStore:
                 f"sample {key!r} already has a verified record in {self.out}; ask store.done() before capturing"
             )
 
+    def check(self, sample: SampleInfo, manifest: str | os.PathLike[str]) -> Staged | Refused:
+        """:meth:`adopt`'s verification of the staged record alone: reads the record, changes nothing (no lock), so
+        callers may verify records ahead in other threads and hand the answer to :meth:`adopt` (``checked``)."""
+        if sample.input_ids is None:
+            raise CaptureStoreError(
+                f"sample {sample.key!r}: adopt needs SampleInfo.input_ids (the ids given to the engine) to check the "
+                "record's token ids; build it with SampleInfo.of(sample)"
+            )
+        return check_staged(sample, Path(manifest), sample.input_ids)
+
     @_locked
-    def adopt(self, sample: SampleInfo, manifest: str | os.PathLike[str]) -> IndexRow:
+    def adopt(
+        self, sample: SampleInfo, manifest: str | os.PathLike[str], *, checked: Staged | Refused | None = None
+    ) -> IndexRow:
         """Verify the staged record at ``manifest`` (its ``.json``; an ``.error.json`` beside it is read as the
         connector's failure) and move it into this rank's current shard.
 
@@ -235,14 +247,12 @@ class CaptureStore:
         that does not know its prompt length must have exactly those ids).  A record that fails any of these is
         not adopted: its files are deleted and a "failed" row is written (reason "tokenizer_mismatch",
         "partial_record", "bad_record", "missing_record", "non_finite" (NaN/Inf rows), or the connector's own
-        reason) and returned."""
+        reason) and returned.  ``checked``: :meth:`check`'s answer for this sample and manifest, computed earlier
+        (the capture verifies records ahead of adopting them in order); None: checked here."""
         self._check_writable(sample)
-        if sample.input_ids is None:
-            raise CaptureStoreError(
-                f"sample {sample.key!r}: adopt needs SampleInfo.input_ids (the ids given to the engine) to check the "
-                "record's token ids; build it with SampleInfo.of(sample)"
-            )
-        staged = check_staged(sample, Path(manifest), sample.input_ids)
+        staged = self.check(sample, manifest) if checked is None else checked
+        if isinstance(staged, Staged) and staged.manifest_path != record_files(Path(manifest))[1]:
+            raise CaptureStoreError(f"checked {staged.manifest_path}, asked to adopt {manifest}: not the same record")
         if isinstance(staged, Refused):
             return self._fail_files(sample, staged.reason, staged.message, staged.files)
         meta = staged.meta
