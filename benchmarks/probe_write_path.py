@@ -12,7 +12,10 @@ tokens), each to a new file, measured stage by stage on the same rows --
 * ``bytes+write`` -- the same file built whole as bytes (safetensors' ``save``), then written: how the sink wrote
                     before 2026-12-06;
 * ``adopt``      -- the capture store adopting the sink's records (read back, checksum, token ids, NaN/Inf check,
-                    moved into a shard), then ``close`` (the index part made durable: syncfs);
+                    moved into a shard) through the capture's own ``Batches.adopt_batch``, each record checked
+                    when adopted; ``adopt (checked ahead)`` the same with the capture's default threads checking
+                    the next records while one is adopted (``batches.CHECK_THREADS``); then ``close`` (the index
+                    part made durable: syncfs);
 
 and prints GB/s of each against the engine's byte rate a user would need to keep up with.  A benchmark, not a
 test: it checks nothing but that every record was adopted.
@@ -27,6 +30,7 @@ import shutil
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,12 +46,14 @@ def main() -> int:
     a = ap.parse_args()
     from safetensors.torch import save, save_file
 
+    from vllm_hs_compat.capture import batches
     from vllm_hs_compat.capture.rows import SampleInfo
     from vllm_hs_compat.capture.store import CaptureStore
     from vllm_hs_compat.core.checksums import compute_checksum
     from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
     from vllm_hs_compat.export import files
 
+    default_threads = batches.CHECK_THREADS  # the capture's own default on this host
     rows = torch.randn(a.tokens, 4, 4096).to(torch.bfloat16)
     ids = list(range(3, 3 + a.tokens))
     base = RecordMeta.for_tensor("r", rows, ids, [2, 16, 29, 32], pre_norm=True)
@@ -95,26 +101,43 @@ def main() -> int:
                     for f in made:
                         f.unlink()
             res = {k: one / statistics.median(v) for k, v in each.items()}
-            # 2. the store adopting the sink's records (read back, checksum, token ids, NaN/Inf, moved into a shard),
-            #    then closing (the index part made durable: syncfs of the folder's file system)
-            store = CaptureStore(work / "tree", run_config={"probe": 1})
-            stage = store.staging_dir()
-            stage.mkdir(parents=True, exist_ok=True)
-            manifests = [via_sink(stage, i)[0] for i in range(a.records)]
-            t = time.perf_counter()
-            for i, m in enumerate(manifests):
-                row = store.adopt(SampleInfo(f"r{i}", "probe", a.tokens, input_ids=tuple(ids)), m)
-                if row.status != "ok":
-                    raise SystemExit(f"record {i} not adopted: {row.reason}: {row.message}")
-            res["adopt"] = gb / (time.perf_counter() - t)
-            t = time.perf_counter()
-            store.close()
-            res["close (syncfs)"] = gb / (time.perf_counter() - t)
+            # 2. the store adopting the sink's records (read back, checksum, token ids, NaN/Inf, moved into a shard)
+            #    through the capture's own path (Batches.adopt_batch), each record checked when it is adopted, then
+            #    with the capture's default threads checking ahead; then closing (the index part made durable:
+            #    syncfs of the folder's file system)
+            for name, threads in (("adopt", 1), ("adopt (checked ahead)", default_threads)):
+                store = CaptureStore(work / f"tree-{threads}", run_config={"probe": 1})
+                stage = store.staging_dir()
+                stage.mkdir(parents=True, exist_ok=True)
+                outcomes = []
+                for i in range(a.records):
+                    m = via_sink(stage, i)[0]
+                    info = SampleInfo(f"r{i}", "probe", a.tokens, input_ids=tuple(ids))
+                    error = m.with_name(m.stem + ".error.json")
+                    outcomes.append(batches.Outcome(info, info, {"manifest": str(m), "error": str(error)}))
+                work_ = batches.Batches(
+                    argparse.Namespace(retries=0, max_consecutive_failures=a.records + 1),
+                    capture="prompt",
+                    storage="captured",
+                    store=store,
+                    llm=None,
+                    note_row=lambda row: None,
+                )
+                batches.CHECK_THREADS = threads
+                t = time.perf_counter()
+                work_.adopt_batch(outcomes, time.monotonic() + 60, threading.Event())
+                res[name] = gb / (time.perf_counter() - t)
+                if store.run_summary().captured != a.records:
+                    raise SystemExit(f"{name}: {store.run_summary().captured} of {a.records} records adopted")
+                t = time.perf_counter()
+                store.close()
+                res["close (syncfs)"] = gb / (time.perf_counter() - t)
             line = "  ".join(f"{k} {v:.2f}" for k, v in res.items())
             print(
                 f"{d}: {a.records} records of {one * 1e3:.0f} MB, GB/s (writes: median per record): {line}; "
                 f"sink / save_file {res['sink'] / res['save_file']:.2f}x, bytes+write / save_file "
-                f"{res['bytes+write'] / res['save_file']:.2f}x",
+                f"{res['bytes+write'] / res['save_file']:.2f}x, adopt checked ahead / one by one "
+                f"{res['adopt (checked ahead)'] / res['adopt']:.2f}x ({default_threads} threads)",
                 flush=True,
             )
         finally:
