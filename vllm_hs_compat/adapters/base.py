@@ -344,12 +344,18 @@ class VllmAdapter(VllmReader):
         emitted two (its draft accepted, then the bonus token): vLLM's own ``prepare_next_token_ids_padded`` run on
         the CPU with one such row.  1 on every release so far (it reads the first column only,
         vllm-project/vllm#56417); 2 once fixed; None when V1 is absent or the call cannot run here."""
+        observed = self.v1_draft_feedback_observed()
+        return observed if isinstance(observed, int) else None
+
+    def v1_draft_feedback_observed(self) -> int | str | None:
+        """:meth:`v1_draft_feedback` with the reason when it cannot be observed (``"error: ..."``; what
+        ``vllm-hs-compat doctor`` prints)."""
         if not self.v1_runner or not _module_exists("vllm.v1.spec_decode.extract_hidden_states"):
             return None
         try:
             return _two_token_feedback()
-        except Exception:  # a reworked method (a GPU kernel, new arguments) cannot be judged here
-            return None
+        except Exception as exc:  # a reworked method (a GPU kernel, new arguments) cannot be judged here
+            return f"error: {type(exc).__name__}: {exc}"
 
     def generated_rows_need_sync_scheduling(self) -> bool:
         """Whether a capture of generated positions must turn async scheduling off before the engine exists (the

@@ -138,6 +138,9 @@ def _vllm_section(report: dict[str, Any], lines: list[str]) -> int:
         "required_kvcache_layout": adapter.required_kvcache_layout,
         "connector_module_path_wins": adapter.connector_module_path_wins,
         "requires_kv_delivery": adapter.requires_kv_delivery,
+        # tokens Model Runner V1's extract_hidden_states proposer counts for a step that emitted two (vLLM's own
+        # method, run here): 1 -> under async scheduling generated records past a repeat fail (`async_drafts`)
+        "v1_draft_feedback": adapter.v1_draft_feedback_observed(),
     }
     lines.append("facts:")
     lines += [f"  {k}: {v}" for k, v in facts.items()]
