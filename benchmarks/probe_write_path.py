@@ -125,8 +125,8 @@ def main() -> int:
                     store=store,
                     llm=None,
                     note_row=lambda row: None,
+                    check_threads=threads,
                 )
-                batches.CHECK_THREADS = threads
                 t = time.perf_counter()
                 work_.adopt_batch(outcomes, time.monotonic() + 60, threading.Event())
                 adopt_s[name].append(time.perf_counter() - t)
@@ -137,7 +137,6 @@ def main() -> int:
                 res["close (syncfs)"] = gb / (time.perf_counter() - t)
                 shutil.rmtree(work / f"tree-{n}", ignore_errors=True)
             res.update({name: gb / statistics.mean(v) for name, v in adopt_s.items()})
-            batches.CHECK_THREADS = default_threads
             line = "  ".join(f"{k} {v:.2f}" for k, v in res.items())
             print(
                 f"{d}: {a.records} records of {one * 1e3:.0f} MB, GB/s (writes: median per record): {line}; "

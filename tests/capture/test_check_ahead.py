@@ -16,7 +16,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from store_driver import RUN_CONFIG, stage  # noqa: E402
 
-from vllm_hs_compat.capture import batches  # noqa: E402
 from vllm_hs_compat.capture.batches import Batches, Outcome  # noqa: E402
 from vllm_hs_compat.capture.store import CaptureStore, read_index  # noqa: E402
 from vllm_hs_compat.errors import CaptureStoreError  # noqa: E402
@@ -27,7 +26,6 @@ MISMATCH = {3}  # a sample whose engine ran other ids: refused by the check, in 
 def _adopt_all(out: Path, threads: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[Any, ...]], set[str]]:
     """Stage 10 records, adopt them through ``Batches.adopt_batch`` with ``threads`` checking threads; the index
     rows in order, and the names of the threads the checks ran in."""
-    monkeypatch.setattr(batches, "CHECK_THREADS", threads)
     args = argparse.Namespace(retries=0, max_consecutive_failures=100)
     where: set[str] = set()
     with CaptureStore(out, run_config=RUN_CONFIG) as store:
@@ -38,7 +36,15 @@ def _adopt_all(out: Path, threads: int, monkeypatch: pytest.MonkeyPatch) -> tupl
             return check(*a, **k)
 
         monkeypatch.setattr(store, "check", watched)
-        work = Batches(args, capture="prompt", storage="captured", store=store, llm=None, note_row=lambda row: None)
+        work = Batches(
+            args,
+            capture="prompt",
+            storage="captured",
+            store=store,
+            llm=None,
+            note_row=lambda row: None,
+            check_threads=threads,
+        )
         outcomes = []
         for i in range(10):
             info, manifest = stage(store.staging_dir(), i, wrong_ids=i in MISMATCH)

@@ -80,8 +80,6 @@ def wait_files(ticket: Mapping[str, Any], deadline: float) -> Path | None:
 #: Threads that check staged records ahead of their adoption (reading a record back, its checksum and its NaN/Inf
 #: check are most of adoption's time, and release the interpreter); 1: each record is checked when adopted.
 CHECK_THREADS = min(4, os.cpu_count() or 1)
-#: How many outcomes past the one being adopted are offered to the checking threads.
-CHECK_AHEAD = 2 * CHECK_THREADS
 
 
 class CheckAhead:
@@ -89,9 +87,10 @@ class CheckAhead:
     in order in the adopter: only records whose files the sink finished are taken (a thread never waits for a
     file), and an answer is used only for the very file it checked."""
 
-    def __init__(self, store: Any, threads: int | None = None) -> None:
+    def __init__(self, store: Any, threads: int) -> None:
         self.store = store
-        threads = CHECK_THREADS if threads is None else threads
+        self.window = 2 * threads if threads > 1 else 0
+        """How many outcomes past the one being adopted are offered to the threads."""
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="capture-check") if threads > 1 else None
         self._pending: dict[int, tuple[Path, Future[Any]]] = {}
 
@@ -159,6 +158,7 @@ class Batches:
         store: Any,
         llm: Any,
         note_row: Callable[[Any], Any],
+        check_threads: int = CHECK_THREADS,
     ) -> None:
         from vllm_hs_compat.capture.policy import Breaker, Retry
 
@@ -166,6 +166,7 @@ class Batches:
         self.feed = EngineFeed(llm)
         self._queued: _Queued | None = None  # the next batch, queued in the engine behind the running one
         self.note_row = note_row
+        self.check_threads = check_threads  # adoption's checking threads (:class:`CheckAhead`)
         self.retry = Retry(args.retries + 1)
         #: Counts records that failed in the engine, the connector or adoption, never rows the reader refused: those
         #: cost no engine time, are indexed with their reason and say nothing of the next row (docs/capture.md).
@@ -259,7 +260,7 @@ class Batches:
         """Index each outcome in order: adopt its record (waiting for its files until ``deadline``) or fail it;
         returns the samples to try again.  ``stop``: set when the run is abandoned; the rest stay not run."""
         again: list[Any] = []
-        ahead = CheckAhead(self.store)
+        ahead = CheckAhead(self.store, self.check_threads)
         try:
             for i, o in enumerate(outcomes):
                 if stop.is_set():
@@ -275,7 +276,7 @@ class Batches:
                     why = f"no record file within {RECORD_WAIT_S:.0f} s"
                     self.failed(o.sample, o.info, "missing_record", why, again)
                     continue
-                ahead.offer(outcomes[i + 1 : i + 1 + CHECK_AHEAD])
+                ahead.offer(outcomes[i + 1 : i + 1 + ahead.window])
                 row = self.store.adopt(o.info, path, checked=ahead.take(o, path))
                 if row.status == "ok":
                     self.note_storage(row)

@@ -565,11 +565,11 @@ def _engine(args: argparse.Namespace, plan_: Plan, store: Any, log: Path) -> Any
     if args.tensor_parallel_size != 1:
         extra_args["tensor_parallel_size"] = args.tensor_parallel_size
     if plan_.capture != "prompt" and "async_scheduling" not in extra_args:
-        from vllm_hs_compat import api
+        from vllm_hs_compat.adapters import get_adapter  # imports vLLM, which the engine built next needs anyway
 
         # The generated rows after a step that emitted two tokens land one place short under async scheduling on
         # Model Runner V1 (vllm-project/vllm#56417; the connector fails such records, docs/capture.md).
-        if api.get_adapter().generated_rows_need_sync_scheduling():
+        if get_adapter().generated_rows_need_sync_scheduling():
             extra_args["async_scheduling"] = False
     storage = str(plan_.run_config.get("storage", "captured"))
     extra: dict[str, Any] = {
