@@ -52,6 +52,23 @@ def test_token_flags_agree_with_isfinite_on_random_rows(t: int, p: int, c: int, 
     assert torch.equal(finite.token_flags(rows), torch.isfinite(rows.float()).reshape(t, -1).all(1))
 
 
+@pytest.mark.parametrize("block_rows", [1, 3, 7, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_host_flags_in_cache_sized_blocks_flag_exactly_the_bad_row(
+    dtype: torch.dtype, block_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU check masks rows a block at a time: a bad value in any row -- first or last of a block, in the last
+    (partial) block -- flags that row alone, for blocks of one row, several, and more than the tensor."""
+    t, p, c = 23, 2, 8
+    monkeypatch.setattr(finite, "_HOST_BLOCK_BYTES", block_rows * p * c * torch.finfo(dtype).bits // 8)
+    for value in (float("nan"), float("inf")):
+        for row in range(t):
+            rows = torch.randn(t, p, c).to(dtype)
+            rows[row, p - 1, c - 1] = value
+            want = [i != row for i in range(t)]
+            assert finite.token_flags(rows).tolist() == want, (dtype, block_rows, value, row)
+
+
 def test_negative_control_a_mask_one_bit_short_is_caught() -> None:
     """The masks themselves: one bit short, the largest finite bf16 looks non-finite (its exponent bits but one are
     set); the true mask tells them apart."""

@@ -36,6 +36,9 @@ _EXPONENT: Final[dict[torch.dtype, tuple[torch.dtype, int]]] = {
     torch.float8_e4m3fn: (torch.int8, 0x7F),
 }
 
+#: Bytes of rows :func:`_host_flags` masks at a time (within a core's L2 cache).
+_HOST_BLOCK_BYTES: Final = 256 << 10
+
 #: What a user reads about why rows are not finite, appended to every message.
 CAUSES: Final = (
     "positions past the model's own context (max_position_embeddings: vLLM allowed a longer max_model_len), or an "
@@ -73,7 +76,18 @@ def _host_flags(bits: torch.Tensor, mask: int) -> torch.Tensor | None:
     except ImportError:
         return None
     view = bits.numpy()
-    return torch.from_numpy(np.bitwise_and(view, mask).max(axis=1) != mask)
+    t, width = view.shape
+    out = np.empty(t, dtype=bool)
+    # in blocks of rows that stay in the core's cache: the masked copy and its maximum read each byte from memory
+    # once (whole-tensor: a temporary the rows' size, written and read back; 2-4x slower on 64 MiB records)
+    step = max(1, _HOST_BLOCK_BYTES // max(1, width * view.itemsize))
+    tmp = np.empty((min(step, t), width), dtype=view.dtype)
+    for i in range(0, t, step):
+        block = view[i : i + step]
+        part = tmp[: block.shape[0]]
+        np.bitwise_and(block, mask, out=part)
+        np.not_equal(part.max(axis=1), mask, out=out[i : i + step])
+    return torch.from_numpy(out)
 
 
 def problem(
