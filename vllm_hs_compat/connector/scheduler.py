@@ -284,8 +284,8 @@ class CaptureScheduler:
             return self._refuse(
                 fr,
                 REASON_ASYNC_DRAFTS,
-                f"the record reaches position {stop - 1}, at or past position {repeat}, where a generated token repeats the "
-                f"one before it (a step that emitted two tokens); {self.facts.misplaced_drafts}. Run with "
+                f"the record reaches position {stop - 1}, at or past position {repeat}, where a generated token "
+                f"repeats the one before it (a step that emitted two tokens); {self.facts.misplaced_drafts}. Run with "
                 "--no-async-scheduling (vllm serve) or async_scheduling=False (vllm.LLM), or capture 'prompt'",
             )
         try:

@@ -37,7 +37,7 @@ _EXPONENT: Final[dict[torch.dtype, tuple[torch.dtype, int]]] = {
 }
 
 #: Bytes of rows :func:`_host_flags` masks at a time (within a core's L2 cache).
-_HOST_BLOCK_BYTES: Final = 256 << 10
+_HOST_BLOCK_BYTES: Final = 512 << 10
 
 #: What a user reads about why rows are not finite, appended to every message.
 CAUSES: Final = (
