@@ -48,6 +48,7 @@ def main() -> int:
 
     from vllm_hs_compat.capture import batches
     from vllm_hs_compat.capture.rows import SampleInfo
+    from vllm_hs_compat.capture.staged import record_files
     from vllm_hs_compat.capture.store import CaptureStore
     from vllm_hs_compat.core.checksums import compute_checksum
     from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
@@ -116,8 +117,8 @@ def main() -> int:
                 for i in range(a.records):
                     m = via_sink(stage, i)[0]
                     info = SampleInfo(f"r{i}", "probe", a.tokens, input_ids=tuple(ids))
-                    error = m.with_name(m.stem + ".error.json")
-                    outcomes.append(batches.Outcome(info, info, {"manifest": str(m), "error": str(error)}))
+                    _, manifest, error = record_files(m)
+                    outcomes.append(batches.Outcome(info, info, {"manifest": str(manifest), "error": str(error)}))
                 work_ = batches.Batches(
                     argparse.Namespace(retries=0, max_consecutive_failures=a.records + 1),
                     capture="prompt",

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from store_driver import RUN_CONFIG, stage  # noqa: E402
 
 from vllm_hs_compat.capture.batches import Batches, Outcome  # noqa: E402
+from vllm_hs_compat.capture.staged import record_files  # noqa: E402
 from vllm_hs_compat.capture.store import CaptureStore, read_index  # noqa: E402
 from vllm_hs_compat.errors import CaptureStoreError  # noqa: E402
 
@@ -48,7 +49,8 @@ def _adopt_all(out: Path, threads: int, monkeypatch: pytest.MonkeyPatch) -> tupl
         outcomes = []
         for i in range(10):
             info, manifest = stage(store.staging_dir(), i, wrong_ids=i in MISMATCH)
-            ticket = {"manifest": str(manifest), "error": str(manifest.with_name(manifest.stem + ".error.json"))}
+            _, manifest, error = record_files(manifest)
+            ticket = {"manifest": str(manifest), "error": str(error)}
             outcomes.append(Outcome(sample=info, info=info, ticket=ticket))
         assert work.adopt_batch(outcomes, deadline=0.0, stop=threading.Event()) == []
     rows = [(r["sample_id"], r["status"], r["reason"], r["checksum"]) for r in read_index(out).to_pylist()]
