@@ -313,3 +313,109 @@ def test_gather_rows_exact_in_every_layout(
     blk, off = slots // n, slots % n
     want = cache[blk, off] if order is ViewOrder.BLOCK_TOKEN_PLANE else cache[blk, :, off]
     assert torch.equal(gather_rows(cache, view, slots).view(torch.int16), want.view(torch.int16))
+
+
+def _poison(rows: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> list[int]:
+    """NaN, +Inf or -Inf (float8 e4m3fn: its two NaNs) at one random element of a random fifth of ``rows``'
+    ``[T, ...]`` token rows (the low and the high half of a word, the masked tail of a row); the rows poisoned."""
+    t = int(rows.shape[0])
+    flat = rows.view(t, -1)
+    chosen = sorted(torch.randperm(t, generator=gen)[: max(1, t // 5)].tolist())
+    for i, r in enumerate(chosen):
+        col = int(torch.randint(0, int(flat.shape[1]), (1,), generator=gen))
+        if i % 3 == 0:
+            col = int(flat.shape[1]) - 1  # the last element: in the kernel's masked tail where the row has one
+        if dtype == torch.float8_e4m3fn:
+            flat.view(torch.uint8)[r, col] = 0x7F if i % 2 else 0xFF
+        else:
+            flat[r, col] = (float("nan"), float("inf"), float("-inf"))[i % 3]
+    return chosen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("physical", ["NPC", "LBHNC"])
+@pytest.mark.parametrize("flagged", [True, False], ids=["flags", "control_no_flags"])
+def test_triton_row_kernel_flags_exactly_the_non_finite_tokens(
+    physical: str, dtype: torch.dtype, flagged: bool
+) -> None:
+    """The kernel clears a token's flag exactly where its rows (every plane) hold NaN/Inf, as ``token_flags`` of the
+    same rows says, for every dtype it has a bit test for, packed and per-plane tables, a row width that leaves a
+    masked tail; the rows it moves stay exact.  Control: launched without flags, the flags stay all True and
+    miss every poisoned token."""
+    pytest.importorskip("triton")
+    from vllm_hs_compat.core import _triton_rows as K
+    from vllm_hs_compat.core.finite import token_flags
+    from vllm_hs_compat.core.layout import kernel_gather_into, row_table
+
+    nb, n, p, c = 64, 16, 4, 1000  # 1000: the rows' words leave a masked tail in the last program
+    gen = torch.Generator().manual_seed(6)
+    if physical == "LBHNC":
+        cache = torch.empty(nb, p, n, c, dtype=dtype, device="cuda")
+        order = ViewOrder.BLOCK_PLANE_TOKEN
+    else:
+        cache = torch.empty(nb, n, p, c, dtype=dtype, device="cuda")
+        order = ViewOrder.BLOCK_TOKEN_PLANE
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[cache.element_size()]
+    cache.view(bits).copy_(torch.randn(cache.shape, generator=gen).to(dtype).view(bits))
+    view = describe_capture_view(cache, num_planes=p, group_block_size=n, order=order)
+    table = row_table(cache, view)
+    assert table is not None
+    blocks = (torch.randperm(nb - 1, generator=gen)[:20] + 1).tolist()
+    slots = manager_slots("r", blocks, group_block_size=n, num_tokens=300, start=5)
+    blk, off = (slots // n).cuda(), (slots % n).cuda()
+    # the slots' token rows [T, P, C], poisoned on the host and written back (integer views: no float8 indexing)
+    cells = (blk, off) if order is ViewOrder.BLOCK_TOKEN_PLANE else (blk, slice(None), off)
+    tokens = cache.view(bits)[cells].cpu().view(dtype)
+    poisoned = _poison(tokens, dtype, gen)
+    cache.view(bits)[cells] = tokens.view(bits).cuda()
+    want = token_flags(tokens)
+    assert (~want).nonzero().flatten().tolist() == poisoned  # the reference sees every poisoned token
+    out = torch.empty(tokens.shape, dtype=dtype, pin_memory=True)
+    flags = torch.ones(int(slots.numel()), dtype=torch.bool, pin_memory=True)
+    assert K.flag_spec(dtype, 4) is not None
+    assert kernel_gather_into(K, table, slots.cuda(), table.out_alias(out), flags if flagged else None)
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.uint8), tokens.view(torch.uint8))
+    if flagged:
+        assert torch.equal(flags, want), f"flagged {(~flags).nonzero().flatten().tolist()}, poisoned {poisoned}"
+    else:
+        assert bool(flags.all()) and not bool(want.all())
+
+
+def test_direct_batched_read_hands_the_kernels_flags_to_the_record_check() -> None:
+    """``RowReader.read_many`` on the direct path: each request's ``finite`` is the kernel's flags for its own tokens
+    (no host check left to run), and the record check names the first poisoned position of each request."""
+    pytest.importorskip("triton")
+    from vllm_hs_compat.core import finite
+
+    cache = make_cache(ViewOrder.BLOCK_PLANE_TOKEN)
+    view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=ViewOrder.BLOCK_PLANE_TOKEN)
+    reader = RowReader(cache, view, path="direct")
+    gen = torch.Generator().manual_seed(7)
+    lengths = [40, 77, 33]
+    free = (torch.randperm(NB - 1, generator=gen)[:20] + 1).tolist()
+    tables, at = [], 0
+    for t in lengths:
+        k = -(-t // N)
+        tables.append(free[at : at + k])
+        at += k
+    bad = {0: [5, 39], 2: [0]}  # request -> poisoned token positions (request 1 clean)
+    for k, t in enumerate(lengths):
+        slots = manager_slots(f"r{k}", tables[k], group_block_size=N, num_tokens=t).cuda()
+        write(cache, ViewOrder.BLOCK_PLANE_TOKEN, slots, float(k + 1))
+        for pos in bad.get(k, []):
+            blk, off = int(slots[pos]) // N, int(slots[pos]) % N
+            cache[blk, pos % P, off, pos * 7 % 1024] = float("nan") if pos % 2 else float("inf")
+    reader.mark_written()
+    got = reader.read_many([(f"r{k}", tables[k], 0, t) for k, t in enumerate(lengths)])
+    for k, pending in enumerate(got):
+        assert not isinstance(pending, Exception)
+        rows = pending.wait()
+        assert pending.finite is not None, "the direct path left the NaN/Inf check to the host"
+        assert torch.equal(pending.finite, finite.token_flags(rows))
+        assert (~pending.finite).nonzero().flatten().tolist() == bad.get(k, [])
+        message = finite.problem(rows, pending.finite, start=100)
+        if k in bad:
+            assert message is not None and f"at position {100 + bad[k][0]}" in message
+        else:
+            assert message is None

@@ -36,6 +36,15 @@ _EXPONENT: Final[dict[torch.dtype, tuple[torch.dtype, int]]] = {
     torch.float8_e4m3fn: (torch.int8, 0x7F),
 }
 
+
+def exponent_mask(dtype: torch.dtype) -> int | None:
+    """The exponent bits of ``dtype`` as an integer mask (a value is NaN/Inf exactly when ``bits & mask == mask``;
+    for float8 e4m3fn, its NaN), or None for a dtype the bit test does not cover.  The Triton row kernel flags token
+    rows with it while it gathers them (:mod:`vllm_hs_compat.core._triton_rows`)."""
+    spec = _EXPONENT.get(dtype)
+    return None if spec is None else spec[1]
+
+
 #: Bytes of rows :func:`_host_flags` masks at a time (within a core's L2 cache).
 _HOST_BLOCK_BYTES: Final = 512 << 10
 

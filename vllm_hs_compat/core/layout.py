@@ -209,9 +209,12 @@ def _triton_rows() -> Any:
     return _triton
 
 
-def kernel_gather_into(kernel: Any, table: RowTable, slots: torch.Tensor, dst: torch.Tensor) -> bool:
+def kernel_gather_into(
+    kernel: Any, table: RowTable, slots: torch.Tensor, dst: torch.Tensor, flags: torch.Tensor | None = None
+) -> bool:
     """The Triton row kernel (``kernel``: the ``_triton_rows`` module) reads the rows of manager ``slots`` into
-    ``dst``; False where it cannot (the caller falls back to ``index_select``)."""
+    ``dst``; False where it cannot (the caller falls back to ``index_select``).  ``flags`` (``[len(slots)]`` bool,
+    all True): cleared by the kernel where a token's rows hold NaN/Inf (check ``kernel.flag_spec`` first)."""
     return bool(
         kernel.gather_rows_into(
             table.table,
@@ -222,6 +225,8 @@ def kernel_gather_into(kernel: Any, table: RowTable, slots: torch.Tensor, dst: t
             token_stride=table.token_stride,
             planes=table.rows_per_token,
             plane_stride=table.plane_stride,
+            flags=flags,
+            dtype=table.dtype,
         )
     )
 

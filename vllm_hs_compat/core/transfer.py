@@ -236,8 +236,8 @@ def _gather_to_host(
 ) -> tuple[Any, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """Queue the copy of the rows of manager ``slots`` (int64, CPU) into the pinned host ``out`` on ``side`` after
     ``written``; returns the completion event, the tensors to keep alive until it completes, and the per-token
-    finite flags (pinned host, valid with the rows; None on the direct kernel path, which stages nothing on the
-    device)."""
+    finite flags (pinned host, valid with the rows: the direct kernel computes them as it moves the rows, a staged
+    read over each stage on the device; None where the kernel has no bit test for the rows' dtype)."""
     t = int(slots.numel())
     flags: torch.Tensor | None = None
     buf = None
@@ -253,7 +253,10 @@ def _gather_to_host(
         _wait(side, written)
         # Rule 2: the index tensor is born on the side stream and lives until the copy is done.
         idx = host_idx.to(cache.device, non_blocking=True)
-        if path != "direct" or not _direct_gather(table, idx, dst):
+        direct = False
+        if path == "direct":
+            direct, flags = _direct_gather(table, idx, dst)
+        if not direct:
             row_bytes = int(dst.shape[1]) * dst.element_size() * per
             step = max(1, STAGE_BYTES // max(1, row_bytes))
             # NaN/Inf per token, one masked reduction over each staged chunk while it is on the device (born on
@@ -286,10 +289,17 @@ def _wait(side: Any, written: Any) -> None:
         side.wait_stream(written)
 
 
-def _direct_gather(table: RowTable, idx: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Gather straight into ``dst`` (pinned host) with the Triton row kernel; False where it cannot."""
+def _direct_gather(table: RowTable, idx: torch.Tensor, dst: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """Gather straight into ``dst`` (pinned host) with the Triton row kernel, which flags each token's NaN/Inf as it
+    moves the rows: (launched, the flags -- pinned host, valid with the rows; None where the kernel has no bit test
+    for the rows' dtype and the host checks them)."""
     kernel = _triton_rows()
-    return bool(kernel) and kernel_gather_into(kernel, table, idx, dst)
+    if not kernel:
+        return False, None
+    flags = torch.ones(int(idx.numel()), dtype=torch.bool, pin_memory=True)
+    if kernel_gather_into(kernel, table, idx, dst, flags):
+        return True, flags
+    return kernel_gather_into(kernel, table, idx, dst), None
 
 
 def copy_rows_async(
