@@ -177,6 +177,7 @@ def _config(llm: Any, out: dict[str, Any]) -> None:
 
 def run_capture(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any], storage: str) -> None:
     from bench_capture import timed_capture
+    from thread_clock import ThreadClock
 
     from vllm_hs_compat.adapters.engine_api import sampling_params
 
@@ -190,10 +191,16 @@ def run_capture(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any
         argv += ["--batch-size", str(a.batch_size)]
     tree = Path(a.work) / f"tree-{storage}"
     shutil.rmtree(tree, ignore_errors=True)
-    got = timed_capture(
-        a.model, a.data, str(tree), storage, ",".join(map(str, a.layers)), argv, warmup=lambda llm: _warmup(llm, optout)
-    )
+    clock = ThreadClock()
+
+    def warmup(llm: Any) -> None:  # the clock runs from the warmed engine to the command's return (its shutdown too)
+        _warmup(llm, optout)
+        clock.__enter__()
+
+    got = timed_capture(a.model, a.data, str(tree), storage, ",".join(map(str, a.layers)), argv, warmup=warmup)
+    clock.__exit__(None, None, None)
     out.update(got)
+    out["threads"] = clock.report()
     _memory(out)
 
 
@@ -345,6 +352,9 @@ def split_variant(name: str) -> tuple[str, int | None] | None:
 
 
 def child(a: argparse.Namespace) -> int:
+    switch = os.environ.get("BENCH_SWITCH_INTERVAL")
+    if switch:  # the interpreter's switch interval in this variant's process (an experiment: default 0.005 s)
+        sys.setswitchinterval(float(switch))
     rows = [json.loads(line)["input_ids"] for line in Path(a.data).read_text().splitlines()]
     out: dict[str, Any] = {"variant": a.variant, "shape": a.shape, "rows": len(rows), "tokens": sum(map(len, rows))}
     known = split_variant(a.variant)
@@ -406,6 +416,13 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         c = r.get("connector_s")
         if c:  # the connector's worker: its engine-thread stages, then its publisher's
             lines.append(f"{'':<6}   connector s: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
+        th = r.get("threads")
+        if th:  # CPU seconds per thread group in the capture's process, and how late the interpreter came back
+            top = ", ".join(f"{k} {v:.2f}" for k, v in list(th["cpu_s"].items())[:8])
+            g = th["gil_wake_ms"]
+            lines.append(f"{'':<6}   thread cpu s (of {th['wall_s']:.2f} s): {top}")
+            late = f"mean {g['mean']:.2f}, p90 {g['p90']:.2f}, p99 {g['p99']:.2f}"
+            lines.append(f"{'':<6}   interpreter wake late ms: {late}")
         h = r.get("pinned")
         if h:  # torch's pinned host allocator in the engine's process (cudaHostAlloc runs on the engine thread)
             lines.append(f"{'':<6}   pinned host: " + ", ".join(f"{k} {v:.1f}" for k, v in h.items()))

@@ -79,6 +79,7 @@ SRC_PATHS = (
     "benchmarks/probe_write_path.py",
     "benchmarks/probe_step_read.py",
     "benchmarks/probe_pinned_reuse.py",
+    "benchmarks/thread_clock.py",
     "examples",
     "pyproject.toml",
 )
