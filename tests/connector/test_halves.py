@@ -679,3 +679,33 @@ def test_async_scheduling_leaves_the_steps_after_drafts_unchecked(
     monkeypatch.setattr(w.adapter, "layer_slot_mapping", lambda name, meta: torch.tensor(written))
     w.on_capture_written(LAYER, None, after)
     assert (w.counters["slot_checks"], w.counters["slot_checks_failed"]) == ((0, 0) if async_scheduling else (1, 1))
+
+
+def test_a_records_host_rows_are_let_go_once_the_sink_wrote_it(make_worker: Any, tmp_path: Path) -> None:
+    """No thread of the worker keeps a published record's rows (on CUDA a view of its step's pinned host block,
+    which torch's allocator hands out again only once nothing references it) while it waits for the next one.
+    Control: while the sink still holds the record, its rows are alive."""
+    import weakref
+
+    w = make_worker({"sink": "file", "file": {"path": str(tmp_path)}})
+    assert w.reader is not None
+    seen: list[weakref.ref[torch.Tensor]] = []
+    read_many = w.reader.read_many
+
+    def watched(requests: Any) -> Any:
+        got = read_many(requests)
+        for p in got:
+            assert not isinstance(p, Exception)
+            seen.append(weakref.ref(p.rows if p.rows._base is None else p.rows._base))
+        return got
+
+    w.reader.read_many = watched  # type: ignore[method-assign]
+    release = _blocked_sink(w)
+    s = _scheduler({"capture": "all"})
+    w.on_step(_save(s, "r1", [3, 7, 9]))
+    assert len(seen) == 1 and seen[0]() is not None  # control: in the sink's hands
+    release.set()
+    w.on_step(_save(s, "r2", [4, 5, 6]))
+    assert _drain(w) == {"r1", "r2"}
+    assert len(seen) == 2 and [r() for r in seen] == [None, None]
+    assert w.counters["records"] == 2

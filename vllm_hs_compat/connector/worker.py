@@ -436,6 +436,7 @@ class CaptureWorker:
             self._done(save.req_id)  # exactly once: vLLM frees the blocks of each reported request
             if copied:
                 self._queue.put(item)  # before this task is done: a drain never sees the record between queues
+            del item, pending  # the publisher's alone now (the step's pinned block goes with its last record)
             self._copies.task_done()
 
     def _publish_loop(self) -> None:
@@ -444,36 +445,45 @@ class CaptureWorker:
             if item is None:
                 self._queue.task_done()
                 return
-            save, pending, nbytes = item
             try:
-                rows = pending.rows
-                if self.sink is None:
-                    raise CaptureViewError("no sink")
-                t1 = time.perf_counter()
-                checked = self.slot_checks.take(save.req_id, wait=True)  # read after the step's write event: ready
-                if checked is not None:
-                    self._fail(save, REASON_SLOT_CHECK, checked)
-                    continue
-                # NaN/Inf: flags computed where the rows were read (the direct CUDA path has none: here, on the host)
-                bad = finite.problem(rows, pending.finite, start=save.start, layer_ids=self.labels.layer_ids)
-                t2 = time.perf_counter()
-                self._time(finite=t2 - t1)
-                if bad is not None:
-                    self._count("records_non_finite")
-                    self._fail(save, REASON_NON_FINITE, f"{bad} (checked by the connector before the record was made)")
-                    continue
-                record = self._record(save, rows)
-                t3 = time.perf_counter()
-                self.sink.write(record, save.publication)
-                self._time(record=t3 - t2, sink=time.perf_counter() - t3)
-                self._count("records")
-                self._count("bytes", nbytes)
-            except Exception as e:
-                self._fail(save, reason_of(e), f"{type(e).__name__}: {e}")
+                self._publish(*item)
             finally:
-                with self._backlog_lock:
-                    self._backlog -= nbytes
+                # the record's rows go with the call: a view of its step's pinned host block, which torch's
+                # allocator reuses only once no record of that step is referenced (none held while waiting here)
+                item = None
                 self._queue.task_done()
+
+    def _publish(self, save: SaveRequest, pending: PendingRows, nbytes: int) -> None:
+        """Check one read record (its slot check, NaN/Inf) and hand it to the sink, or fail it; release its bytes
+        from the backlog either way."""
+        try:
+            rows = pending.rows
+            if self.sink is None:
+                raise CaptureViewError("no sink")
+            t1 = time.perf_counter()
+            checked = self.slot_checks.take(save.req_id, wait=True)  # read after the step's write event: ready
+            if checked is not None:
+                self._fail(save, REASON_SLOT_CHECK, checked)
+                return
+            # NaN/Inf: flags computed where the rows were read (the direct kernel's own, the staged read's on the
+            # device, the CPU gather's); where a read made none, here on the host
+            bad = finite.problem(rows, pending.finite, start=save.start, layer_ids=self.labels.layer_ids)
+            t2 = time.perf_counter()
+            self._time(finite=t2 - t1)
+            if bad is not None:
+                self._count("records_non_finite")
+                self._fail(save, REASON_NON_FINITE, f"{bad} (checked by the connector before the record was made)")
+                return
+            record = self._record(save, rows)
+            t3 = time.perf_counter()
+            self.sink.write(record, save.publication)
+            self._time(record=t3 - t2, sink=time.perf_counter() - t3)
+            self._count("records")
+            self._count("bytes", nbytes)
+        except Exception as e:
+            self._fail(save, reason_of(e), f"{type(e).__name__}: {e}")
+        finally:
+            self._release(nbytes)
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every read record has reached the sink (True) or ``timeout_s`` passed.  Sleeps on the
