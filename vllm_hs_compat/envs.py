@@ -22,6 +22,7 @@ CAPTURE_PATH: Final = "VLLM_HS_COMPAT_CAPTURE_PATH"
 LONE_READ: Final = "VLLM_HS_COMPAT_LONE_READ"
 LONE_CHUNKS: Final = "VLLM_HS_COMPAT_LONE_CHUNKS"
 TRITON: Final = "VLLM_HS_COMPAT_TRITON"
+PINNED_MIB: Final = "VLLM_HS_COMPAT_PINNED_MIB"
 
 #: name -> (default, what it does).  docs/connector.md ("Environment variables") lists the same.
 VARIABLES: Final[Mapping[str, tuple[str, str]]] = {
@@ -37,6 +38,11 @@ VARIABLES: Final[Mapping[str, tuple[str, str]]] = {
     LONE_READ: ("1", "`0`: a request read alone takes the per-token path instead of whole blocks"),
     LONE_CHUNKS: ("1", "`0`: per-plane lone reads use the Triton row kernel instead of whole-block chunks"),
     TRITON: ("1", "`0`: never use the Triton row kernel (process-wide; index_select only)"),
+    PINNED_MIB: (
+        "4096",
+        "MiB of pinned host memory the capture owner allocates at start for its step reads (`0`: none; torch's "
+        "pinned allocator then makes blocks on the engine's first steps)",
+    ),
 }
 
 

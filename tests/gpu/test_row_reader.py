@@ -419,3 +419,38 @@ def test_direct_batched_read_hands_the_kernels_flags_to_the_record_check() -> No
             assert message is not None and f"at position {100 + bad[k][0]}" in message
         else:
             assert message is None
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_batched_reads_land_in_the_pinned_arena_exactly_and_give_their_pieces_back(path: str) -> None:
+    """The worker's pinned slab: a step's batched read takes its destination from it (pinned, inside the slab), the
+    rows exact on both paths, and the piece goes back once the last record's rows are dropped.  Control: an arena
+    too small for the step -- counted as a miss, the rows still exact in memory of torch's own allocator."""
+    import gc
+
+    from vllm_hs_compat.core.pinned import PinnedArena
+
+    order = ViewOrder.BLOCK_PLANE_TOKEN
+    cache = make_cache(order)
+    view = describe_capture_view(cache, num_planes=P, group_block_size=N, order=order)
+    lengths = [40, 77, 33]
+    tables = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11]]
+    for k, t in enumerate(lengths):
+        write(cache, order, manager_slots(f"r{k}", tables[k], group_block_size=N, num_tokens=t).cuda(), k + 1.0)
+    for size, inside in ((64 << 20, True), (1 << 20, False)):
+        reader = RowReader(cache, view, path=path)
+        arena = reader.arena = PinnedArena(size)
+        assert arena.slab.is_pinned()
+        reader.mark_written()
+        got = reader.read_many([(f"r{k}", tables[k], 0, t) for k, t in enumerate(lengths)])
+        for k, pending in enumerate(got):
+            assert not isinstance(pending, Exception)
+            rows = pending.wait()
+            assert torch.equal(rows, expected(k + 1.0, lengths[k]))
+            assert rows.is_pinned()
+            offset = rows.data_ptr() - arena.slab.data_ptr()
+            assert (0 <= offset < size) == inside, (size, offset)
+        assert arena.stats["misses"] == (0 if inside else 1)
+        del got, pending, rows
+        gc.collect()
+        assert arena.live_bytes == 0

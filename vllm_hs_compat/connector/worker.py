@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_hs_compat import api
+from vllm_hs_compat import api, envs
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.reader import Ranks
 from vllm_hs_compat.core import finite
@@ -26,6 +26,7 @@ from vllm_hs_compat.core.capture import RecordFailure, SaveRequest, SlotCheck, S
 from vllm_hs_compat.core.groups import CaptureGroup
 from vllm_hs_compat.core.labels import PlaneLabels
 from vllm_hs_compat.core.layout import CaptureView
+from vllm_hs_compat.core.pinned import PinnedArena
 from vllm_hs_compat.core.records import CaptureRecord, RecordMeta
 from vllm_hs_compat.core.slots import batch_slots
 from vllm_hs_compat.core.transfer import PendingRows, RowReader, pinned_host_stats
@@ -36,7 +37,7 @@ from vllm_hs_compat.core.vocabulary import (
     REASON_SLOT_CHECK,
     reason_of,
 )
-from vllm_hs_compat.errors import CaptureGroupError, CaptureViewError, HsCompatError, SlotError
+from vllm_hs_compat.errors import CaptureConfigError, CaptureGroupError, CaptureViewError, HsCompatError, SlotError
 
 from .config import ConnectorConfig
 from .sinks import Sink, make_sink
@@ -51,6 +52,28 @@ log = logging.getLogger("vllm.vllm_hs_compat.connector")
 #: further saves wait in the engine's blocks (held, so vLLM schedules around them) until the sink catches up.  A
 #: record alone is always read, whatever its size.
 MAX_BACKLOG_BYTES = 4 << 30
+
+
+def _pinned_arena() -> PinnedArena | None:
+    """The pinned host slab the owner's step reads take their rows into (``VLLM_HS_COMPAT_PINNED_MIB``, allocated
+    now, before the engine's first step); None when set to 0 or when the host refuses it (logged: the reads then
+    allocate as they go)."""
+    raw = envs.get(envs.PINNED_MIB)
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise CaptureConfigError(f"{envs.PINNED_MIB}={raw!r}: expected a whole number of MiB (0: no arena)")
+    if mib == 0:
+        return None
+    try:
+        arena = PinnedArena(mib << 20)
+    except RuntimeError as e:  # the host cannot pin that much: the reads allocate as they go
+        log.warning("vllm-hs-compat: no pinned arena of %d MiB (%s); set %s lower or 0", mib, e, envs.PINNED_MIB)
+        return None
+    log.info("vllm-hs-compat: %d MiB of pinned host memory for the reads, allocated in %.2f s", mib, arena.alloc_s)
+    return arena
 
 
 class _Wait:
@@ -192,6 +215,8 @@ class CaptureWorker:
         if self.owner:
             # where a compact file storage quantizes: on the capture layer's GPU (else on the host)
             device = tensor.device if tensor is not None and tensor.device.type == "cuda" else None
+            if device is not None and self.reader is not None:
+                self.reader.arena = _pinned_arena()
             self.sink = make_sink(self.config, ranks.dp_rank, device=device)
             self._threads = [
                 threading.Thread(target=self._complete_loop, name="hs-compat-copies", daemon=True),
@@ -520,3 +545,6 @@ class CaptureWorker:
             pinned = pinned_host_stats()
             if pinned is not None:  # the process's pinned host blocks: cudaHostAlloc on the engine thread is slow
                 log.info("vllm-hs-compat pinned host memory: %s", {k: round(v, 3) for k, v in pinned.items()})
+            arena = self.reader.arena if self.reader is not None else None
+            if arena is not None:  # the reads' own pinned slab: pieces handed out, and reads it had no room for
+                log.info("vllm-hs-compat pinned arena: %s", {k: round(v, 3) for k, v in arena.describe().items()})

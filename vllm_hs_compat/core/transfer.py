@@ -41,6 +41,7 @@ from .layout import (
     kernel_gather_into,
     row_table,
 )
+from .pinned import PinnedArena
 from .slots import batch_slots, check_blocks, request_slots
 
 _cuda: Any = torch.cuda  # torch.cuda.Stream / Event are untyped
@@ -313,8 +314,10 @@ def copy_rows_async(
     pool: PinnedIndexPool | None = None,
     path: str | None = None,
     table: RowTable | None = None,
+    arena: PinnedArena | None = None,
 ) -> PendingRows:
-    """Copy the rows at ``slots`` (CPU int64, validated) into ``out`` (default: a new host tensor).
+    """Copy the rows at ``slots`` (CPU int64, validated) into ``out`` (default: a piece of ``arena`` where it has
+    room, else a new pinned host tensor).
 
     The side stream waits for ``after`` (a CUDA event recorded right after the last write of the rows, on
     the stream that wrote them) or, without it, for everything queued so far on the current stream: call it
@@ -331,6 +334,8 @@ def copy_rows_async(
         return PendingRows(out, finite=token_flags(out))
     if table is None:
         table = row_table(cache, view)
+    if out is None and arena is not None:
+        out = arena.take(shape, cache.dtype)
     if out is None:
         out = torch.empty(shape, dtype=cache.dtype, pin_memory=True)
     side = stream if stream is not None else side_stream(cache.device)
@@ -380,6 +385,7 @@ def copy_requests_async(
     pool: PinnedIndexPool | None = None,
     path: str | None = None,
     table: RowTable | None = None,
+    arena: PinnedArena | None = None,
 ) -> list[PendingRows | SlotError]:
     """Copy many requests' rows to host with one index upload and one gather (per chunk) for all of them.
 
@@ -393,7 +399,9 @@ def copy_requests_async(
     total = int(slots.numel())
     pending = None
     if cache.device.type == "cuda" and total:
-        pending = copy_rows_async(cache, view, slots, stream=stream, after=after, pool=pool, path=path, table=table)
+        pending = copy_rows_async(
+            cache, view, slots, stream=stream, after=after, pool=pool, path=path, table=table, arena=arena
+        )
     elif total:  # CPU: synchronous, one gather (one allocation) for the whole batch, and its NaN/Inf flags: here,
         # in the engine's thread and its thread pool, not in the publisher's (a torch op there starts a second
         # OpenMP team that competes with the engine's threads: measured 2.2x slower capture on 2 cores)
@@ -616,6 +624,9 @@ class RowReader:
         self.path = opts.path
         self._written: Any = None
         self.pool = PinnedIndexPool()
+        #: Pinned host memory the batched reads take their destinations from (None: torch's pinned allocator);
+        #: the connector's worker sets it when it starts (:class:`~vllm_hs_compat.core.pinned.PinnedArena`).
+        self.arena: PinnedArena | None = None
         self.table = row_table(cache, view) if cache.device.type == "cuda" else None
         self.lone = (
             LoneReads(self.table, view, cache.device, chunks=opts.lone_chunks) if self.table is not None else None
@@ -658,5 +669,12 @@ class RowReader:
     def read_many(self, requests: Sequence[RowRequest]) -> list[PendingRows | SlotError]:
         """:func:`copy_requests_async` of ``requests`` (one step's finished records) after the marked write."""
         return copy_requests_async(
-            self.cache, self.view, requests, after=self._written, pool=self.pool, path=self.path, table=self.table
+            self.cache,
+            self.view,
+            requests,
+            after=self._written,
+            pool=self.pool,
+            path=self.path,
+            table=self.table,
+            arena=self.arena,
         )
