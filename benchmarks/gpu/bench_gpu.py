@@ -191,16 +191,21 @@ def run_capture(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any
         argv += ["--batch-size", str(a.batch_size)]
     tree = Path(a.work) / f"tree-{storage}"
     shutil.rmtree(tree, ignore_errors=True)
-    clock = ThreadClock()
+    # BENCH_THREADS=1: CPU seconds per thread and the interpreter's wake lateness (its sampler and probe hold the
+    # interpreter too -- the ~1B engine's one run beside them was 1.55x slower than the session before: the headline
+    # rows run without them)
+    clock = ThreadClock() if os.environ.get("BENCH_THREADS") == "1" else None
 
     def warmup(llm: Any) -> None:  # the clock runs from the warmed engine to the command's return (its shutdown too)
         _warmup(llm, optout)
-        clock.__enter__()
+        if clock is not None:
+            clock.__enter__()
 
     got = timed_capture(a.model, a.data, str(tree), storage, ",".join(map(str, a.layers)), argv, warmup=warmup)
-    clock.__exit__(None, None, None)
     out.update(got)
-    out["threads"] = clock.report()
+    if clock is not None:
+        clock.__exit__(None, None, None)
+        out["threads"] = clock.report()
     _memory(out)
 
 
@@ -423,6 +428,9 @@ def table(results: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{'':<6}   thread cpu s (of {th['wall_s']:.2f} s): {top}")
             late = f"mean {g['mean']:.2f}, p90 {g['p90']:.2f}, p99 {g['p99']:.2f}"
             lines.append(f"{'':<6}   interpreter wake late ms: {late}")
+        ar = r.get("arena")
+        if ar:  # the connector's own pinned slab, allocated at start
+            lines.append(f"{'':<6}   pinned arena: " + ", ".join(f"{k} {v:.2f}" for k, v in ar.items()))
         h = r.get("pinned")
         if h:  # torch's pinned host allocator in the engine's process (cudaHostAlloc runs on the engine thread)
             lines.append(f"{'':<6}   pinned host: " + ", ".join(f"{k} {v:.1f}" for k, v in h.items()))
@@ -527,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.copyfile(engine_log, kept)
                     got.setdefault("connector_s", logged(kept, "vllm-hs-compat worker seconds: "))
                     got.setdefault("pinned", logged(kept, "vllm-hs-compat pinned host memory: "))
+                    got.setdefault("arena", logged(kept, "vllm-hs-compat pinned arena: "))
                 shutil.rmtree(stale, ignore_errors=True)  # the disk holds one variant's records at a time
             results.append(got)
             mine = [r for r in results if r["shape"] == shape]
