@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import threading
@@ -299,63 +300,11 @@ class Batches:
         self.breaker.failure(reason, message)
 
 
-#: The smallest batch of a run's tail, as a share of ``--batch-size`` (:class:`RowBatches`).
-TAIL_MIN_SHARE = 8
-
-
-class RowBatches:
-    """The rows of a run in batches of ``size``: rows to try again first, then new ones from ``rows``.
-
-    ``shrink`` (a run whose adoption overlaps the engine): the last rows go in batches of half the rows left, down
-    to ``size // TAIL_MIN_SHARE``, so the batch adopted after the engine's last step -- what the run waits for at
-    its end, the engine idle -- is a few rows instead of a whole batch (the 8B shape on an H100: the last batch of
-    64 rows, 2.7 GB of records, was 0.44 s of a 9.85 s run).  To see the end coming it reads up to two batches of
-    rows ahead of the engine (read, never submitted: a row the reader refuses is indexed at that point, as when a
-    batch is read).  Not thread-safe: the capture's main thread takes every batch."""
-
-    def __init__(self, rows: Iterator[Any], size: int, *, shrink: bool) -> None:
-        if size < 1:
-            raise CaptureConfigError(f"--batch-size {size}: expected at least 1 row")
-        self.rows, self.size, self.shrink = rows, size, shrink
-        self.tail_min = max(1, size // TAIL_MIN_SHARE)
-        self.retry: list[Any] = []
-        self._read: list[Any] = []  # rows read from ``rows`` and not yet taken
-        self._ended = False
-
-    def _fill(self, want: int) -> None:
-        while not self._ended and len(self._read) < want:
-            row = next(self.rows, _END)
-            if row is _END:
-                self._ended = True
-            else:
-                self._read.append(row)
-
-    def next_size(self) -> int:
-        """How many rows the next :meth:`take` hands out (0: none are left)."""
-        self._fill(2 * self.size if self.shrink else self.size)
-        left = len(self.retry) + len(self._read)
-        if not self.shrink or not self._ended or left <= self.tail_min:
-            return min(self.size, left)
-        return min(self.size, max(self.tail_min, -(-left // 2)))
-
-    def take(self) -> list[Any]:
-        """The next batch (empty when every row is taken and none waits to be tried again)."""
-        n = self.next_size()
-        batch = self.retry[:n]
-        del self.retry[:n]
-        more = n - len(batch)
-        batch += self._read[:more]
-        del self._read[:more]
-        return batch
-
-
-_END = object()
-
-
 def drive(
     work: Batches,
     first: list[Any],
-    source: RowBatches,
+    rows: Iterator[Any],
+    size: int,
     pipe: Pipeline[list[Any]],
     progress: Callable[[str], None],
 ) -> None:
@@ -365,17 +314,22 @@ def drive(
     into the next batch read after its adoption.  A batch whose engine-reported failures could open the breaker is
     adopted before more rows are read; an adoption's error (the open breaker's included) is raised here before more
     work is submitted.  Serial (``pipe.overlap`` False): nothing is queued ahead, each batch is adopted before the
-    next one reaches the engine.  ``first``: ``source``'s first batch, taken before the engine started."""
+    next one reaches the engine."""
     done, t0 = 0, time.monotonic()
+    retry: list[Any] = []
     held = 0  # rows of the batch the adopter holds
 
     def adopted(rows_in: int, again: list[Any]) -> None:
         nonlocal done
         done += rows_in - len(again)
-        source.retry.extend(again)
+        retry.extend(again)
         progress(f"captured or failed {done} rows ({time.monotonic() - t0:.1f} s)")
 
-    take = source.take
+    def take() -> list[Any]:  # the next batch: retries first, then new rows; ``size`` rows at most
+        batch = retry[:size]
+        del retry[:size]
+        return batch + list(itertools.islice(rows, size - len(batch)))
+
     batch = first
     ahead: list[Any] = take() if pipe.overlap else []  # queued in the engine behind ``batch``
     while batch or held:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import sys
 import time
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hs_compat.capture.batches import Batches, RowBatches, drive
+from vllm_hs_compat.capture.batches import Batches, drive
 from vllm_hs_compat.capture.pipeline import Pipeline
 from vllm_hs_compat.commands import console_to_log, progress, stdout_to_stderr
 from vllm_hs_compat.errors import CaptureConfigError, CircuitOpenError, EngineStartError, HsCompatError, ToolError
@@ -465,9 +466,8 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     failed_start = False
     try:
         with console_to_log(log, header=f"vllm-hs-compat capture rank {args.rank} of {args.world_size}"):
-            overlap = adoption_overlaps(args.adoption)
-            source = RowBatches(_rows(args, tokenizer, store, plan_, counts, console), args.batch_size, shrink=overlap)
-            first = source.take()
+            rows = _rows(args, tokenizer, store, plan_, counts, console)
+            first = list(itertools.islice(rows, args.batch_size))
             if first:
                 t0 = time.monotonic()
                 try:
@@ -476,7 +476,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
                     failed_start = True
                     raise
                 ready = time.monotonic()
-                pipe: Pipeline[list[Any]] = Pipeline(overlap=overlap)
+                pipe: Pipeline[list[Any]] = Pipeline(overlap=adoption_overlaps(args.adoption))
                 try:
                     work = Batches(
                         args,
@@ -486,7 +486,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
                         llm=llm,
                         note_row=console.row,
                     )
-                    drive(work, first, source, pipe, progress)
+                    drive(work, first, rows, args.batch_size, pipe, progress)
                 except CircuitOpenError as exc:
                     stopped = str(exc)
                 finally:
