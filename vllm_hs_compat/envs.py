@@ -39,7 +39,7 @@ VARIABLES: Final[Mapping[str, tuple[str, str]]] = {
     LONE_CHUNKS: ("1", "`0`: per-plane lone reads use the Triton row kernel instead of whole-block chunks"),
     TRITON: ("1", "`0`: never use the Triton row kernel (process-wide; index_select only)"),
     PINNED_MIB: (
-        "4096",
+        "2048",
         "MiB of pinned host memory the capture owner allocates at start for its step reads (`0`: none; torch's "
         "pinned allocator then makes blocks on the engine's first steps)",
     ),
