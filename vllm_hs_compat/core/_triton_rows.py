@@ -4,8 +4,7 @@ manager slot, so the kernel takes the slots as they are (no index arithmetic ker
 device memory or straight into pinned host memory (the stores cross PCIe: no staging buffer, no separate copy).
 With ``flags`` it also answers :func:`~vllm_hs_compat.core.finite.token_flags` for the rows it moves: a value is
 NaN/Inf exactly when its exponent bits are all set, so each program tests the words it already holds and clears its
-token's flag where one is; the host then checks nothing (a record's NaN/Inf check cost the publisher 0.5-0.8 s per
-10 GB on an H100 host, docs/gpu.md).
+token's flag where one is; the host then checks nothing (its check runs at 1.5-3.2 GB/s a core, docs/gpu.md).
 
 Imported lazily by :mod:`vllm_hs_compat.core.layout` and only where CUDA and Triton exist; ``ImportError`` means
 "use the torch path".
