@@ -143,7 +143,11 @@ def schedules(draw: st.DrawFn, v2: bool, least: int, verifier: str = "dense") ->
     for i in range(n):
         base = draw(st.integers(0, num_bases - 1))
         shared = draw(st.sampled_from([0, 0, 8, 16, 17, 31, 32, 40, 64, 100]))
-        own = draw(st.sampled_from(range(40, 120) if pressure else range(0 if shared else 1, 240)))
+        abort = draw(st.sampled_from([*([None] * 12), *sh.ABORT_POINTS]))
+        if abort == "prefill":  # more new tokens than a step takes: seen mid-prefill whatever the seed draws
+            own = draw(st.integers(mnbt + 1, mnbt + 100))
+        else:
+            own = draw(st.sampled_from(range(40, 120) if pressure else range(0 if shared else 1, 240)))
         prompt = bases[base][:shared] + [rng.randrange(sh.VOCAB) for _ in range(own)]
         prompt = prompt[: MAX_MODEL_LEN - 1]
         plans.append(
@@ -152,7 +156,7 @@ def schedules(draw: st.DrawFn, v2: bool, least: int, verifier: str = "dense") ->
                 prompt=tuple(prompt),
                 max_tokens=draw(st.sampled_from(range(24, 65) if pressure else range(1, 33))),
                 arrival=draw(st.sampled_from([0, 0, 1]) if pressure else st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8, 12])),
-                abort=draw(st.sampled_from([*([None] * 12), *sh.ABORT_POINTS])),
+                abort=abort,
                 hs_capture=draw(overrides),
             )
         )
