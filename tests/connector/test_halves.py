@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_hs_compat import envs
 from vllm_hs_compat.adapters import adapter_for_version
 from vllm_hs_compat.adapters.base import VllmAdapter
 from vllm_hs_compat.adapters.reader import Ranks
@@ -28,7 +30,7 @@ from vllm_hs_compat.core import vocabulary as V
 from vllm_hs_compat.core.capture import FinishedRequest, ScheduledCached, ScheduledNew, StepInfo, StepPlan
 from vllm_hs_compat.core.groups import CaptureGroup
 from vllm_hs_compat.core.labels import PlaneLabels
-from vllm_hs_compat.errors import CaptureGroupError, RecordFailedError
+from vllm_hs_compat.errors import CaptureConfigError, CaptureGroupError, RecordFailedError
 from vllm_hs_compat.export import files
 
 BLOCK = 4
@@ -709,3 +711,18 @@ def test_a_records_host_rows_are_let_go_once_the_sink_wrote_it(make_worker: Any,
     assert _drain(w) == {"r1", "r2"}
     assert len(seen) == 2 and [r() for r in seen] == [None, None]
     assert w.counters["records"] == 2
+
+
+def test_the_worker_reads_its_arena_size_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(envs.PINNED_MIB, "lots")
+    with pytest.raises(CaptureConfigError, match="VLLM_HS_COMPAT_PINNED_MIB='lots'"):
+        worker_module._pinned_arena()
+    monkeypatch.setenv(envs.PINNED_MIB, "0")
+    assert worker_module._pinned_arena() is None
+    if not torch.cuda.is_available():  # a host that cannot pin: the reads allocate as they go, said in the log
+        monkeypatch.setenv(envs.PINNED_MIB, "1")
+        with caplog.at_level(logging.WARNING, logger="vllm.vllm_hs_compat.connector"):
+            assert worker_module._pinned_arena() is None
+        assert "no pinned arena of 1 MiB" in caplog.text

@@ -6,15 +6,13 @@ run on a GPU (tests/gpu/test_row_reader.py)."""
 from __future__ import annotations
 
 import gc
-import logging
 import threading
 
 import pytest
 import torch
 
-from vllm_hs_compat import envs
 from vllm_hs_compat.core.pinned import ALIGN, PinnedArena
-from vllm_hs_compat.errors import CaptureConfigError, TransferError
+from vllm_hs_compat.errors import TransferError
 
 MIB = 1 << 20
 
@@ -82,23 +80,6 @@ def test_pieces_dropped_in_other_threads_come_back() -> None:
         t.join()
     assert arena.live_bytes == 0 and arena.stats["live_peak_bytes"] == 32 * MIB
     assert arena.take((64 * MIB,), torch.uint8) is not None  # the whole slab free again
-
-
-def test_the_worker_reads_its_arena_size_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    from vllm_hs_compat.connector.worker import _pinned_arena
-
-    monkeypatch.setenv(envs.PINNED_MIB, "lots")
-    with pytest.raises(CaptureConfigError, match="VLLM_HS_COMPAT_PINNED_MIB='lots'"):
-        _pinned_arena()
-    monkeypatch.setenv(envs.PINNED_MIB, "0")
-    assert _pinned_arena() is None
-    if not torch.cuda.is_available():  # a host that cannot pin: the reads allocate as they go, said in the log
-        monkeypatch.setenv(envs.PINNED_MIB, "1")
-        with caplog.at_level(logging.WARNING, logger="vllm.vllm_hs_compat.connector"):
-            assert _pinned_arena() is None
-        assert "no pinned arena of 1 MiB" in caplog.text
 
 
 def test_a_piece_keeps_the_slab_alive_after_the_arena_is_dropped() -> None:

@@ -73,10 +73,9 @@ def flag_spec(dtype: torch.dtype, word_bytes: int) -> tuple[int, int, int] | Non
     """``(exponent mask, bits, elements per word)`` for rows of ``dtype`` moved as words of ``word_bytes``; None
     where the kernel cannot flag them (a dtype without a bit test, or wider than the word)."""
     mask = exponent_mask(dtype)
-    size = torch.empty((), dtype=dtype).element_size()
-    if mask is None or word_bytes % size:
+    if mask is None or word_bytes % dtype.itemsize:
         return None
-    return mask, 8 * size, word_bytes // size
+    return mask, 8 * dtype.itemsize, word_bytes // dtype.itemsize
 
 
 def gather_rows_into(

@@ -16,6 +16,7 @@ Pure: torch and the standard library.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 import weakref
@@ -59,10 +60,7 @@ class PinnedArena:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A contiguous tensor of ``shape`` and ``dtype`` in the slab (uninitialised), or None where no gap holds it
         (counted in ``stats["misses"]``)."""
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         need = max(ALIGN, -(-size // ALIGN) * ALIGN)
         with self._lock:
             at = self._place(need)
