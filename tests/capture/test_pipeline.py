@@ -1,5 +1,6 @@
 """The capture's :class:`~vllm_hs_compat.capture.pipeline.Pipeline`: engine work in the calling thread, adoption in
-one adopter thread, one batch of each at most; its timings; an adopter's exception raised in the waiting thread.
+one adopter thread (two batches held at most, adopted one after the other); its timings, an adoption's wait for the
+engine not counted as adoption; an adopter's exception raised in the waiting thread.
 
 The real engine's side is tests/e2e/test_capture.py (``--adoption overlap`` against the CPU default, serial)."""
 
@@ -48,19 +49,51 @@ def test_serial_pipeline_adopts_in_the_calling_thread_with_no_overlap() -> None:
     assert pipe.timings.overlap_s == 0 and pipe.timings.adopt_wait_s == pipe.timings.adopt_s
 
 
-def test_one_batch_in_adoption_at_most() -> None:
+def test_two_batches_held_at_most_adopted_one_after_the_other_in_order() -> None:
     pipe: Pipeline[int] = Pipeline()
     release = threading.Event()
-    pipe.adopt_later(lambda: int(release.wait(5)))
+    order: list[int] = []
+
+    def adopt(k: int) -> int:
+        order.append(k)
+        release.wait(5)
+        return k
+
+    pipe.adopt_later(lambda: adopt(1))
+    pipe.adopt_later(lambda: adopt(2))  # the batch the adopter follows the engine into
+    assert pipe.held == 2
+    with pytest.raises(CaptureStoreError, match="still holds 2 batches"):
+        pipe.adopt_later(lambda: 3)
     with pytest.raises(CaptureStoreError, match="still holds a batch"):
-        pipe.adopt_later(lambda: 2)
-    with pytest.raises(CaptureStoreError, match="still holds a batch"):
-        pipe.adopt_now(lambda: 2)
+        pipe.adopt_now(lambda: 3)
+    time.sleep(0.1)
+    assert order == [1]  # one adoption at a time: the second waits for the first
     release.set()
-    assert pipe.wait() == 1
+    assert (pipe.wait(), pipe.wait()) == (1, 2) and order == [1, 2]
     with pytest.raises(CaptureStoreError, match="holds no batch"):
         pipe.wait()
     pipe.close()
+
+
+def test_an_adoptions_wait_for_the_engine_is_neither_adoption_nor_overlap() -> None:
+    pipe: Pipeline[str] = Pipeline()
+    known = threading.Event()
+    waited: list[float] = []
+
+    def follow() -> str:  # waits for the engine to finish its records (0.2 s), then adopts them (0.1 s)
+        t0 = time.monotonic()
+        known.wait(5)
+        waited.append(time.monotonic() - t0)
+        time.sleep(0.1)
+        return "followed"
+
+    pipe.adopt_later(follow, idle=lambda: waited[0])
+    pipe.engine(lambda: (time.sleep(0.2), known.set()))
+    assert pipe.wait() == "followed"
+    pipe.close()
+    t = pipe.timings
+    assert t.adopt_s == pytest.approx(0.1, abs=0.05)  # control: the span was 0.3 s, 0.2 of it the engine's
+    assert t.overlap_s == pytest.approx(0.0, abs=0.05) and t.adopt_wait_s == pytest.approx(0.1, abs=0.05)
 
 
 def test_an_adopters_exception_is_raised_in_the_waiting_thread_itself() -> None:

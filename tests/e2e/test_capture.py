@@ -349,13 +349,14 @@ def test_two_rank_processes_write_one_tree_with_every_sample_once(tmp_path: Path
 @on_demo_session
 def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: Path, model_dir: str, hf: Any) -> None:
     """The same rows captured twice at once (each engine on a CPU of its own): with ``--adoption overlap`` (the
-    default on a GPU), batch k adopted while the engine runs batch k+1 with batch k+2 queued behind it, and as the
-    command runs by default on vLLM's CPU build (``auto``: serial), each batch adopted before the next one reaches
-    the engine.  The run's own timings (its summary) show the overlap: adoption time spent while the engine ran
-    (``overlap_s``) and requests of the queued batch finished in the steps finishing the one before
-    (``engine_run_ahead``) in the overlapped run; in the serial run, the negative control, none of either and the
-    engine waiting through every adoption.  Both trees hold every sample once, verified, with the same hidden
-    states."""
+    default on a GPU), batch k adopted while the engine runs batch k+1 with batch k+2 queued behind it, the adopter
+    then following the engine into batch k+1 record by record, and as the command runs by default on vLLM's CPU
+    build (``auto``: serial), each batch adopted before the next one reaches the engine.  The run's own timings (its
+    summary) show the overlap: adoption time spent while the engine ran (``overlap_s``), requests of the queued
+    batch finished in the steps finishing the one before (``engine_run_ahead``) and records adopted while their
+    batch still ran (``adopted_while_running``) in the overlapped run; in the serial run, the negative control, none
+    of any and the engine waiting through every adoption.  Both trees hold every sample once, verified, with the
+    same hidden states."""
     rows = _short_rows(hf[1], 12)
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -385,6 +386,9 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
     # the next batch queued behind the running one: some of its requests finished in the steps that finished the
     # batch before (the engine never ran dry between them); serial queues nothing ahead
     assert pipelined["engine_run_ahead"] > 0 and serial["engine_run_ahead"] == 0, (pipelined, serial)
+    # the adopter followed the engine into the batch it ran: records taken as their requests finished, before the
+    # engine's part of their batch returned; serial adopts each batch after it
+    assert pipelined["adopted_while_running"] > 0 and serial["adopted_while_running"] == 0, (pipelined, serial)
     records = {}
     for mode in modes:
         ok = [r for r in read_index(tmp_path / mode).to_pylist() if r["status"] == "ok"]
@@ -396,7 +400,8 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
         f"{pipelined['overlap_s']:.2f} s vs {serial['overlap_s']:.2f} s, engine waited on adoption "
         f"{pipelined['adopt_wait_s']:.2f} s of {pipelined['adopt_s']:.2f} s vs {serial['adopt_wait_s']:.2f} s of "
         f"{serial['adopt_s']:.2f} s; requests run ahead {pipelined['engine_run_ahead']} vs "
-        f"{serial['engine_run_ahead']}"
+        f"{serial['engine_run_ahead']}; records adopted while their batch ran {pipelined['adopted_while_running']} "
+        f"vs {serial['adopted_while_running']}"
     )
 
 

@@ -1,8 +1,9 @@
 """The capture command's batches: the engine's part of each (:meth:`Batches.engine_batch`), its adoption into the
 store in the batch's order (:meth:`Batches.adopt_batch`), retries and the circuit breaker, and :func:`drive`, which
 runs the two side by side through a :class:`~vllm_hs_compat.capture.pipeline.Pipeline` (the engine on batch k+1
-while the adopter adopts batch k).  Used by ``vllm-hs-compat capture`` (:mod:`vllm_hs_compat.commands.capture`);
-imports vLLM only through the package's connector and adapters, when a batch runs."""
+while the adopter adopts batch k, then follows the engine into batch k+1 record by record: :class:`OutcomeStream`).
+Used by ``vllm-hs-compat capture`` (:mod:`vllm_hs_compat.commands.capture`); imports vLLM only through the package's
+connector and adapters, when a batch runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -132,6 +134,57 @@ class Outcome:
     counted: bool = True
 
 
+class OutcomeStream:
+    """One batch's outcomes, handed from the engine's thread to the adopter as the engine finishes each request: the
+    adopter takes them in the batch's order (:meth:`get`), each as soon as it is known, while the engine steps on.
+    The engine's thread puts them (:meth:`put`) and closes the stream (:meth:`close`) when its part of the batch
+    returns or fails (an outcome never put is then never taken, its row not run).  Counts what the adopter took
+    while the engine still ran the batch (``early``) and how long it waited for the engine (``waited_s``: not
+    adoption)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: list[Outcome | None] = [None] * size
+        self._closed = False
+        self._cond = threading.Condition()
+        self.early = 0
+        self.waited_s = 0.0
+
+    def idle(self) -> float:
+        """Seconds the adopter waited for the engine to know an outcome (not adoption: the pipeline's timings)."""
+        return self.waited_s
+
+    def put(self, i: int, outcome: Outcome) -> None:
+        """The outcome of the batch's ``i``-th sample (the engine's thread)."""
+        with self._cond:
+            self._items[i] = outcome
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The engine's part of the batch returned (or failed): nothing more is put."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def ready(self, lo: int, hi: int) -> list[Outcome]:
+        """The outcomes already known among the ``lo``-th to the ``hi``-th (not waiting), in order."""
+        with self._cond:
+            return [o for o in self._items[lo:hi] if o is not None]
+
+    def get(self, i: int, stop: threading.Event) -> Outcome | None:
+        """The ``i``-th outcome once the engine knows it; None if the stream closed without it or ``stop`` is set."""
+        t0 = time.monotonic()
+        with self._cond:
+            try:
+                while self._items[i] is None and not self._closed and not stop.is_set():
+                    self._cond.wait(0.05)
+                if self._items[i] is not None and not self._closed:
+                    self.early += 1
+                return self._items[i]
+            finally:
+                self.waited_s += time.monotonic() - t0
+
+
 @dataclass
 class _Queued:
     """A batch whose requests are in the engine: the outcomes known before it (by the sample's index), the index of
@@ -141,6 +194,27 @@ class _Queued:
     early: dict[int, Outcome]
     sent: list[int]
     sub: Submitted
+
+
+def _info(sample: Any) -> Any:
+    from vllm_hs_compat.capture.rows import SampleInfo
+
+    return SampleInfo.of(sample)
+
+
+def _outcome(sample: Any, out: Any) -> Outcome:
+    """What a finished request's output says of its sample: a record's files to adopt, or why there is none."""
+    from vllm_hs_compat.core.vocabulary import RESULT_KEY
+    from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
+
+    kv = dict(out.kv_transfer_params or {})
+    result = kv.get(RESULT_KEY) or {}
+    ticket = kv.get(FILE_KEY)
+    if ticket is None or result.get("status") in ("failed", "skipped"):
+        reason = str(result.get("reason") or "not_captured")
+        message = str(result.get("message") or f"the engine returned no record for it ({result or kv})")
+        return Outcome(sample, _info(sample), reason=reason, message=message)
+    return Outcome(sample, _info(sample), ticket=ticket)
 
 
 class Batches:
@@ -171,6 +245,8 @@ class Batches:
         #: Counts records that failed in the engine, the connector or adoption, never rows the reader refused: those
         #: cost no engine time, are indexed with their reason and say nothing of the next row (docs/capture.md).
         self.breaker = Breaker(args.max_consecutive_failures)
+        #: records whose adoption began while the engine still ran their batch (the adopter following the engine)
+        self.adopted_early = 0
         #: this run's compact records: (relative error max, mean, tokens, bytes) of each (``--storage``)
         self.stored: list[tuple[float, float, int, int]] = []
 
@@ -209,16 +285,25 @@ class Batches:
         sub = self.feed.submit([{"prompt_token_ids": list(s.input_ids)} for _, s, _ in ready], [p for *_, p in ready])
         return _Queued(samples, early, [i for i, _, _ in ready], sub)
 
-    def engine_batch(self, samples: list[Any], ahead: list[Any] | None = None) -> tuple[list[Outcome], float]:
+    def engine_batch(
+        self, samples: list[Any], ahead: list[Any] | None = None, stream: OutcomeStream | None = None
+    ) -> tuple[list[Outcome], float]:
         """The engine's part of a batch: run ``samples`` until their records are read (their files follow from the
         connector's publisher).  ``ahead``: the next batch, queued behind this one now so that the engine steps
-        finishing this batch run its tokens too (its own ``engine_batch`` call finds it queued).  Returns what
-        became of each sample, in order (nothing written to the store yet: :meth:`adopt_batch` does, in this
-        order), and the deadline for their files."""
-        from vllm_hs_compat.capture.rows import SampleInfo
-        from vllm_hs_compat.core.vocabulary import RESULT_KEY
-        from vllm_hs_compat.export.files import PARAMS_KEY as FILE_KEY
+        finishing this batch run its tokens too (its own ``engine_batch`` call finds it queued).  ``stream``: each
+        sample's outcome is put there as soon as it is known (a request the engine finished, before its record is
+        read), and the stream is closed when this returns or fails.  Returns what became of each sample, in order
+        (nothing written to the store yet: :meth:`adopt_batch` does, in this order), and the deadline for their
+        files."""
+        try:
+            return self._engine_batch(samples, ahead, stream)
+        finally:
+            if stream is not None:
+                stream.close()
 
+    def _engine_batch(
+        self, samples: list[Any], ahead: list[Any] | None, stream: OutcomeStream | None
+    ) -> tuple[list[Outcome], float]:
         queued, self._queued = self._queued, None
         if queued is None:
             queued = self._submit(samples)
@@ -227,25 +312,24 @@ class Batches:
                 f"engine_batch: {len(queued.samples)} rows are queued in the engine ahead, but a batch of "
                 f"{len(samples)} other rows was given to run next; run the queued batch first"
             )
+        outcomes: dict[int, Outcome] = dict(queued.early)
+        for j, i in enumerate(queued.sent):
+            if queued.sub.request_ids[j] is None:  # vLLM refused the request before running it (too long, ...)
+                message = queued.sub.refused[j]
+                outcomes[i] = Outcome(samples[i], _info(samples[i]), reason=ENGINE_REFUSED, message=message)
+        if stream is not None:
+            for i, o in outcomes.items():
+                stream.put(i, o)
         if ahead:
             self._queued = self._submit(ahead)
-        outs = self.feed.finish(queued.sub)
-        outcomes: dict[int, Outcome] = dict(queued.early)
-        for j, (i, out) in enumerate(zip(queued.sent, outs, strict=True)):
-            sample = samples[i]
-            if out is None:  # vLLM refused the request before running it (e.g. longer than the context)
-                message = queued.sub.refused[j]
-                outcomes[i] = Outcome(sample, SampleInfo.of(sample), reason=ENGINE_REFUSED, message=message)
-                continue
-            kv = dict(out.kv_transfer_params or {})
-            result = kv.get(RESULT_KEY) or {}
-            ticket = kv.get(FILE_KEY)
-            if ticket is None or result.get("status") in ("failed", "skipped"):
-                reason = str(result.get("reason") or "not_captured")
-                message = str(result.get("message") or f"the engine returned no record for it ({result or kv})")
-                outcomes[i] = Outcome(sample, SampleInfo.of(sample), reason=reason, message=message)
-            else:
-                outcomes[i] = Outcome(sample, SampleInfo.of(sample), ticket=ticket)
+
+        def done(j: int, out: Any) -> None:
+            i = queued.sent[j]
+            outcomes[i] = _outcome(samples[i], out)
+            if stream is not None:
+                stream.put(i, outcomes[i])
+
+        self.feed.finish(queued.sub, on_done=done)
         return [outcomes[i] for i in range(len(samples))], time.monotonic() + RECORD_WAIT_S
 
     def may_open_breaker(self, outcomes: list[Outcome]) -> bool:
@@ -256,27 +340,40 @@ class Batches:
         failures = sum(1 for o in outcomes if o.counted and (o.ticket is None or Path(o.ticket["error"]).exists()))
         return failures > 0 and self.breaker.consecutive + failures >= self.breaker.max_consecutive
 
-    def adopt_batch(self, outcomes: list[Outcome], deadline: float, stop: threading.Event) -> list[Any]:
-        """Index each outcome in order: adopt its record (waiting for its files until ``deadline``) or fail it;
-        returns the samples to try again.  ``stop``: set when the run is abandoned; the rest stay not run."""
+    def adopt_batch(
+        self, outcomes: list[Outcome] | OutcomeStream, deadline: float | None, stop: threading.Event
+    ) -> list[Any]:
+        """Index each outcome in order: adopt its record (waiting for its files until ``deadline``; None: until
+        :data:`RECORD_WAIT_S` after the outcome was known) or fail it; returns the samples to try again.
+        ``outcomes``: a batch the engine finished, or the :class:`OutcomeStream` of one it runs (each outcome taken
+        as the engine knows it; the batch ends early, its rest not run, if the stream closes without one).
+        ``stop``: set when the run is abandoned; the rest stay not run."""
         again: list[Any] = []
         ahead = CheckAhead(self.store, self.check_threads)
+        stream = outcomes if isinstance(outcomes, OutcomeStream) else None
+        listed = outcomes if not isinstance(outcomes, OutcomeStream) else []
+        size = stream.size if stream is not None else len(listed)
         try:
-            for i, o in enumerate(outcomes):
+            for i in range(size):
                 if stop.is_set():
                     break
+                o = stream.get(i, stop) if stream is not None else listed[i]
+                if o is None:  # the engine's part of the batch failed before it knew this outcome
+                    break
+                until = deadline if deadline is not None else time.monotonic() + RECORD_WAIT_S
                 if not o.counted:  # a row error found before the engine: indexed, never retried nor counted
                     self.note_row(self.store.fail(o.info, o.reason, o.message))
                     continue
                 if o.ticket is None:
                     self.failed(o.sample, o.info, o.reason, o.message, again)
                     continue
-                path = wait_files(o.ticket, deadline)
+                path = wait_files(o.ticket, until)
                 if path is None:
                     why = f"no record file within {RECORD_WAIT_S:.0f} s"
                     self.failed(o.sample, o.info, "missing_record", why, again)
                     continue
-                ahead.offer(outcomes[i + 1 : i + 1 + ahead.window])
+                nxt = slice(i + 1, i + 1 + ahead.window)
+                ahead.offer(stream.ready(nxt.start, nxt.stop) if stream is not None else listed[nxt])
                 row = self.store.adopt(o.info, path, checked=ahead.take(o, path))
                 if row.status == "ok":
                     self.note_storage(row)
@@ -286,6 +383,8 @@ class Batches:
                     self.failed(o.sample, o.info, row.reason, row.message, again, recorded=row)
         finally:
             ahead.close()
+            if stream is not None:
+                self.adopted_early += stream.early
         return again
 
     def failed(
@@ -308,16 +407,18 @@ def drive(
     pipe: Pipeline[list[Any]],
     progress: Callable[[str], None],
 ) -> None:
-    """Batches through the engine, each adopted in order by ``pipe``'s adopter while the engine runs the next one
-    (at most one batch in adoption, one in the engine and, when overlapping, the one after it queued in the engine
-    behind it: the engine's steps that finish a batch are filled with the next one's tokens).  A batch's retries go
-    into the next batch read after its adoption.  A batch whose engine-reported failures could open the breaker is
-    adopted before more rows are read; an adoption's error (the open breaker's included) is raised here before more
-    work is submitted.  Serial (``pipe.overlap`` False): nothing is queued ahead, each batch is adopted before the
-    next one reaches the engine."""
+    """Batches through the engine, each adopted in order by ``pipe``'s adopter: handed over before the engine runs it,
+    the adopter takes its records as the engine finishes their requests (:class:`OutcomeStream`), once it adopted the
+    batch before.  At most two batches held by the adopter (the one it adopts, the one it follows the engine into),
+    one in the engine and, when overlapping, the one after it queued in the engine behind it: the engine's steps that
+    finish a batch are filled with the next one's tokens.  A batch's retries go into the next batch read after its
+    adoption.  A batch whose engine-reported failures could open the breaker is adopted to its end before more rows
+    are read; an adoption's error (the open breaker's included) is raised here before more work is submitted.
+    Serial (``pipe.overlap`` False): nothing is queued ahead, each batch is adopted before the next one reaches the
+    engine."""
     done, t0 = 0, time.monotonic()
     retry: list[Any] = []
-    held = 0  # rows of the batch the adopter holds
+    holding: deque[int] = deque()  # rows of each batch the adopter holds, oldest first
 
     def adopted(rows_in: int, again: list[Any]) -> None:
         nonlocal done
@@ -332,20 +433,23 @@ def drive(
 
     batch = first
     ahead: list[Any] = take() if pipe.overlap else []  # queued in the engine behind ``batch``
-    while batch or held:
-        outcomes, deadline = pipe.engine(functools.partial(work.engine_batch, batch, ahead)) if batch else ([], 0.0)
-        if held:
-            adopted(held, pipe.wait())
-            held = 0
-        if not batch:
+    while batch or holding:
+        if not batch:  # the engine has nothing: the adopter's batches end, their retries make the next batch
+            adopted(holding.popleft(), pipe.wait())
             batch, ahead = take(), []
             continue
-        adopt = functools.partial(work.adopt_batch, outcomes, deadline, pipe.stopping)
-        if pipe.overlap and not work.may_open_breaker(outcomes):
-            nxt = take()  # the reader writes its refused rows now, while the adopter is idle
-            pipe.adopt_later(adopt)
-            held = len(batch)
-        else:
-            adopted(len(batch), pipe.adopt_now(adopt))
-            nxt = take()
+        if not pipe.overlap:
+            outcomes, deadline = pipe.engine(functools.partial(work.engine_batch, batch, ahead))
+            adopted(len(batch), pipe.adopt_now(functools.partial(work.adopt_batch, outcomes, deadline, pipe.stopping)))
+            batch, ahead = take(), []
+            continue
+        stream = OutcomeStream(len(batch))
+        pipe.adopt_later(functools.partial(work.adopt_batch, stream, None, pipe.stopping), idle=stream.idle)
+        holding.append(len(batch))
+        outcomes, _ = pipe.engine(functools.partial(work.engine_batch, batch, ahead, stream))
+        if len(holding) > 1:  # the batch before, adopted while the engine ran this one
+            adopted(holding.popleft(), pipe.wait())
+        if work.may_open_breaker(outcomes):  # this batch to its end before more rows are read
+            adopted(holding.popleft(), pipe.wait())
+        nxt = take()  # the reader writes its refused rows now
         batch, ahead = (ahead, nxt) if ahead else (nxt, [])

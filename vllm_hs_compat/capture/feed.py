@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,21 +65,27 @@ class EngineFeed:
             sub.request_ids.append(rid)
         return sub
 
-    def step(self, want: Collection[str] = ()) -> None:
-        """One engine step; the outputs it finished are kept (those not in ``want`` counted in ``run_ahead``)."""
+    def step(self, want: Collection[str] = ()) -> list[str]:
+        """One engine step; the outputs it finished are kept (those not in ``want`` counted in ``run_ahead``).
+        Returns the request ids it finished."""
         from vllm_hs_compat.adapters import engine_api
 
+        finished: list[str] = []
         for out in engine_api.step(self.llm):
             rid = str(out.request_id)
             self._done[rid] = out
+            finished.append(rid)
             if want and rid not in want:
                 self.run_ahead += 1
         self.steps += 1
+        return finished
 
-    def finish(self, sub: Submitted) -> list[Any]:
+    def finish(self, sub: Submitted, on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
         """Step the engine until every request of ``sub`` finished and the connector read its record (requests
         queued after them run in the same steps); their outputs in ``sub``'s order (None where refused).  Their
-        record files follow from the connector's publisher thread without more steps.  Raises
+        record files follow from the connector's publisher thread without more steps.  ``on_done(i, output)``:
+        called for each request of ``sub`` (``i``: its place in ``sub``) as soon as the engine finished it, before
+        its record is read -- the capture's adopter starts on it while the engine steps on.  Raises
         :class:`~vllm_hs_compat.errors.CaptureFeedError` when the engine holds none of them any more without having
         finished them, or their records stay unread for ``read_wait_s`` of steps after the engine ran out of
         work."""
@@ -88,6 +94,10 @@ class EngineFeed:
         from vllm_hs_compat.core.vocabulary import RESULT_KEY
 
         want = {r for r in sub.request_ids if r is not None}
+        place = {r: i for i, r in enumerate(sub.request_ids) if r is not None}
+        if on_done is not None:  # finished in the steps of the batch before (queued ahead behind it)
+            for r in sorted((r for r in want if r in self._done), key=place.__getitem__):
+                on_done(place[r], self._done[r])
         while any(r not in self._done for r in want):
             if not engine_api.has_unfinished(self.llm):
                 lost = sorted(r for r in want if r not in self._done)
@@ -95,7 +105,11 @@ class EngineFeed:
                     f"the engine holds no unfinished request, but {len(lost)} queued by the capture feed never "
                     f"finished (first: {lost[0]!r}); was the engine stepped or aborted elsewhere?"
                 )
-            self.step(want)
+            finished = self.step(want)
+            if on_done is not None:
+                for r in finished:
+                    if r in place:
+                        on_done(place[r], self._done[r])
         outs = [None if r is None else self._done.pop(r) for r in sub.request_ids]
         records: list[str] = []  # the connector's record of each request (none where it refused one)
         for out in outs:

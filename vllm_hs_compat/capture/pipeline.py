@@ -2,10 +2,13 @@
 
 ``vllm-hs-compat capture`` runs one batch in the engine while ONE adopter thread adopts the batch before it (reads
 and verifies each staged record, moves it into its shard, indexes it durably: the same ``CaptureStore.adopt`` as a
-serial run, record after record in the batch's order).  At most one batch is in adoption while one runs in the
-engine, so the memory and staging disk held are those of two batches.  The pipeline keeps the time each side spent
-and how long the engine waited on the adopter (the summary's ``engine_s``, ``adopt_s``, ``adopt_wait_s`` and
-``overlap_s``: docs/capture.md).
+serial run, record after record in the batch's order), then follows the engine into the batch it runs: a batch's
+adoption is handed over before the engine runs it and takes each record as the engine finishes its request
+(:class:`~vllm_hs_compat.capture.batches.OutcomeStream`), so the adopter is not idle while the engine runs and the
+last batch's adoption ends soon after the engine's last step.  Records are adopted one at a time, in order: the
+memory and staging disk held are those of two batches, as before.  The pipeline keeps the time each side spent and
+how long the engine waited on the adopter (the summary's ``engine_s``, ``adopt_s``, ``adopt_wait_s`` and
+``overlap_s``: docs/capture.md); an adoption's time waiting for the engine to finish its records is not adoption.
 
 Pure Python (``concurrent.futures``).  An exception in the adopter is raised again, itself, in the thread that waits
 for it (:meth:`Pipeline.wait`), never swallowed.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -34,7 +38,7 @@ class Timings:
     """In the engine: ``generate`` and the flush that brings every record to its staging files."""
     adopt_s: float = 0.0
     """Adopting records: waiting for their files, reading and verifying them, moving them into shards, the index
-    and its syncs, failed rows."""
+    and its syncs, failed rows (not the time an adoption waited for the engine to finish a record's request)."""
     adopt_wait_s: float = 0.0
     """Of ``adopt_s``, the part the engine waited through: a batch adopted before the next one could start, or the
     rest of an adoption the engine's next batch finished before."""
@@ -49,14 +53,30 @@ def _overlap(span: tuple[float, float], other: tuple[float, float]) -> float:
     return max(0.0, min(span[1], other[1]) - max(span[0], other[0]))
 
 
+@dataclass
+class _Held(Generic[_A]):
+    """One batch's adoption handed to the adopter: its future, its span (start and end, written by the adopter) and
+    the seconds it waited for the engine (``idle``, read once it is done)."""
+
+    future: Future[_A]
+    span: list[float]
+    idle: Callable[[], float] | None
+    since: float
+
+
+#: Batches the adopter holds at most: the one it adopts and the one it follows the engine into.
+DEPTH = 2
+
+
 class Pipeline(Generic[_A]):
-    """Runs engine work in the calling thread and adoption work in one adopter thread, one batch of each at most.
+    """Runs engine work in the calling thread and adoption work in one adopter thread.
 
     ``overlap=False``: every adoption runs in the calling thread before anything else (a serial run, for
-    comparison).  :meth:`engine` times the engine's work; :meth:`adopt_later` hands a batch's adoption to the adopter
-    (refused while it still holds one); :meth:`wait` waits for it and returns its result or raises its exception;
-    :meth:`adopt_now` adopts in the calling thread; :meth:`close` ends the adopter (``abandon``: it stops after the
-    record it is adopting, see :attr:`stopping`)."""
+    comparison).  :meth:`engine` times the engine's work; :meth:`adopt_later` hands a batch's adoption to the adopter,
+    which adopts the batches it holds one after the other in the order handed over (:data:`DEPTH` at most: refused
+    past that); :meth:`wait` waits for the oldest and returns its result or raises its exception; :meth:`adopt_now`
+    adopts in the calling thread; :meth:`close` ends the adopter (``abandon``: it stops after the record it is
+    adopting, see :attr:`stopping`)."""
 
     def __init__(self, *, overlap: bool = True) -> None:
         self.overlap = overlap
@@ -64,14 +84,18 @@ class Pipeline(Generic[_A]):
         #: Set by :meth:`close` with ``abandon``: an adoption checks it between records and stops.
         self.stopping = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-adopter") if overlap else None
-        self._held: Future[_A] | None = None
-        self._held_span: list[float] = []  # the held adoption's start and end, written by the adopter
-        self._engine_spans: list[tuple[float, float]] = []  # engine work since the held adoption started
+        self._held: deque[_Held[_A]] = deque()
+        self._engine_spans: list[tuple[float, float]] = []  # engine work since the oldest held adoption was handed over
 
     @property
     def busy(self) -> bool:
         """True while the adopter holds a batch (adopting it, or done and not yet waited for)."""
-        return self._held is not None
+        return bool(self._held)
+
+    @property
+    def held(self) -> int:
+        """Batches the adopter holds (adopting, waiting to be adopted, or done and not yet waited for)."""
+        return len(self._held)
 
     def engine(self, work: Callable[[], _T]) -> _T:
         """Run ``work`` (the engine's part of a batch) here, timed as engine time."""
@@ -81,12 +105,15 @@ class Pipeline(Generic[_A]):
         finally:
             t1 = time.monotonic()
             self.timings.engine_s += t1 - t0
-            if self._held is not None:
+            if self._held:
                 self._engine_spans.append((t0, t1))
 
     def adopt_now(self, work: Callable[[], _A]) -> _A:
         """Adopt a batch here, the engine idle meanwhile (the adopter must hold none)."""
-        self._refuse_if_busy("adopt_now")
+        if self._held:
+            raise CaptureStoreError(
+                "Pipeline.adopt_now: the adopter still holds a batch; wait() for it first (adoption stays in order)"
+            )
         t0 = time.monotonic()
         try:
             return work()
@@ -95,11 +122,16 @@ class Pipeline(Generic[_A]):
             self.timings.adopt_s += spent
             self.timings.adopt_wait_s += spent
 
-    def adopt_later(self, work: Callable[[], _A]) -> None:
-        """Hand a batch's adoption to the adopter; the caller goes on (to the engine's next batch)."""
-        self._refuse_if_busy("adopt_later")
+    def adopt_later(self, work: Callable[[], _A], *, idle: Callable[[], float] | None = None) -> None:
+        """Hand a batch's adoption to the adopter, after those it holds; the caller goes on (to the engine).
+        ``idle``: the seconds the adoption spent waiting for the engine (read when it is done; not adoption)."""
         if self._pool is None:
             raise CaptureStoreError("Pipeline(overlap=False) has no adopter thread: use adopt_now")
+        if len(self._held) >= DEPTH:
+            raise CaptureStoreError(
+                f"Pipeline.adopt_later: the adopter still holds {len(self._held)} batches; wait() for the oldest "
+                f"first ({DEPTH} at most: the one it adopts and the one it follows the engine into)"
+            )
         span: list[float] = []
 
         def timed() -> _A:
@@ -109,46 +141,44 @@ class Pipeline(Generic[_A]):
             finally:
                 span.append(time.monotonic())
 
-        self._held_span, self._engine_spans = span, []
-        self._held = self._pool.submit(timed)
+        if not self._held:
+            self._engine_spans = []
+        self._held.append(_Held(self._pool.submit(timed), span, idle, time.monotonic()))
 
     def wait(self) -> _A:
-        """Wait for the adopter's batch; its result, or its exception raised here (the adopter is free again)."""
-        held = self._held
-        if held is None:
+        """Wait for the oldest batch the adopter holds; its result, or its exception raised here."""
+        if not self._held:
             raise CaptureStoreError("Pipeline.wait: the adopter holds no batch (hand one over with adopt_later)")
+        held = self._held.popleft()
         t0 = time.monotonic()
         try:
-            return held.result()
+            return held.future.result()
         finally:
             t1 = time.monotonic()
-            self._held = None
             self.timings.adopt_wait_s += t1 - t0
-            if len(self._held_span) == 2:
-                span = (self._held_span[0], self._held_span[1])
-                self.timings.adopt_s += span[1] - span[0]
-                self.timings.overlap_s += sum(_overlap(span, e) for e in self._engine_spans)
-            self._engine_spans = []
+            if len(held.span) == 2:
+                span = (held.span[0], held.span[1])
+                idle = min(span[1] - span[0], held.idle()) if held.idle is not None else 0.0
+                self.timings.adopt_s += span[1] - span[0] - idle
+                overlap = sum(_overlap(span, e) for e in self._engine_spans)
+                self.timings.overlap_s += max(0.0, overlap - idle)  # the engine ran through every wait for it
+            # keep the engine's spans the adoptions still held may overlap
+            since = self._held[0].since if self._held else t1
+            self._engine_spans = [e for e in self._engine_spans if e[1] > since]
 
     def close(self, *, abandon: bool = False) -> BaseException | None:
-        """End the adopter, waiting for the batch it holds; ``abandon``: it stops after the record it is at (the
-        rest are not adopted, the run's ``not_run``).  Returns the exception the held batch's adoption raised, if
-        any (the caller is already on its way out with one of its own).  Idempotent."""
+        """End the adopter, waiting for the batches it holds; ``abandon``: it stops after the record it is at (the
+        rest are not adopted, the run's ``not_run``).  Returns the first exception a held batch's adoption raised,
+        if any (the caller is already on its way out with one of its own).  Idempotent."""
         if abandon:
             self.stopping.set()
         error: BaseException | None = None
-        if self._held is not None:
+        while self._held:
             try:
                 self.wait()
             except BaseException as exc:  # noqa: BLE001  # handed back: the caller names it beside its own
-                error = exc
+                error = error if error is not None else exc
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
         return error
-
-    def _refuse_if_busy(self, what: str) -> None:
-        if self._held is not None:
-            raise CaptureStoreError(
-                f"Pipeline.{what}: the adopter still holds a batch; wait() for it first (one batch in adoption at most)"
-            )

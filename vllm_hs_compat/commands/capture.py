@@ -515,6 +515,8 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
         result["stopped"] = stopped
     # requests of a queued batch finished while the engine finished the batch before it (0 serial: none queued)
     result["engine_run_ahead"] = work.feed.run_ahead if work is not None else 0
+    # records the adopter began on while the engine still ran their batch (0 serial: each batch adopted after it)
+    result["adopted_while_running"] = work.adopted_early if work is not None else 0
     stored = work.storage_summary() if work is not None else None
     if stored is not None:
         result["storage"] = stored
