@@ -152,7 +152,10 @@ def timed_capture(
         failed=summary.get("failed"),
         storage=summary.get("storage"),
         tokens_per_s=float(summary["tokens_per_s"]),
-        where={k: float(summary.get(k, 0.0)) for k in ("engine_s", "adopt_s", "adopt_wait_s", "overlap_s")},
+        where={
+            k: float(summary.get(k, 0.0))
+            for k in ("engine_s", "adopt_s", "adopt_wait_s", "overlap_s", "adopt_tail_s", "adopted_while_running")
+        },
         settings={**used, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")},
     )
 

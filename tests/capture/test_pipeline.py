@@ -37,6 +37,7 @@ def test_adoption_runs_beside_the_engine_and_the_timings_say_so() -> None:
     assert t.engine_s == pytest.approx(0.15, abs=0.05) and t.adopt_s == pytest.approx(0.2, abs=0.05)
     assert t.overlap_s == pytest.approx(0.1, abs=0.05)  # the second engine batch, inside the adoption
     assert t.adopt_wait_s == pytest.approx(0.1, abs=0.05)  # the rest of the adoption, the engine idle
+    assert pipe.tail_s == pytest.approx(0.1, abs=0.05)  # from the engine's last batch to the adoption's end
 
 
 def test_serial_pipeline_adopts_in_the_calling_thread_with_no_overlap() -> None:
@@ -94,6 +95,7 @@ def test_an_adoptions_wait_for_the_engine_is_neither_adoption_nor_overlap() -> N
     t = pipe.timings
     assert t.adopt_s == pytest.approx(0.1, abs=0.05)  # control: the span was 0.3 s, 0.2 of it the engine's
     assert t.overlap_s == pytest.approx(0.0, abs=0.05) and t.adopt_wait_s == pytest.approx(0.1, abs=0.05)
+    assert pipe.tail_s == pytest.approx(0.1, abs=0.05)  # only what was left after the engine's work
 
 
 def test_an_adopters_exception_is_raised_in_the_waiting_thread_itself() -> None:

@@ -401,7 +401,8 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
         f"{pipelined['adopt_wait_s']:.2f} s of {pipelined['adopt_s']:.2f} s vs {serial['adopt_wait_s']:.2f} s of "
         f"{serial['adopt_s']:.2f} s; requests run ahead {pipelined['engine_run_ahead']} vs "
         f"{serial['engine_run_ahead']}; records adopted while their batch ran {pipelined['adopted_while_running']} "
-        f"vs {serial['adopted_while_running']}"
+        f"vs {serial['adopted_while_running']}; the tail after the engine's last batch {pipelined['adopt_tail_s']:.2f} "
+        f"s vs {serial['adopt_tail_s']:.2f} s"
     )
 
 

@@ -86,6 +86,11 @@ class Pipeline(Generic[_A]):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-adopter") if overlap else None
         self._held: deque[_Held[_A]] = deque()
         self._engine_spans: list[tuple[float, float]] = []  # engine work since the oldest held adoption was handed over
+        self._engine_end = 0.0  # when the engine's latest work returned
+        self._adopt_end = 0.0  # when the latest adoption ended
+        #: Seconds from the engine's last work returning to the end of the last adoption (set by :meth:`close`):
+        #: the run's tail, what adoption adds after the engine is done.
+        self.tail_s = 0.0
 
     @property
     def busy(self) -> bool:
@@ -105,6 +110,7 @@ class Pipeline(Generic[_A]):
         finally:
             t1 = time.monotonic()
             self.timings.engine_s += t1 - t0
+            self._engine_end = t1
             if self._held:
                 self._engine_spans.append((t0, t1))
 
@@ -118,7 +124,8 @@ class Pipeline(Generic[_A]):
         try:
             return work()
         finally:
-            spent = time.monotonic() - t0
+            self._adopt_end = time.monotonic()
+            spent = self._adopt_end - t0
             self.timings.adopt_s += spent
             self.timings.adopt_wait_s += spent
 
@@ -158,6 +165,7 @@ class Pipeline(Generic[_A]):
             self.timings.adopt_wait_s += t1 - t0
             if len(held.span) == 2:
                 span = (held.span[0], held.span[1])
+                self._adopt_end = max(self._adopt_end, span[1])
                 idle = min(span[1] - span[0], held.idle()) if held.idle is not None else 0.0
                 self.timings.adopt_s += span[1] - span[0] - idle
                 overlap = sum(_overlap(span, e) for e in self._engine_spans)
@@ -181,4 +189,6 @@ class Pipeline(Generic[_A]):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._engine_end and self._adopt_end:
+            self.tail_s = max(0.0, self._adopt_end - self._engine_end)
         return error

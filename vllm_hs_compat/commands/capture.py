@@ -462,6 +462,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     counts: Counter[str] = Counter()
     console = _Console(args.out)
     work: Batches | None = None
+    tail_s = 0.0
     stopped: str | None = None
     failed_start = False
     try:
@@ -491,6 +492,7 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
                     stopped = str(exc)
                 finally:
                     left = pipe.close(abandon=True)  # a batch still held after an error: its rest stays not run
+                    tail_s = pipe.tail_s
                     if left is not None:
                         progress(f"the adopter stopped as well: {type(left).__name__}: {left}")
                     store.note_times(
@@ -517,6 +519,8 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     result["engine_run_ahead"] = work.feed.run_ahead if work is not None else 0
     # records the adopter began on while the engine still ran their batch (0 serial: each batch adopted after it)
     result["adopted_while_running"] = work.adopted_early if work is not None else 0
+    # seconds from the engine's last batch returning to the last record adopted: the run's tail
+    result["adopt_tail_s"] = round(tail_s, 3)
     stored = work.storage_summary() if work is not None else None
     if stored is not None:
         result["storage"] = stored
