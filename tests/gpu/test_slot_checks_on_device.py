@@ -6,11 +6,12 @@ scheduling takes away the host's one-step lead).  Held with torch's sync debug m
 check as the connector ran it before (``bool()`` of a device comparison) raises under the same mode.  The verdicts
 must be those of the host reading: a check whose slot vLLM did not write names it, its neighbour passes; while the
 GPU is still busy with work queued before the check, ``poll`` returns without a verdict and the publisher's
-``take(wait=True)`` waits for it.
+``take(wait=True)`` waits for it -- without holding the engine's thread, which submits and polls meanwhile.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,3 +83,21 @@ def test_a_busy_gpu_leaves_the_verdict_in_flight_until_the_publisher_waits() -> 
     checks.poll()
     assert time.perf_counter() - t0 < 0.5 and checks.pending() == 1  # nothing waited, the verdict not here yet
     assert checks.take("bad", wait=True) is not None and checks.pending() == 0
+
+
+def test_a_publisher_waiting_for_a_verdict_never_holds_the_engines_thread() -> None:
+    checks = SlotChecks(lambda req, msg: None)
+    step = _step()
+    _cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued before the check
+    checks.submit(*step, num_slots=NUM_SLOTS)
+    got: list[str | None] = []
+    publisher = threading.Thread(target=lambda: got.append(checks.take("bad", wait=True)))
+    publisher.start()
+    time.sleep(0.1)  # the publisher is in its wait for the GPU
+    t0 = time.perf_counter()
+    checks.submit(*step, num_slots=NUM_SLOTS)  # the engine's next step, and its poll
+    checks.poll()
+    held = time.perf_counter() - t0
+    assert publisher.is_alive() and held < 0.3, held  # control: with the wait under the lock, ~0.9 s
+    publisher.join(10)
+    assert got and got[0] is not None and "position 5" in got[0]

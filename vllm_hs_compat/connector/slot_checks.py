@@ -97,15 +97,17 @@ class SlotChecks:
 
     def take(self, req_id: str, *, wait: bool) -> str | None:
         """The failure found for ``req_id`` (handed out once), or None.  ``wait``: first wait for the verdicts
-        still in flight that check it (the publisher's thread); else only those ready are read."""
+        still in flight that check it (the publisher's thread); else only those ready are read.  The wait holds no
+        lock: the engine's thread submits and polls meanwhile (it never waits for the GPU, not even behind a
+        publisher that does)."""
+        if wait:
+            with self._lock:
+                mine = [f for f in self._in_flight if any(c.req_id == req_id for c in f.checks)]
+            for flight in mine:
+                if flight.event is not None:
+                    flight.event.synchronize()
         with self._lock:
-            if wait:
-                for flight in [f for f in self._in_flight if any(c.req_id == req_id for c in f.checks)]:
-                    if flight.event is not None:
-                        flight.event.synchronize()
-                    self._in_flight.remove(flight)
-                    self._read(flight)
-            self._read_ready()
+            self._read_ready()  # the flights waited for above are ready now (read once, by whichever thread)
             return self._failed.pop(req_id, None)
 
     def pending(self) -> int:
