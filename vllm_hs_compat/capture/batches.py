@@ -451,5 +451,5 @@ def drive(
             adopted(holding.popleft(), pipe.wait())
         if work.may_open_breaker(outcomes):  # this batch to its end before more rows are read
             adopted(holding.popleft(), pipe.wait())
-        nxt = take()  # the reader writes its refused rows now
+        nxt = take()  # the reader indexes the rows it refuses (the store takes one writer at a time)
         batch, ahead = (ahead, nxt) if ahead else (nxt, [])

@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import json
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -304,13 +305,15 @@ class _Console:
     def __init__(self, out: str) -> None:
         self.out = out
         self.by_reason: Counter[str] = Counter()
+        self._lock = threading.Lock()  # the adopter and the row reader (the command's thread) both note rows
 
     def row(self, row: Any) -> Any:
         """Note an index row just written (``store.adopt``/``store.fail``); returns it."""
         if row.status == "ok":
             return row
-        self.by_reason[str(row.reason)] += 1
-        n = sum(self.by_reason.values())
+        with self._lock:
+            self.by_reason[str(row.reason)] += 1
+            n = sum(self.by_reason.values())
         if n <= SHOWN_FAILURES:
             who = f"{row.sample_id!r}" if row.sample_id else "(no id)"
             message = str(row.message or "")
