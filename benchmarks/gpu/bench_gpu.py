@@ -416,9 +416,13 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         if w:  # the capture command's own summary: which side bounded the run
             lines.append(
                 f"{'':<6}   engine {w['engine_s']:.2f} s, adoption {w['adopt_s']:.2f} s ({w['overlap_s']:.2f} s beside "
-                f"the engine), the engine waiting on adoption {w['adopt_wait_s']:.2f} s, the tail after the "
-                f"engine's last batch {w.get('adopt_tail_s', 0.0):.2f} s, {w.get('adopted_while_running', 0):.0f} "
-                "records adopted while their batch ran"
+                f"the engine), the engine waiting on adoption {w['adopt_wait_s']:.2f} s"
+                + (  # a tree whose adopter follows the engine says its tail (earlier trees: not measured)
+                    f", the tail after the engine's last batch {w['adopt_tail_s']:.2f} s, "
+                    f"{w['adopted_while_running']:.0f} records adopted while their batch ran"
+                    if "adopt_tail_s" in w
+                    else ""
+                )
             )
         c = r.get("connector_s")
         if c:  # the connector's worker: its engine-thread stages, then its publisher's

@@ -11,8 +11,9 @@
 #   NAME      the run's name: OUT/NAME/ holds run_gpu.sh's files, OUT/bench-NAME.json its bench.json
 #   VARIANTS  bench_gpu.py --variants (default: capture); give the first run generate,capture for the ratio
 #
-# Runs in the order given (alternate the trees, A B A B, to see the host drift); each run's capture line goes to
-# OUT/compare.log.  NEED (seconds, default 100): a run is skipped when less than that is left before CALL_END.
+# Runs in the order given (alternate the trees, A B A B, to see the host drift); at the end every run's rows go
+# into bench_gpu.py's table (OUT/compare.log), each variant named NAME:VARIANT.  NEED (seconds, default 100): a
+# run is skipped when less than that is left before CALL_END.
 set -uo pipefail
 OUT=${1:?OUT}
 SHAPE=${2:?SHAPE}
@@ -20,6 +21,7 @@ shift 2
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 for spec in "$@"; do
     name=${spec%%=*}
     rest=${spec#*=}
@@ -34,24 +36,25 @@ for spec in "$@"; do
     (cd "$tree" && BENCH_ARGS="--variants $variants" bash benchmarks/gpu/run_gpu.sh "$OUT/$name" "bench-$SHAPE" \
         >"$OUT/$name.out" 2>&1)
     cp "$OUT/$name/bench.json" "$OUT/bench-$name.json" 2>/dev/null
-    "$PY" - "$name" "$tree" "$OUT/bench-$name.json" <<'PY' | tee -a "$OUT/compare.log"
-import json
-import sys
-
-name, tree, path = sys.argv[1:]
-try:
-    rows = json.load(open(path))
-except (OSError, ValueError) as exc:
-    print(f"{name} ({tree}): no bench.json ({exc})")
-    raise SystemExit(0)
-for r in rows:
-    w = r.get("where") or {}
-    print(
-        f"{name} ({tree}): {r.get('shape')} {r.get('variant')} rc={r.get('rc')} "
-        f"{r.get('tokens_per_s') or r.get('tokens', 0) / max(r.get('work_s') or 1e-9, 1e-9):,.0f} tok/s "
-        f"work {r.get('work_s') or 0:.2f} s start {r.get('start_s') or 0:.1f} s; "
-        + ", ".join(f"{k} {v:g}" for k, v in w.items())
-    )
-PY
     echo "compare_trees.sh: $name done in $(($(date +%s) - t0)) s" | tee -a "$OUT/compare.log"
 done
+# every run's rows in bench_gpu.py's own table, each variant named after its run (`generate` is plain vLLM, the
+# same whichever tree ran it: every run's "x gen" is against it)
+"$PY" - "$HERE" "$OUT" "$@" <<'PY' | tee -a "$OUT/compare.log"
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[1])
+from bench_gpu import table  # noqa: E402
+
+rows = []
+for spec in sys.argv[3:]:
+    name = spec.split("=", 1)[0]
+    path = Path(sys.argv[2]) / f"bench-{name}.json"
+    for r in json.loads(path.read_text()) if path.exists() else []:
+        if r.get("variant") != "generate":
+            r["variant"] = f"{name}:{r.get('variant')}"
+        rows.append(r)
+print("\n".join(table(rows)))
+PY
