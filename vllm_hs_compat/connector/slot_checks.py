@@ -23,8 +23,7 @@ import torch
 
 from vllm_hs_compat.core.capture import SlotCheck
 from vllm_hs_compat.core.slots import unwritten_slots
-
-_cuda: Any = torch.cuda  # torch.cuda.Event is untyped
+from vllm_hs_compat.core.transfer import host_waited_event
 
 
 @dataclass(eq=False)  # compared by identity (it holds tensors)
@@ -77,7 +76,7 @@ class SlotChecks:
                                     written, num_slots=num_slots)  # fmt: skip
             verdicts = torch.empty(found.shape, dtype=torch.int64, pin_memory=True)
             verdicts.copy_(found, non_blocking=True)
-            event = _cuda.Event()
+            event = host_waited_event()  # the publisher may wait for it (take(wait=True))
             event.record()
             flight = _InFlight([c for c, _ in checks], verdicts, event, (host, on_device, found))
         with self._lock:
