@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +24,58 @@ else:
         # Printed even with -q: every pairing matrix of the session, and each case's timing.
         for line in e2e_report.lines():
             terminalreporter.write_line(line)
+        for line in _vllm_shm_left:
+            terminalreporter.write_line(f"vLLM shared memory left in /dev/shm by {line} (removed)")
+
+    @pytest.fixture(autouse=True)
+    def _vllm_shared_memory_of_dead_engines(request: pytest.FixtureRequest) -> Iterator[None]:
+        """vLLM's own shared-memory queues (``psm_*``) and multiprocessing semaphores (``sem.mp-*``) are unlinked by
+        the engine processes that made them; an engine a test kills (or one killed past its timeout) leaves them
+        behind, about 200 MB each.  After each test, those that appeared during it and that no live process maps
+        are removed and named in the summary (the package's own pools are asserted by the tests themselves)."""
+        before = _vllm_shm()
+        yield
+        new = _vllm_shm() - before
+        if not new:
+            return
+        live = _mapped_shm()
+        dead = sorted(new - live)
+        size = 0
+        for name in dead:
+            path = _SHM / name
+            try:
+                size += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+        if dead:
+            _vllm_shm_left.append(f"{request.node.nodeid}: {len(dead)} ({size / 2**20:.0f} MiB)")
 
     def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "e2e: starts real vLLM engines (run through the nox e2e sessions)")
+
+
+_SHM = Path("/dev/shm")
+_vllm_shm_left: list[str] = []
+
+
+def _vllm_shm() -> set[str]:
+    """vLLM's shared-memory files in /dev/shm (its message queues' segments, multiprocessing's semaphores)."""
+    if not _SHM.is_dir():
+        return set()
+    return {p.name for p in _SHM.iterdir() if p.name.startswith(("psm_", "sem.mp-"))}
+
+
+def _mapped_shm() -> set[str]:
+    """The /dev/shm files some live process maps."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for line in text.splitlines():
+            at = line.find("/dev/shm/")
+            if at >= 0:
+                names.add(line[at + len("/dev/shm/") :].split(" ")[0])
+    return names
