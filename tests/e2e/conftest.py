@@ -31,25 +31,25 @@ else:
     def _vllm_shared_memory_of_dead_engines(request: pytest.FixtureRequest) -> Iterator[None]:
         """vLLM's own shared-memory queues (``psm_*``) and multiprocessing semaphores (``sem.mp-*``) are unlinked by
         the engine processes that made them; an engine a test kills (or one killed past its timeout) leaves them
-        behind, about 200 MB each.  After each test, those that appeared during it and that no live process maps
-        are removed and named in the summary (the package's own pools are asserted by the tests themselves)."""
+        behind, up to about 200 MB each.  After each test, those that appeared during it and that no live process
+        maps or holds open (a creator holds its file open before it maps it) are removed and named in the summary
+        (the package's own pools are asserted by the tests themselves)."""
         before = _vllm_shm()
         yield
         new = _vllm_shm() - before
         if not new:
             return
-        live = _mapped_shm()
-        dead = sorted(new - live)
-        size = 0
-        for name in dead:
+        removed, size = 0, 0
+        for name in sorted(new - _shm_in_use()):
             path = _SHM / name
             try:
                 size += path.stat().st_size
                 path.unlink()
             except FileNotFoundError:
                 continue
-        if dead:
-            _vllm_shm_left.append(f"{request.node.nodeid}: {len(dead)} ({size / 2**20:.0f} MiB)")
+            removed += 1
+        if removed:
+            _vllm_shm_left.append(f"{request.node.nodeid}: {removed} ({size / 2**20:.0f} MiB)")
 
     def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "e2e: starts real vLLM engines (run through the nox e2e sessions)")
@@ -66,16 +66,24 @@ def _vllm_shm() -> set[str]:
     return {p.name for p in _SHM.iterdir() if p.name.startswith(("psm_", "sem.mp-"))}
 
 
-def _mapped_shm() -> set[str]:
-    """The /dev/shm files some live process maps."""
+def _shm_in_use() -> set[str]:
+    """The /dev/shm files some live process maps or holds open."""
     names: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = maps.read_text()
+            text = (proc / "maps").read_text()
+            fds = list((proc / "fd").iterdir())
         except OSError:  # the process ended, or is not ours to read
             continue
         for line in text.splitlines():
             at = line.find("/dev/shm/")
             if at >= 0:
                 names.add(line[at + len("/dev/shm/") :].split(" ")[0])
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("/dev/shm/"):
+                names.add(link[len("/dev/shm/") :])
     return names
