@@ -15,6 +15,8 @@ in-process engine on the same settings -- vLLM's own defaults for the platform (
 * ``capture_serial`` -- ``capture`` with ``--adoption serial`` (each batch adopted before the next reaches the
   engine; the command overlaps them on a GPU by default): what the overlap buys, side by side (not in the default
   list; ``--variants generate,capture,capture_serial``);
+* ``capture_procs`` -- ``capture`` with ``--adoption-checks processes`` (adoption's checks ahead in processes of
+  their own instead of threads beside the engine's: docs/capture.md; not in the default list);
 * ``capture@N`` (any capture variant) -- the same with ``--batch-size N``: what the size of the batches the command
   gives the engine costs, side by side (``--variants capture,capture@256``);
 * ``example``      -- vLLM's in-tree ``ExampleHiddenStatesConnector`` writing the same layers (one safetensors file
@@ -59,13 +61,14 @@ VARIANTS = (
     "generate",
     "capture",
     "capture_serial",
+    "capture_procs",
     "example",
     "export",
     "extract",
     "capture_fp8",
 )  # the order they run in
-#: What runs unless ``--variants`` says otherwise (``capture_serial`` is the overlap's comparison, asked for).
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "capture_serial")
+#: What runs unless ``--variants`` says otherwise (``capture_serial`` and ``capture_procs`` are comparisons, asked for).
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in ("capture_serial", "capture_procs"))
 FIRST_TOKEN, LAST_TOKEN = 3, 500  # inside the tiny tokenizer's vocabulary (512): capture checks ids against it
 
 
@@ -187,6 +190,8 @@ def run_capture(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any
     argv = ["--loss-mask", "all", "--engine-args", json.dumps(a.engine_args)]
     if a.variant == "capture_serial":
         argv += ["--adoption", "serial"]
+    if a.variant == "capture_procs":
+        argv += ["--adoption-checks", "processes"]
     if a.batch_size is not None:
         argv += ["--batch-size", str(a.batch_size)]
     tree = Path(a.work) / f"tree-{storage}"
@@ -371,7 +376,7 @@ def child(a: argparse.Namespace) -> int:
         out["batch_size"] = size
     if a.variant in ("generate", "extract"):
         run_generate(a, rows, out, spec=a.variant == "extract")
-    elif a.variant in ("capture", "capture_serial", "capture_fp8"):
+    elif a.variant in ("capture", "capture_serial", "capture_procs", "capture_fp8"):
         run_capture(a, rows, out, "fp8_e4m3" if a.variant == "capture_fp8" else "captured")
     elif a.variant == "example":
         run_example(a, rows, out)

@@ -355,12 +355,14 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
     summary) show the overlap: adoption time spent while the engine ran (``overlap_s``), requests of the queued
     batch finished in the steps finishing the one before (``engine_run_ahead``) and records adopted while their
     batch still ran (``adopted_while_running``) in the overlapped run; in the serial run, the negative control, none
-    of any and the engine waiting through every adoption.  Both trees hold every sample once, verified, with the
-    same hidden states."""
+    of any and the engine waiting through every adoption.  The overlapped run checks records ahead in processes of
+    their own (``--adoption-checks processes``), the serial one in threads.  Both trees hold every sample once,
+    verified, with the same hidden states."""
     rows = _short_rows(hf[1], 12)
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    modes = {"pipelined": ("--adoption", "overlap"), "serial": ()}  # serial: the default here, on a CPU
+    # serial: the default here, on a CPU; the overlapped run also checks records ahead in processes of their own
+    modes = {"pipelined": ("--adoption", "overlap", "--adoption-checks", "processes"), "serial": ()}
     procs = {
         mode: subprocess.Popen(
             [*_cmd(model_dir, data, tmp_path / mode), "--batch-size", "2", *extra],
@@ -389,6 +391,11 @@ def test_adoption_runs_beside_the_engine_and_keeps_the_serial_records(tmp_path: 
     # the adopter followed the engine into the batch it ran: records taken as their requests finished, before the
     # engine's part of their batch returned; serial adopts each batch after it
     assert pipelined["adopted_while_running"] > 0 and serial["adopted_while_running"] == 0, (pipelined, serial)
+    # adoption's checks ahead ran in processes beside the engine (answers taken, none lost to a worker), the serial
+    # run's in threads
+    checks = pipelined["adoption_checks"]
+    assert checks["in"] == "processes" and checks["checked_ahead"] > 0 and checks["fallbacks"] == 0, checks
+    assert serial["adoption_checks"]["in"] == "threads", serial["adoption_checks"]
     records = {}
     for mode in modes:
         ok = [r for r in read_index(tmp_path / mode).to_pylist() if r["status"] == "ok"]

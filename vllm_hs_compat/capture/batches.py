@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,43 +82,122 @@ def wait_files(ticket: Mapping[str, Any], deadline: float) -> Path | None:
 #: Threads that check staged records ahead of their adoption (reading a record back, its checksum and its NaN/Inf
 #: check are most of adoption's time, and release the interpreter); 1: each record is checked when adopted.
 CHECK_THREADS = min(4, os.cpu_count() or 1)
+#: Where adoption's checks ahead run (``capture --adoption-checks``): threads of this process, or processes of
+#: their own, which leave the interpreter to the engine's thread beside them (docs/capture.md).
+CHECK_IN = ("threads", "processes")
+
+
+def _check_in_process(sample: Any, manifest: Path) -> Any:
+    """:meth:`CaptureStore.check` in a checking process: the same verification, from the store's module (a pure
+    function of the sample and the record's files)."""
+    from vllm_hs_compat.capture.staged import check_staged
+
+    return check_staged(sample, manifest, sample.input_ids)
+
+
+def _ready() -> bool:
+    """A checking process's first task: import what a check needs, before the first record waits on it."""
+    import vllm_hs_compat.capture.staged  # noqa: F401
+
+    return True
+
+
+class Checkers:
+    """The run's workers that check staged records ahead of adoption (:class:`CheckAhead` offers them records):
+    ``count`` threads of this process, or ``count`` processes (``spawn``; they only read the records' files and
+    return the store's answer).  Started once for the run, closed at its end (:meth:`close`).  A check that fails
+    in a worker (a process that died included) costs only the check ahead: the adopter checks that record itself
+    (``fallbacks`` counts them; ``checked_ahead`` the answers the adopter took)."""
+
+    def __init__(self, store: Any, count: int, where: str = "threads") -> None:
+        if where not in CHECK_IN:
+            raise CaptureConfigError(f"adoption checks in {where!r}: expected one of {', '.join(CHECK_IN)}")
+        self.store, self.count, self.where = store, count, where
+        self.checked_ahead = 0
+        """Answers the adopter took from the workers."""
+        self.fallbacks = 0
+        self._pool: ThreadPoolExecutor | ProcessPoolExecutor | None = None
+        if count > 1 and where == "threads":
+            self._pool = ThreadPoolExecutor(count, thread_name_prefix="capture-check")
+        elif count > 1:
+            import multiprocessing
+
+            self._pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
+            for _ in range(count):
+                self._pool.submit(_ready)
+
+    @property
+    def active(self) -> bool:
+        return self._pool is not None
+
+    def submit(self, sample: Any, path: Path) -> Future[Any] | None:
+        """Start checking ``sample``'s record at ``path``; None where it cannot be checked ahead (no workers, no
+        input ids to check against -- the adopter's own check says why -- or a pool that broke)."""
+        if self._pool is None or sample.input_ids is None:
+            return None
+        try:
+            if isinstance(self._pool, ProcessPoolExecutor):
+                return self._pool.submit(_check_in_process, sample, path)
+            return self._pool.submit(self.store.check, sample, path)
+        except BrokenExecutor:
+            return None
+
+    def answer(self, future: Future[Any]) -> Any:
+        """The store's answer from ``future`` (waiting for it), or None when the worker failed (the adopter checks)."""
+        try:
+            answer = future.result()
+        except Exception:  # a worker's error or death: the adopter's own check gives the answer or the error
+            self.fallbacks += 1
+            return None
+        self.checked_ahead += 1
+        return answer
+
+    def close(self) -> None:
+        """Stop the workers (checks not started are dropped; the ones in progress only read)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 class CheckAhead:
-    """Staged records checked (:meth:`CaptureStore.check`) in a few threads ahead of their adoption, which stays
-    in order in the adopter: only records whose files the sink finished are taken (a thread never waits for a
-    file), and an answer is used only for the very file it checked."""
+    """Staged records checked by the run's :class:`Checkers` ahead of their adoption, which stays in order in the
+    adopter: only records whose files the sink finished are offered (a worker never waits for a file), and an answer
+    is used only for the very file it checked."""
 
-    def __init__(self, store: Any, threads: int) -> None:
-        self.store = store
-        self.window = 2 * threads if threads > 1 else 0
-        """How many outcomes past the one being adopted are offered to the threads."""
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="capture-check") if threads > 1 else None
+    def __init__(self, checkers: Checkers) -> None:
+        self.checkers = checkers
+        self.window = 2 * checkers.count if checkers.active else 0
+        """How many outcomes past the one being adopted are offered to the workers."""
         self._pending: dict[int, tuple[Path, Future[Any]]] = {}
 
     def offer(self, outcomes: list[Outcome]) -> None:
         """Start checking those of ``outcomes`` whose files are ready."""
-        if self._pool is None:
+        if not self.checkers.active:
             return
         for o in outcomes:
             if o.ticket is None or not o.counted or id(o) in self._pending:
                 continue
             path = files_ready(o.ticket)
             if path is not None:
-                self._pending[id(o)] = (path, self._pool.submit(self.store.check, o.info, path))
+                future = self.checkers.submit(o.info, path)
+                if future is not None:
+                    self._pending[id(o)] = (path, future)
 
     def take(self, o: Outcome, path: Path) -> Any:
         """The answer for ``o``'s file at ``path`` if it was checked ahead (waiting for it), else None."""
         pending = self._pending.pop(id(o), None)
         if pending is None or pending[0] != path:
             return None
-        return pending[1].result()
+        return self.checkers.answer(pending[1])
 
     def close(self) -> None:
-        """Drop what is not taken; wait for the checks in progress (they only read)."""
+        """Drop what is not taken: checks not started are cancelled, the ones in progress waited for (they only
+        read, but the files they read may go once the batch ends)."""
+        futures = [f for _, f in self._pending.values()]
         self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        for f in futures:
+            f.cancel()
+        wait(futures)
 
 
 @dataclass
@@ -233,6 +312,7 @@ class Batches:
         llm: Any,
         note_row: Callable[[Any], Any],
         check_threads: int = CHECK_THREADS,
+        check_in: str = "threads",
     ) -> None:
         from vllm_hs_compat.capture.policy import Breaker, Retry
 
@@ -240,7 +320,8 @@ class Batches:
         self.feed = EngineFeed(llm)
         self._queued: _Queued | None = None  # the next batch, queued in the engine behind the running one
         self.note_row = note_row
-        self.check_threads = check_threads  # adoption's checking threads (:class:`CheckAhead`)
+        #: adoption's checking workers (:class:`CheckAhead`), for the whole run: :meth:`close` stops them
+        self.checkers = Checkers(store, check_threads, check_in)
         self.retry = Retry(args.retries + 1)
         #: Counts records that failed in the engine, the connector or adoption, never rows the reader refused: those
         #: cost no engine time, are indexed with their reason and say nothing of the next row (docs/capture.md).
@@ -249,6 +330,10 @@ class Batches:
         self.adopted_early = 0
         #: this run's compact records: (relative error max, mean, tokens, bytes) of each (``--storage``)
         self.stored: list[tuple[float, float, int, int]] = []
+
+    def close(self) -> None:
+        """Stop adoption's checking workers (at the run's end, after the last adoption)."""
+        self.checkers.close()
 
     def note_storage(self, row: Any) -> None:
         """Keep the error a compact storage measured for an adopted record (its manifest's ``storage`` entry)."""
@@ -349,7 +434,7 @@ class Batches:
         as the engine knows it; the batch ends early, its rest not run, if the stream closes without one).
         ``stop``: set when the run is abandoned; the rest stay not run."""
         again: list[Any] = []
-        ahead = CheckAhead(self.store, self.check_threads)
+        ahead = CheckAhead(self.checkers)
         stream = outcomes if isinstance(outcomes, OutcomeStream) else None
         listed = outcomes if not isinstance(outcomes, OutcomeStream) else []
         size = stream.size if stream is not None else len(listed)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hs_compat.capture.batches import Batches, drive
+from vllm_hs_compat.capture.batches import CHECK_IN, Batches, drive
 from vllm_hs_compat.capture.pipeline import Pipeline
 from vllm_hs_compat.commands import console_to_log, progress, stdout_to_stderr
 from vllm_hs_compat.errors import CaptureConfigError, CircuitOpenError, EngineStartError, HsCompatError, ToolError
@@ -134,6 +134,14 @@ def register(sub: Any) -> None:
         help="overlap: adopt each batch while the engine runs the next one; serial: before the next one reaches "
         "the engine; auto (default): overlap where the engine runs on a GPU, serial on vLLM's CPU build (there "
         "the adopter takes the engine's own cores)",
+    )
+    p.add_argument(
+        "--adoption-checks",
+        choices=CHECK_IN,
+        default="threads",
+        help="where adoption checks staged records ahead of adopting them (read back, checksum, token ids, NaN/Inf): "
+        "threads of this process (default), or processes of their own, which leave the interpreter to the engine's "
+        "thread beside them (docs/capture.md)",
     )
     p.add_argument("--limit", type=int, default=None, help="stop after this many rows of this rank's share")
     p.add_argument("--engine-args", default=None, help="more vllm.LLM arguments as a JSON object")
@@ -489,12 +497,15 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
                         store=store,
                         llm=llm,
                         note_row=console.row,
+                        check_in=args.adoption_checks,
                     )
                     drive(work, first, rows, args.batch_size, pipe, progress)
                 except CircuitOpenError as exc:
                     stopped = str(exc)
                 finally:
                     left = pipe.close(abandon=True)  # a batch still held after an error: its rest stays not run
+                    if work is not None:
+                        work.close()  # adoption's checking workers
                     tail_s = pipe.tail_s
                     if left is not None:
                         progress(f"the adopter stopped as well: {type(left).__name__}: {left}")
@@ -522,6 +533,16 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     result["engine_run_ahead"] = work.feed.run_ahead if work is not None else 0
     # records the adopter began on while the engine still ran their batch (0 serial: each batch adopted after it)
     result["adopted_while_running"] = work.adopted_early if work is not None else 0
+    # adoption's checks ahead: where they ran, how many answers the adopter took from them, and how many records
+    # the adopter checked itself because a worker failed (a process that died)
+    if work is not None:
+        checks = work.checkers
+        result["adoption_checks"] = {
+            "in": checks.where,
+            "workers": checks.count if checks.count > 1 else 0,
+            "checked_ahead": checks.checked_ahead,
+            "fallbacks": checks.fallbacks,
+        }
     # seconds from the engine's last batch returning to the last record adopted: the run's tail
     result["adopt_tail_s"] = round(tail_s, 3)
     stored = work.storage_summary() if work is not None else None
