@@ -99,13 +99,19 @@ def test_records_checked_ahead_in_threads_are_adopted_in_order_as_if_checked_one
 def test_records_checked_ahead_in_processes_are_adopted_as_if_checked_one_by_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ahead, threads, taken = _adopt_all(tmp_path / "ahead", 2, monkeypatch, check_in="processes")
+    ready: list[int] = []
+
+    def count_ready(work: Batches) -> None:  # read once the run's end closed the workers
+        monkeypatch.setattr(work, "close", lambda: (Batches.close(work), ready.append(work.checkers.ready)))
+
+    ahead, threads, taken = _adopt_all(tmp_path / "ahead", 2, monkeypatch, check_in="processes", before=count_ready)
     one_by_one, _, _ = _adopt_all(tmp_path / "serial", 1, monkeypatch)
     assert ahead == one_by_one  # the same rows, statuses, reasons and checksums, in the same order
     assert [r[2] for r in ahead if r[1] != "ok"] == ["tokenizer_mismatch"]
     # every record after the first was checked ahead, by the processes: the store's own check ran only in the
     # adopter's thread, for the first record (nothing is offered before it), in no checking thread of this process
     assert taken == 9 and threads == {threading.current_thread().name}, (taken, threads)
+    assert ready == [2]  # both processes came up
 
 
 def test_a_checking_process_that_died_costs_only_the_check_ahead(

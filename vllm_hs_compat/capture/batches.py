@@ -85,6 +85,8 @@ CHECK_THREADS = min(4, os.cpu_count() or 1)
 #: Where adoption's checks ahead run (``capture --adoption-checks``): threads of this process, or processes of
 #: their own, which leave the interpreter to the engine's thread beside them (docs/capture.md).
 CHECK_IN = ("threads", "processes")
+#: Seconds a run's end waits for checking processes still starting (importing torch), to say whether they came up.
+READY_WAIT_S = 60.0
 
 
 def _check_in_process(sample: Any, manifest: Path) -> Any:
@@ -116,15 +118,18 @@ class Checkers:
         self.checked_ahead = 0
         """Answers the adopter took from the workers."""
         self.fallbacks = 0
+        self.ready = 0
+        """Workers that were up by :meth:`close` (a process: it started and imported the checks)."""
         self._pool: ThreadPoolExecutor | ProcessPoolExecutor | None = None
+        self._started: list[Future[bool]] = []
         if count > 1 and where == "threads":
             self._pool = ThreadPoolExecutor(count, thread_name_prefix="capture-check")
+            self.ready = count
         elif count > 1:
             import multiprocessing
 
             self._pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
-            for _ in range(count):
-                self._pool.submit(_ready)
+            self._started = [self._pool.submit(_ready) for _ in range(count)]
 
     @property
     def active(self) -> bool:
@@ -154,6 +159,10 @@ class Checkers:
 
     def close(self) -> None:
         """Stop the workers (checks not started are dropped; the ones in progress only read)."""
+        if self._started:  # long done in a run of any length; a short one waits for its processes' start
+            done, _ = wait(self._started, timeout=READY_WAIT_S)
+            self.ready = sum(1 for f in done if f.exception() is None and f.result())
+            self._started = []
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -533,13 +533,15 @@ def capture(args: argparse.Namespace) -> dict[str, Any]:
     result["engine_run_ahead"] = work.feed.run_ahead if work is not None else 0
     # records the adopter began on while the engine still ran their batch (0 serial: each batch adopted after it)
     result["adopted_while_running"] = work.adopted_early if work is not None else 0
-    # adoption's checks ahead: where they ran, how many answers the adopter took from them, and how many records
-    # the adopter checked itself because a worker failed (a process that died)
+    # adoption's checks ahead: where they ran, how many workers came up, how many answers the adopter took from them
+    # (only records finished before the adopter reached them are offered) and how many records the adopter checked
+    # itself because a worker failed (a process that died)
     if work is not None:
         checks = work.checkers
         result["adoption_checks"] = {
             "in": checks.where,
             "workers": checks.count if checks.count > 1 else 0,
+            "ready": checks.ready,
             "checked_ahead": checks.checked_ahead,
             "fallbacks": checks.fallbacks,
         }
