@@ -89,14 +89,6 @@ CHECK_IN = ("threads", "processes")
 READY_WAIT_S = 60.0
 
 
-def _check_in_process(sample: Any, manifest: Path) -> Any:
-    """:meth:`CaptureStore.check` in a checking process: the same verification, from the store's module (a pure
-    function of the sample and the record's files)."""
-    from vllm_hs_compat.capture.staged import check_staged
-
-    return check_staged(sample, manifest, sample.input_ids)
-
-
 def _ready() -> bool:
     """A checking process's first task: import what a check needs, before the first record waits on it."""
     import vllm_hs_compat.capture.staged  # noqa: F401
@@ -141,8 +133,10 @@ class Checkers:
         if self._pool is None or sample.input_ids is None:
             return None
         try:
-            if isinstance(self._pool, ProcessPoolExecutor):
-                return self._pool.submit(_check_in_process, sample, path)
+            if isinstance(self._pool, ProcessPoolExecutor):  # the store's own check, as a function of its module
+                from vllm_hs_compat.capture.staged import check_sample
+
+                return self._pool.submit(check_sample, sample, path)
             return self._pool.submit(self.store.check, sample, path)
         except BrokenExecutor:
             return None

@@ -14,13 +14,14 @@ Pure Python + torch (through export/files.py and core/finite.py); never vLLM.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_hs_compat.core.records import RecordMeta
 from vllm_hs_compat.core.vocabulary import REASON_NON_FINITE
-from vllm_hs_compat.errors import ExportConfigError, RecordFailedError, RecordFormatError
+from vllm_hs_compat.errors import CaptureStoreError, ExportConfigError, RecordFailedError, RecordFormatError
 from vllm_hs_compat.export import files
 
 from .rows import SampleInfo
@@ -60,6 +61,18 @@ def record_files(path: Path) -> tuple[Path, Path, Path]:
     else:
         stem = name
     return path.with_name(f"{stem}.safetensors"), path.with_name(f"{stem}.json"), path.with_name(f"{stem}.error.json")
+
+
+def check_sample(sample: SampleInfo, manifest: str | os.PathLike[str]) -> Staged | Refused:
+    """:meth:`CaptureStore.check`: the staged record at ``manifest`` checked against ``sample`` and the ids its
+    engine was given (``sample.input_ids``); reads the record, changes nothing, so it runs in any thread or process
+    (adoption's checks ahead)."""
+    if sample.input_ids is None:
+        raise CaptureStoreError(
+            f"sample {sample.key!r}: adopt needs SampleInfo.input_ids (the ids given to the engine) to check the "
+            "record's token ids; build it with SampleInfo.of(sample)"
+        )
+    return check_staged(sample, Path(manifest), sample.input_ids)
 
 
 def check_staged(sample: SampleInfo, manifest: Path, input_ids: tuple[int, ...]) -> Staged | Refused:

@@ -66,7 +66,7 @@ from .durable import RankLock, write_atomic
 from .index import TreeIndex, failed_rows, read_index
 from .policy import NOT_RETRIED, Breaker, Retry
 from .rows import INDEX_COLUMNS, IndexRow, SampleInfo, owner_of, sample_key, trim
-from .staged import Refused, Staged, check_staged, record_files
+from .staged import Refused, Staged, check_sample, record_files
 from .summary import Summary, read_summary
 from .tree import SHARD_RE, check_run_json, json_config
 
@@ -228,12 +228,7 @@ class CaptureStore:
     def check(self, sample: SampleInfo, manifest: str | os.PathLike[str]) -> Staged | Refused:
         """:meth:`adopt`'s verification of the staged record alone: reads the record, changes nothing (no lock), so
         callers may verify records ahead in other threads and hand the answer to :meth:`adopt` (``checked``)."""
-        if sample.input_ids is None:
-            raise CaptureStoreError(
-                f"sample {sample.key!r}: adopt needs SampleInfo.input_ids (the ids given to the engine) to check the "
-                "record's token ids; build it with SampleInfo.of(sample)"
-            )
-        return check_staged(sample, Path(manifest), sample.input_ids)
+        return check_sample(sample, manifest)
 
     @_locked
     def adopt(
