@@ -470,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--engine-args", default='{"load_format": "dummy"}', help="vllm.LLM arguments of every variant (JSON)"
     )
+    ap.add_argument(
+        "--pyspy",
+        default=None,
+        help="a py-spy binary: record each variant's process with it (native frames, idle threads, its child "
+        "processes; 50 samples/s) into OUT/SHAPE-VARIANT.pyspy.txt -- benchmarks/gpu/pyspy_threads.py reads it",
+    )
     # a child (one variant) or the export's trainer
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -523,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
                    "--slots", str(a.slots), "--engine-args", json.dumps(a.engine_args)]  # fmt: skip
             if a.batch_size is not None:
                 cmd += ["--batch-size", str(a.batch_size)]
+            if a.pyspy:  # where each thread's time goes (it slows the process it samples: not for the ratios)
+                prof = out / f"{shape}-{variant}.pyspy.txt"
+                cmd = [a.pyspy, "record", "--native", "--idle", "--threads", "--subprocesses", "--format", "raw",
+                       "--rate", "50", "--output", str(prof), "--", *cmd]  # fmt: skip
             t = time.monotonic()
             log = out / f"{shape}-{variant}.log"
             timeout = a.timeout if left is None else min(a.timeout, left)
