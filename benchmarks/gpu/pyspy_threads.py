@@ -27,12 +27,11 @@ from pathlib import Path
 
 _PY = re.compile(r"\((?:.*\.py|<[^>]+>):\d+\)$")  # "func (file.py:12)", "<module> (<frozen x>:3)"
 _LIB = re.compile(r"\(([^()]*)\)$")
-_COND = ("pthread_cond_wait", "pthread_cond_timedwait", "pthread_cond_clockwait")
-_SEM = ("sem_wait", "sem_timedwait", "sem_clockwait", "do_futex_wait", "futex_wait", "__futex_abstimed_wait")
+_GIL = re.compile(r"gil|RestoreThread|SuspendAttach|GILState|take_gil", re.IGNORECASE)
+_SLEEP = ("nanosleep", "clock_nanosleep", "usleep", "time_sleep")
+_POLL = ("poll", "epoll_wait", "select", "pselect", "recv", "accept", "wait4", "waitpid")
 _IO = ("write", "pwrite", "writev", "read", "pread", "open", "fsync", "fdatasync", "rename", "unlink", "close",
        "ftruncate", "fallocate", "mmap", "munmap", "madvise", "copy_file_range", "sendfile", "syncfs")  # fmt: skip
-_SLEEP = ("nanosleep", "clock_nanosleep", "usleep")
-_POLL = ("poll", "epoll_wait", "select", "pselect", "recv", "accept", "wait4", "waitpid")
 
 
 def _lib(frame: str) -> str:
@@ -44,31 +43,37 @@ def _name(frame: str) -> str:
     return frame.split(" (", 1)[0].lstrip("_")
 
 
+def _interp(frame: str) -> bool:
+    """A frame of the interpreter itself (its library, its binary, or a Python frame)."""
+    lib = _lib(frame)
+    return bool(_PY.search(frame)) or lib.startswith(("libpython", "python")) or bool(_GIL.search(_name(frame)))
+
+
 def classify(frames: list[str]) -> tuple[str, str]:
     """(category, the innermost Python frame) of one sample's frames, root first."""
     last = max((i for i, f in enumerate(frames) if _PY.search(f)), default=-1)
     where = frames[last] if last >= 0 else "(no Python frame)"
-    tail = frames[last + 1 :]
-    if not tail:
-        return "python", where
-    libs = [_lib(f) for f in tail]
+    tail = frames[last:] if last >= 0 else frames
     names = [_name(f) for f in tail]
+    libs = [_lib(f) for f in tail]
+    if len(tail) <= 1 and last >= 0:
+        return "python", where
+    for i in range(1, len(tail)):  # a condition wait called by the interpreter or a GIL re-take: the GIL
+        if names[i].startswith("pthread_cond") and _interp(tail[i - 1]):
+            return "gil", where
+    if any("acquire_lock" in n or n.startswith(("sem_wait", "sem_timedwait", "sem_clockwait")) for n in names):
+        return "lock", where
     if any("libcuda" in x or "libcudart" in x for x in libs):
         return "cuda", where
-    plain = all(x.startswith(("libc", "libpthread", "libpython", "python", "ld-linux")) for x in libs)
-    if plain:
-        if any(n.startswith(_COND) for n in names):
-            return "gil", where
-        if any(n.startswith(_SEM) for n in names):
-            return "lock", where
-        if any(n.startswith(_SLEEP) for n in names):
-            return "sleep", where
-        if any(n.startswith(_POLL) for n in names):
-            return "poll", where
-        if any(n.rstrip("64").startswith(_IO) for n in names):
-            return "io", where
-    inner = next((x for x in reversed(libs) if not x.startswith(("libc", "libpthread"))), libs[-1])
-    return f"native:{inner.split('.so')[0] or '?'}", where
+    for cat, keys in (("sleep", _SLEEP), ("poll", _POLL)):
+        if any(n.startswith(keys) or any(k in n for k in keys[:2]) for n in names[1:]):
+            return cat, where
+    if any(n.rstrip("64").startswith(_IO) and x.startswith("libc") for n, x in zip(names, libs, strict=True)):
+        return "io", where
+    inner = next((f for f in reversed(tail[1:]) if not _lib(f).startswith(("libc", "libpthread"))), tail[-1])
+    if _interp(inner):
+        return "python", where
+    return f"native:{_lib(inner).split('.so')[0] or '?'}", where
 
 
 def _thread(parts: list[str]) -> tuple[str, int]:
