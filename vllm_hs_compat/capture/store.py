@@ -264,7 +264,8 @@ class CaptureStore:
         durable.point("adopt.after_tensors")
         raw = staged.manifest
         raw["tensors"] = dest_tensors.name
-        write_atomic(dest_manifest, json.dumps(raw, indent=1).encode(), tag=f"rank-{self.rank}")
+        # compact, as the connector wrote it (files.write_record: the C encoder, in the adopter beside the engine)
+        write_atomic(dest_manifest, json.dumps(raw, separators=(",", ":")).encode(), tag=f"rank-{self.rank}")
         durable.point("adopt.after_manifest")
         staged.manifest_path.unlink(missing_ok=True)
         staged.error_path.unlink(missing_ok=True)

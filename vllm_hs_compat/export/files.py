@@ -201,7 +201,9 @@ def write_record(
         header["storage"] = json.dumps(manifest["storage"])
         tensors = {"hidden_states_fp8": q, "scales": scales, "token_ids": token_ids}
     _atomic_save(tensors_path, tensors, header)
-    _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+    # compact: json's C encoder (indent= takes its pure-Python one: 4x the time for a record of 1,300 token ids,
+    # held in the interpreter beside a GPU engine's thread, in every record's publisher)
+    _atomic_write(manifest_path, json.dumps(manifest, separators=(",", ":")).encode())
     return manifest_path
 
 
