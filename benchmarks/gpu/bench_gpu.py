@@ -41,6 +41,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -149,6 +150,37 @@ def _prompts(rows: list[list[int]]) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": r} for r in rows]
 
 
+class PySpy:
+    """``--pyspy``: py-spy attached to this variant's process for its timed part only (the engine's start and
+    warm-up are most of the process's life), writing its raw samples to ``path`` when stopped."""
+
+    def __init__(self, exe: str | None, path: Path) -> None:
+        self.exe, self.path = exe, path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if self.exe is None:
+            return
+        self.path.unlink(missing_ok=True)
+        cmd = [self.exe, "record", "--pid", str(os.getpid()), "--native", "--idle", "--threads", "--subprocesses",
+               "--format", "raw", "--rate", "50", "--output", str(self.path)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(0.5)  # attached before the clock starts
+
+    def stop(self, out: dict[str, Any]) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        try:
+            _, err = self.proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        out["pyspy"] = {"path": self.path.name, "rc": self.proc.returncode, "written": self.path.is_file()}
+        if not self.path.is_file():
+            out["pyspy"]["stderr"] = err.decode(errors="replace")[-800:]
+
+
 def run_generate(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any], spec: bool) -> None:
     from vllm import LLM
 
@@ -158,9 +190,12 @@ def run_generate(a: argparse.Namespace, rows: list[list[int]], out: dict[str, An
     llm = LLM(**_engine_args(a.model, a.layers, spec, a.engine_args))  # as the capture engine: stats logging off
     out["start_s"] = time.monotonic() - t0
     _warmup(llm)
+    spy = PySpy(a.pyspy, Path(a.out) / f"{a.shape}-{a.variant_name}.pyspy.txt")
+    spy.start()
     t = time.monotonic()
     llm.generate(_prompts(rows), sampling_params(max_tokens=1, temperature=0.0), use_tqdm=False)
     out["work_s"] = time.monotonic() - t
+    spy.stop(out)
     out["bytes"] = 0
     _memory(out)
     _config(llm, out)
@@ -200,13 +235,16 @@ def run_capture(a: argparse.Namespace, rows: list[list[int]], out: dict[str, Any
     # interpreter too -- the ~1B engine's one run beside them was 1.55x slower than the session before: the headline
     # rows run without them)
     clock = ThreadClock() if os.environ.get("BENCH_THREADS") == "1" else None
+    spy = PySpy(a.pyspy, Path(a.out) / f"{a.shape}-{a.variant_name}.pyspy.txt")
 
     def warmup(llm: Any) -> None:  # the clock runs from the warmed engine to the command's return (its shutdown too)
         _warmup(llm, optout)
         if clock is not None:
             clock.__enter__()
+        spy.start()
 
     got = timed_capture(a.model, a.data, str(tree), storage, ",".join(map(str, a.layers)), argv, warmup=warmup)
+    spy.stop(out)
     out.update(got)
     if clock is not None:
         clock.__exit__(None, None, None)
@@ -370,6 +408,7 @@ def child(a: argparse.Namespace) -> int:
     known = split_variant(a.variant)
     if known is None:
         raise SystemExit(f"unknown variant {a.variant!r}")
+    a.variant_name = a.variant  # as asked (capture@256), for file names
     a.variant, size = known
     if size is not None:
         a.batch_size = size
@@ -473,8 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pyspy",
         default=None,
-        help="a py-spy binary: record each variant's process with it (native frames, idle threads, its child "
-        "processes; 50 samples/s) into OUT/SHAPE-VARIANT.pyspy.txt -- benchmarks/gpu/pyspy_threads.py reads it",
+        help="a py-spy binary: record the timed part of each generate or capture variant with it (native frames, "
+        "idle threads, the processes it starts; 50 samples/s) into OUT/SHAPE-VARIANT.pyspy.txt -- "
+        "benchmarks/gpu/pyspy_threads.py reads it",
     )
     # a child (one variant) or the export's trainer
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -530,9 +570,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.batch_size is not None:
                 cmd += ["--batch-size", str(a.batch_size)]
             if a.pyspy:  # where each thread's time goes (it slows the process it samples: not for the ratios)
-                prof = out / f"{shape}-{variant}.pyspy.txt"
-                cmd = [a.pyspy, "record", "--native", "--idle", "--threads", "--subprocesses", "--format", "raw",
-                       "--rate", "50", "--output", str(prof), "--", *cmd]  # fmt: skip
+                cmd += ["--pyspy", a.pyspy]
             t = time.monotonic()
             log = out / f"{shape}-{variant}.log"
             timeout = a.timeout if left is None else min(a.timeout, left)

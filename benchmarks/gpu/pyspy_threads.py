@@ -6,7 +6,7 @@ root first, and how many samples had it) and sorts each thread's samples by what
 * ``python``  -- a Python frame innermost: the thread holds the interpreter and runs bytecode;
 * ``gil``     -- Python frames, then only the interpreter's and libc's native frames ending in a condition-variable
   wait: the interpreter's lock (CPython's ``take_gil`` waits on a condition variable; its own symbol is stripped);
-* ``lock``    -- the same ending in a semaphore or futex wait: ``threading.Lock``, ``Queue.get``, ``Event.wait``;
+* ``lock``    -- a semaphore wait: ``threading.Lock``, ``Queue.get``, ``Event.wait``, multiprocessing's locks;
 * ``cuda``    -- a frame of the CUDA driver or runtime inside: a launch, a copy's issue or a wait for the device;
 * ``io``      -- a file system call (write, read, open, fsync, rename, ...); ``sleep``, ``poll`` likewise;
 * ``native:LIB`` -- anything else, named by the innermost frame's library (torch's CPU code, numpy, ...).
@@ -61,7 +61,9 @@ def classify(frames: list[str]) -> tuple[str, str]:
     for i in range(1, len(tail)):  # a condition wait called by the interpreter or a GIL re-take: the GIL
         if names[i].startswith("pthread_cond") and _interp(tail[i - 1]):
             return "gil", where
-    if any("acquire_lock" in n or n.startswith(("sem_wait", "sem_timedwait", "sem_clockwait")) for n in names):
+    semaphores = ("sem_wait", "sem_timedwait", "sem_clockwait")  # threading's locks; multiprocessing's SemLock
+    waits = zip(names, libs, strict=True)
+    if any("acquire_lock" in n or n.startswith(semaphores) or "semaphore" in x for n, x in waits):
         return "lock", where
     if any("libcuda" in x or "libcudart" in x for x in libs):
         return "cuda", where
