@@ -27,9 +27,10 @@ from pathlib import Path
 
 _PY = re.compile(r"\((?:.*\.py|<[^>]+>):\d+\)$")  # "func (file.py:12)", "<module> (<frozen x>:3)"
 _LIB = re.compile(r"\(([^()]*)\)$")
-_GIL = re.compile(r"gil|RestoreThread|SuspendAttach|GILState|take_gil", re.IGNORECASE)
-_SLEEP = ("nanosleep", "clock_nanosleep", "usleep", "time_sleep")
-_POLL = ("poll", "epoll_wait", "select", "pselect", "recv", "accept", "wait4", "waitpid")
+_GIL = re.compile(r"gil|RestoreThread|SuspendAttach", re.IGNORECASE)  # take_gil, PyGILState_*, pyo3's re-attach
+_SEMAPHORE = ("sem_wait", "sem_timedwait", "sem_clockwait")  # threading's locks (multiprocessing's: semaphore.c)
+_SLEEP = ("sleep",)  # nanosleep, clock_nanosleep, time.sleep
+_POLL = ("poll", "select", "recv", "accept", "waitpid", "wait4")  # epoll_wait, pselect, os.waitpid
 _IO = ("write", "pwrite", "writev", "read", "pread", "open", "fsync", "fdatasync", "rename", "unlink", "close",
        "ftruncate", "fallocate", "mmap", "munmap", "madvise", "copy_file_range", "sendfile", "syncfs")  # fmt: skip
 
@@ -61,14 +62,13 @@ def classify(frames: list[str]) -> tuple[str, str]:
     for i in range(1, len(tail)):  # a condition wait called by the interpreter or a GIL re-take: the GIL
         if names[i].startswith("pthread_cond") and _interp(tail[i - 1]):
             return "gil", where
-    semaphores = ("sem_wait", "sem_timedwait", "sem_clockwait")  # threading's locks; multiprocessing's SemLock
     waits = zip(names, libs, strict=True)
-    if any("acquire_lock" in n or n.startswith(semaphores) or "semaphore" in x for n, x in waits):
+    if any("acquire_lock" in n or n.startswith(_SEMAPHORE) or "semaphore" in x for n, x in waits):
         return "lock", where
     if any("libcuda" in x or "libcudart" in x for x in libs):
         return "cuda", where
     for cat, keys in (("sleep", _SLEEP), ("poll", _POLL)):
-        if any(n.startswith(keys) or any(k in n for k in keys[:2]) for n in names[1:]):
+        if any(k in n for n in names[1:] for k in keys):
             return cat, where
     if any(n.rstrip("64").startswith(_IO) and x.startswith("libc") for n, x in zip(names, libs, strict=True)):
         return "io", where
